@@ -1,0 +1,1 @@
+"""The engine core: knows plugins only through tokenmill.interfaces."""

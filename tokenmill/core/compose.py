@@ -1,0 +1,210 @@
+"""Building an engine from its config: the one place where hooks are called.
+
+Plugins register components into registries once; the config's names are
+resolved to instances here, validated together (backend capabilities vs the
+model, KV pool vs context length), and the result is plain objects that call
+each other directly on the hot path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import structlog
+import torch
+from transformers import AutoTokenizer
+
+from tokenmill.core.config import EngineConfig
+from tokenmill.core.engine import LLMEngine
+from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.layers.attention import Attention
+from tokenmill.core.loader import iterate_weights
+from tokenmill.core.model_config import ModelConfig, load_model_config
+from tokenmill.core.model_runner import ModelRunner
+from tokenmill.core.plugins import PluginManager, make_plugin_manager
+from tokenmill.core.registry import Registry
+from tokenmill.core.scheduler import Scheduler
+from tokenmill.interfaces.attention import AttentionBackend
+from tokenmill.interfaces.errors import ConfigError
+from tokenmill.interfaces.models import ModelContext
+
+log = structlog.get_logger("tokenmill.compose")
+
+
+@dataclass(frozen=True)
+class Components:
+    """Everything the installed plugins registered, by kind."""
+
+    scheduling_policies: Registry
+    attention_backends: Registry
+    quantization_methods: Registry
+    model_architectures: Registry
+    adapter_types: Registry
+
+    def by_kind(self) -> dict[str, Registry]:
+        return {
+            "scheduling_policies": self.scheduling_policies,
+            "attention_backends": self.attention_backends,
+            "quantization_methods": self.quantization_methods,
+            "model_architectures": self.model_architectures,
+            "adapter_types": self.adapter_types,
+        }
+
+
+_REGISTRATION_HOOKS = {
+    "scheduling_policies": ("register_scheduling_policies", "scheduling policy"),
+    "attention_backends": ("register_attention_backends", "attention backend"),
+    "quantization_methods": ("register_quantization_methods", "quantization method"),
+    "model_architectures": ("register_model_architectures", "model architecture"),
+    "adapter_types": ("register_adapter_types", "adapter type"),
+}
+
+
+def collect_components(pm: PluginManager) -> Components:
+    """Call every registration hook once per plugin, recording which plugin registered what.
+
+    Each plugin's implementation is called on its own (through
+    ``subset_hook_caller``, so pluggy's tracing still sees it) to attribute names
+    to plugins for duplicate errors and ``tokenmill plugins``.
+    """
+    registries = {}
+    plugins = pm.get_plugins()
+    for field, (hook_name, kind) in _REGISTRATION_HOOKS.items():
+        registry: Registry = Registry(kind)
+        for impl in getattr(pm.hook, hook_name).get_hookimpls():
+            others = [p for p in plugins if p is not impl.plugin]
+            caller = pm.subset_hook_caller(hook_name, remove_plugins=others)
+
+            def register(name, factory, _plugin=impl.plugin_name, _registry=registry):
+                _registry.register(name, factory, plugin=_plugin)
+
+            caller(register=register)
+        registries[field] = registry
+    return Components(**registries)
+
+
+def build_engine(config: EngineConfig, pm: Optional[PluginManager] = None) -> LLMEngine:
+    if config.model is None:
+        raise ConfigError("model", "no model given: pass a model directory or set 'model' in the YAML")
+    pm = pm or make_plugin_manager()
+    components = collect_components(pm)
+    model_config = load_model_config(config.model, config.dtype, config.max_model_len)
+    _check_scheduler_limits(config, model_config)
+
+    backend = _attention_backend(config, model_config, components, pm)
+    policy = components.scheduling_policies.get(config.scheduler.policy)(config.scheduler)
+    quantization = _quantization(config, model_config, components)
+    if config.adapters.enable_lora:
+        components.adapter_types.get("lora")
+
+    model_cls = components.model_architectures.get(model_config.architecture)
+    torch.manual_seed(config.seed)
+    model = model_cls(ModelContext(model_config.hf_config, model_config.dtype, backend, quantization))
+    _load_checkpoint(model, model_config)
+    model.eval()
+
+    num_blocks = _num_kv_blocks(config, model_config, backend)
+    _bind_kv_caches(model, backend, num_blocks, config.cache.block_size, model_config.dtype)
+    kv_cache = KVCacheManager(num_blocks, config.cache.block_size, config.cache.prefix_caching)
+    scheduler = Scheduler(config.scheduler, kv_cache, policy)
+    runner = ModelRunner(model, config.cache.block_size, config.seed)
+    tokenizer = AutoTokenizer.from_pretrained(
+        config.tokenizer or config.model, trust_remote_code=config.trust_remote_code
+    )
+    engine = LLMEngine(config, model_config, tokenizer, scheduler, runner, pm)
+    log.info("engine built", model=str(model_config.path), architecture=model_config.architecture,
+             dtype=str(model_config.dtype).removeprefix("torch."), attention=backend.name,
+             policy=config.scheduler.policy, kv_blocks=num_blocks,
+             max_model_len=model_config.max_model_len)
+    pm.hook.engine_started(engine=engine)
+    return engine
+
+
+def _check_scheduler_limits(config: EngineConfig, model_config: ModelConfig) -> None:
+    if not config.scheduler.chunked_prefill and config.scheduler.max_num_batched_tokens < model_config.max_model_len:
+        raise ConfigError(
+            "scheduler.max_num_batched_tokens",
+            f"{config.scheduler.max_num_batched_tokens} is below max_model_len "
+            f"({model_config.max_model_len}); without chunked prefill a long prompt could never "
+            "be scheduled. Raise it, lower max_model_len, or enable chunked prefill",
+        )
+
+
+def _attention_backend(
+    config: EngineConfig, model_config: ModelConfig, components: Components, pm: PluginManager
+) -> AttentionBackend:
+    name = config.attention.backend
+    if name == "auto":
+        name = pm.hook.select_attention_backend(device="cpu", model_config=model_config)
+        if name is None:
+            raise ConfigError("attention.backend", "'auto' found no backend; available: "
+                              + ", ".join(components.attention_backends.names()))
+    backend = components.attention_backends.get(name)()
+    caps = backend.capabilities
+    problems = []
+    if model_config.dtype not in caps.dtypes:
+        problems.append(f"dtype {model_config.dtype} not in {caps.dtypes}")
+    if caps.head_sizes is not None and model_config.head_dim not in caps.head_sizes:
+        problems.append(f"head size {model_config.head_dim} not in {caps.head_sizes}")
+    if caps.block_sizes is not None and config.cache.block_size not in caps.block_sizes:
+        problems.append(f"block size {config.cache.block_size} not in {caps.block_sizes}")
+    if model_config.sliding_window is not None and not caps.sliding_window:
+        problems.append("the model uses sliding-window attention, which it does not support")
+    if caps.requires_device is not None and caps.requires_device != "cpu":
+        problems.append(f"it needs a {caps.requires_device} device")
+    if problems:
+        raise ConfigError("attention.backend", f"backend {name!r} cannot run this model: " + "; ".join(problems))
+    return backend
+
+
+def _quantization(config: EngineConfig, model_config: ModelConfig, components: Components):
+    quant_config = model_config.quantization_config or {}
+    method = config.quantization.method or quant_config.get("quant_method")
+    if method is None:
+        return None
+    return components.quantization_methods.get(method)(quant_config)
+
+
+def _load_checkpoint(model: torch.nn.Module, model_config: ModelConfig) -> None:
+    loaded = model.load_weights(iterate_weights(model_config.path))
+    missing = sorted(set(name for name, _ in model.named_parameters()) - loaded)
+    if missing:
+        raise ConfigError("model", f"checkpoint {model_config.path} lacks weights for: {', '.join(missing[:10])}"
+                          + (f" and {len(missing) - 10} more" if len(missing) > 10 else ""))
+    for module in model.modules():
+        method = getattr(module, "method", None)
+        if method is not None and hasattr(method, "process_weights_after_loading"):
+            method.process_weights_after_loading(module)
+
+
+def _num_kv_blocks(config: EngineConfig, model_config: ModelConfig, backend: AttentionBackend) -> int:
+    block_size = config.cache.block_size
+    per_layer = 1
+    for dim in backend.kv_cache_shape(1, block_size, model_config.num_kv_heads, model_config.head_dim):
+        per_layer *= dim
+    bytes_per_block = per_layer * model_config.num_layers * model_config.dtype.itemsize
+    blocks_per_seq = -(-model_config.max_model_len // block_size)
+    if config.cache.num_blocks is not None:
+        num_blocks, source = config.cache.num_blocks, "cache.num_blocks"
+    else:
+        num_blocks = min(int(config.cache.kv_cache_memory) // bytes_per_block,
+                         blocks_per_seq * config.scheduler.max_num_seqs)
+        source = "cache.kv_cache_memory"
+    if num_blocks < blocks_per_seq:
+        raise ConfigError(
+            source,
+            f"the KV cache holds {num_blocks} blocks of {block_size} tokens, fewer than one "
+            f"sequence of max_model_len={model_config.max_model_len} needs ({blocks_per_seq}); "
+            "give it more memory or lower max_model_len",
+        )
+    return num_blocks
+
+
+def _bind_kv_caches(model: torch.nn.Module, backend: AttentionBackend, num_blocks: int,
+                    block_size: int, dtype: torch.dtype) -> None:
+    for module in model.modules():
+        if isinstance(module, Attention):
+            spec = module.spec
+            shape = backend.kv_cache_shape(num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+            module.kv_cache = torch.zeros(shape, dtype=dtype)

@@ -1,0 +1,200 @@
+"""The engine's configuration tree: defaults < YAML file < TOKENMILL_* env < arguments.
+
+Every section forbids unknown keys, so a typo fails with its dotted path
+instead of being silently ignored. vLLM's flat keyword names
+(``max_num_seqs``, ``enable_prefix_caching``, ...) map onto the tree through
+``VLLM_NAMES`` and are used by both ``LLM(...)`` and the CLI flags.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from tokenmill.interfaces.errors import ConfigError
+
+_STRICT = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class SchedulerConfig(BaseModel):
+    model_config = _STRICT
+
+    policy: str = "fifo"
+    max_num_seqs: int = Field(256, ge=1)
+    max_num_batched_tokens: int = Field(4096, ge=1)
+    chunked_prefill: bool = True
+    preemption_mode: Literal["recompute"] = "recompute"
+
+
+class CacheConfig(BaseModel):
+    model_config = _STRICT
+
+    block_size: int = Field(16, ge=1, le=1024)
+    #: number of KV blocks; overrides kv_cache_memory (vLLM: num_gpu_blocks_override)
+    num_blocks: Optional[int] = Field(None, ge=1)
+    #: KV-cache budget in bytes ("4GiB" works); the pool never exceeds what
+    #: max_num_seqs sequences of max_model_len tokens could use
+    kv_cache_memory: ByteSize = ByteSize(2 * 1024**3)
+    prefix_caching: bool = True
+
+
+class AttentionConfig(BaseModel):
+    model_config = _STRICT
+
+    #: a registered backend name, or "auto" (the select_attention_backend hook decides)
+    backend: str = "auto"
+
+
+class QuantizationConfig(BaseModel):
+    model_config = _STRICT
+
+    #: None detects it from the checkpoint's quantization_config
+    method: Optional[str] = None
+
+
+class AdaptersConfig(BaseModel):
+    model_config = _STRICT
+
+    enable_lora: bool = False
+
+
+class EngineConfig(BaseSettings):
+    """The whole engine, as one validated tree."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="TOKENMILL_", env_nested_delimiter="__", extra="forbid",
+        validate_assignment=True,
+    )
+
+    model: Optional[str] = None
+    tokenizer: Optional[str] = None
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    seed: int = 0
+    max_model_len: Optional[int] = Field(None, ge=1)
+    trust_remote_code: bool = False
+    scheduler: SchedulerConfig = SchedulerConfig()
+    cache: CacheConfig = CacheConfig()
+    attention: AttentionConfig = AttentionConfig()
+    quantization: QuantizationConfig = QuantizationConfig()
+    adapters: AdaptersConfig = AdaptersConfig()
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return init_settings, env_settings, _YamlSource(settings_cls)
+
+
+#: vLLM's flat names -> dotted paths in the tree
+VLLM_NAMES: dict[str, str] = {
+    "model": "model",
+    "tokenizer": "tokenizer",
+    "dtype": "dtype",
+    "seed": "seed",
+    "max_model_len": "max_model_len",
+    "trust_remote_code": "trust_remote_code",
+    "block_size": "cache.block_size",
+    "enable_prefix_caching": "cache.prefix_caching",
+    "num_gpu_blocks_override": "cache.num_blocks",
+    "kv_cache_memory_bytes": "cache.kv_cache_memory",
+    "max_num_seqs": "scheduler.max_num_seqs",
+    "max_num_batched_tokens": "scheduler.max_num_batched_tokens",
+    "enable_chunked_prefill": "scheduler.chunked_prefill",
+    "scheduling_policy": "scheduler.policy",
+    "preemption_mode": "scheduler.preemption_mode",
+    "attention_backend": "attention.backend",
+    "quantization": "quantization.method",
+    "enable_lora": "adapters.enable_lora",
+}
+
+_yaml_data: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar(
+    "tokenmill_yaml_config", default={}
+)
+
+
+class _YamlSource(PydanticBaseSettingsSource):
+    """The YAML file's values, below env vars and arguments."""
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return _yaml_data.get().get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return dict(_yaml_data.get())
+
+
+def load_config(
+    path: str | Path | None = None, /, **overrides: Any
+) -> EngineConfig:
+    """Resolve the config from a YAML file, TOKENMILL_* env vars and explicit values.
+
+    ``overrides`` take vLLM's flat names (``max_num_seqs=4``) or tree sections
+    (``scheduler={"policy": "fifo"}``); ``None`` values are ignored so CLI
+    flags that were not given do not override anything.
+    """
+    data = read_yaml(path) if path is not None else {}
+    tree = nest_overrides({k: v for k, v in overrides.items() if v is not None})
+    token = _yaml_data.set(data)
+    try:
+        return EngineConfig(**tree)
+    except ValidationError as exc:
+        raise config_error(exc) from None
+    finally:
+        _yaml_data.reset(token)
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ConfigError(str(path), f"cannot read config file: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(str(path), f"invalid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(str(path), "the top level must be a mapping of config keys")
+    if isinstance(data.get("model"), str) and not Path(data["model"]).is_absolute():
+        # a relative model path means "next to the YAML file", not the caller's cwd
+        candidate = path.parent / data["model"]
+        if candidate.exists():
+            data["model"] = str(candidate.resolve())
+    return data
+
+
+def nest_overrides(flat: dict[str, Any]) -> dict[str, Any]:
+    """Turn vLLM's flat names (and section dicts) into the nested tree."""
+    tree: dict[str, Any] = {}
+    for key, value in flat.items():
+        dotted = VLLM_NAMES.get(key, key)
+        if dotted == key and key not in EngineConfig.model_fields:
+            raise ConfigError(
+                key, f"unknown engine argument; valid: {', '.join(sorted(VLLM_NAMES))}"
+            )
+        node = tree
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        if isinstance(value, dict) and isinstance(node.get(leaf), dict):
+            node[leaf].update(value)
+        else:
+            node[leaf] = value
+    return tree
+
+
+def config_error(exc: ValidationError) -> ConfigError:
+    """The first validation problem as a ConfigError with its dotted key path."""
+    first = exc.errors()[0]
+    key = ".".join(str(part) for part in first["loc"]) or "config"
+    extra = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+    return ConfigError(key, f"{first['msg']}{extra}")

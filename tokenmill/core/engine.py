@@ -1,0 +1,162 @@
+"""LLMEngine: add_request / step / abort over scheduler, model runner and outputs."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any, Optional, Sequence, Union
+
+from tokenmill.core.config import EngineConfig
+from tokenmill.core.model_config import ModelConfig
+from tokenmill.core.model_runner import ModelRunner
+from tokenmill.core.output_processor import OutputProcessor
+from tokenmill.core.plugins import PluginManager
+from tokenmill.core.request import Request
+from tokenmill.core.scheduler import Scheduler
+from tokenmill.interfaces.errors import InvalidRequest
+from tokenmill.interfaces.types import FinishReason, RequestOutput, SamplingParams
+
+#: a prompt: text, token ids, or vLLM's dict forms
+PromptType = Union[str, Sequence[int], dict]
+
+
+class LLMEngine:
+    """The synchronous engine. Not thread-safe: one caller drives ``step``."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        tokenizer: Any,
+        scheduler: Scheduler,
+        runner: ModelRunner,
+        plugin_manager: PluginManager,
+    ) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self.runner = runner
+        self.plugin_manager = plugin_manager
+        self.outputs = OutputProcessor(tokenizer)
+        self._arrivals = itertools.count()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, plugin_manager: Optional[PluginManager] = None) -> "LLMEngine":
+        from tokenmill.core.compose import build_engine
+
+        return build_engine(config, plugin_manager)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.model_config.max_model_len
+
+    # --- requests ----------------------------------------------------------
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+        """(text or None, token ids) for any accepted prompt form, validated."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._check_token_ids(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise InvalidRequest("prompt", "a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+            if not ids:
+                raise InvalidRequest("prompt", "the prompt is empty")
+            return prompt, list(ids)
+        return None, self._check_token_ids(prompt)
+
+    def _check_token_ids(self, ids: Any) -> list[int]:
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
+            raise InvalidRequest("prompt_token_ids", "must be a list of integers")
+        ids = list(ids)
+        if not ids:
+            raise InvalidRequest("prompt_token_ids", "the prompt is empty")
+        vocab = self.model_config.vocab_size
+        for token in ids:
+            if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab:
+                raise InvalidRequest("prompt_token_ids", f"token ids must be integers in [0, {vocab}), got {token!r}")
+        return ids
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: Optional[SamplingParams] = None,
+        *,
+        priority: int = 0,
+        arrival_time: Optional[float] = None,
+        adapter_name: Optional[str] = None,
+        user: Optional[str] = None,
+    ) -> None:
+        params = params or SamplingParams()
+        text, token_ids = self.tokenize_prompt(prompt)
+        if len(token_ids) >= self.max_model_len:
+            raise InvalidRequest(
+                "prompt",
+                f"the prompt has {len(token_ids)} tokens; this model's context is "
+                f"{self.max_model_len} tokens, so at most {self.max_model_len - 1} fit",
+            )
+        if request_id in self.outputs.states:
+            raise InvalidRequest("request_id", f"request id {request_id!r} is already in use")
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
+        self.outputs.add(request_id, text, token_ids, params, child_ids, arrival_time)
+        for index, child_id in enumerate(child_ids):
+            seed = None if params.seed is None else params.seed + index
+            self.scheduler.add_request(Request(
+                child_id, token_ids, params,
+                arrival_time=arrival_time,
+                arrival_index=next(self._arrivals),
+                eos_token_ids=self.model_config.eos_token_ids,
+                max_model_len=self.max_model_len,
+                priority=priority,
+                seed=seed,
+                adapter_name=adapter_name,
+                user=user,
+            ))
+
+    def abort_request(self, request_ids: str | Sequence[str]) -> list[RequestOutput]:
+        """Abort user requests (all their sequences) and free their blocks at once."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        outputs = []
+        for request_id in request_ids:
+            children = self.outputs.child_ids(request_id)
+            for request in self.scheduler.finish_requests(children, FinishReason.ABORT):
+                self.outputs.finish(request)
+            if children:
+                outputs.append(self._emit(request_id))
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # --- the step ----------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, and return outputs of requests that advanced."""
+        batch = self.scheduler.schedule()
+        result = self.runner.execute(batch)
+        advanced = self.scheduler.update(batch, result)
+
+        touched: dict[str, None] = {}
+        for child_id, entries in result.prompt_logprobs.items():
+            self.outputs.add_prompt_logprobs(child_id, entries)
+        for request in advanced:
+            stop = self.outputs.add_token(request, result.logprobs.get(request.request_id))
+            if stop is not None and not request.is_finished:
+                self.scheduler.finish_requests([request.request_id], FinishReason.STOP, stop)
+            elif stop is not None:  # a token-level stop in the same step: the string wins
+                request.finish_reason, request.stop_reason = FinishReason.STOP, stop
+            if request.is_finished:
+                self.outputs.finish(request)
+            touched[self.outputs.parent_of(request.request_id)] = None
+        return [self._emit(request_id) for request_id in touched]
+
+    def _emit(self, request_id: str) -> RequestOutput:
+        output = self.outputs.output(request_id)
+        if output.finished:
+            self.plugin_manager.hook.request_finished(output=output, metrics=output.metrics)
+        return output

@@ -1,0 +1,1 @@
+"""Building blocks shared by model plugins; each delegates its pluggable part."""

@@ -1,0 +1,145 @@
+"""The offline API, with vLLM's names: ``LLM(...).generate(prompts, sampling_params)``."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union
+
+from tqdm.auto import tqdm
+
+from tokenmill.core.config import EngineConfig, load_config
+from tokenmill.core.engine import LLMEngine, PromptType
+from tokenmill.core.plugins import PluginManager
+from tokenmill.interfaces.errors import InvalidRequest
+from tokenmill.interfaces.types import RequestOutput, SamplingParams
+
+Message = dict[str, Any]
+
+
+class LLM:
+    """An engine for offline batches.
+
+    ``LLM("path/to/model", max_num_seqs=64, enable_prefix_caching=True)`` takes
+    vLLM's keyword names; any not given come from TOKENMILL_* env vars or the
+    defaults. ``LLM.from_config("engine.yaml")`` composes from YAML.
+    """
+
+    def __init__(
+        self,
+        model: Optional[str] = None,
+        *,
+        config: Optional[EngineConfig] = None,
+        plugin_manager: Optional[PluginManager] = None,
+        **engine_args: Any,
+    ) -> None:
+        if config is None:
+            config = load_config(model=model, **engine_args)
+        elif model is not None or engine_args:
+            raise TypeError("pass either config= or model/engine arguments, not both")
+        self.llm_engine = LLMEngine.from_config(config, plugin_manager)
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_config(cls, path: str | Path, **overrides: Any) -> "LLM":
+        return cls(config=load_config(path, **overrides))
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Union[PromptType, Sequence[PromptType]],
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        *,
+        use_tqdm: bool = True,
+        priority: Optional[Sequence[int]] = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in the prompts' order.
+
+        A prompt is a string, a list of token ids, or a dict with ``prompt`` or
+        ``prompt_token_ids``; ``prompts`` may be one prompt or a list of them.
+        """
+        prompt_list = _as_prompt_list(prompts)
+        params = _per_prompt(sampling_params, len(prompt_list), "sampling_params") or [SamplingParams()] * len(prompt_list)
+        priorities = _per_prompt(priority, len(prompt_list), "priority") or [0] * len(prompt_list)
+        return self._run(prompt_list, params, priorities, use_tqdm)
+
+    def chat(
+        self,
+        messages: Union[Sequence[Message], Sequence[Sequence[Message]]],
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        *,
+        use_tqdm: bool = True,
+        chat_template: Optional[str] = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to conversations, formatted by the model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [
+            {"prompt_token_ids": self.apply_chat_template(conv, chat_template, add_generation_prompt)}
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def apply_chat_template(
+        self, conversation: Sequence[Message], chat_template: Optional[str] = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        tokenizer = self.get_tokenizer()
+        if not conversation:
+            raise InvalidRequest("messages", "the conversation is empty")
+        if chat_template is None and not getattr(tokenizer, "chat_template", None):
+            raise InvalidRequest("messages", "this model has no chat template; pass chat_template=")
+        text = tokenizer.apply_chat_template(
+            list(conversation), chat_template=chat_template, tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+        )
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    def _run(self, prompts: list[PromptType], params: list[SamplingParams],
+             priorities: list[int], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        order: dict[str, int] = {}
+        for index, (prompt, sp, prio) in enumerate(zip(prompts, params, priorities)):
+            request_id = str(next(self._ids))
+            engine.add_request(request_id, prompt, sp, priority=prio)
+            order[request_id] = index
+        results: list[Optional[RequestOutput]] = [None] * len(prompts)
+        start, in_tokens, out_tokens = time.perf_counter(), 0, 0
+        with tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm,
+                  dynamic_ncols=True) as bar:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished:
+                        results[order[output.request_id]] = output
+                        in_tokens += len(output.prompt_token_ids)
+                        out_tokens += sum(len(o.token_ids) for o in output.outputs)
+                        elapsed = time.perf_counter() - start
+                        bar.set_postfix_str(
+                            f"est. speed input: {in_tokens / elapsed:.1f} toks/s, "
+                            f"output: {out_tokens / elapsed:.1f} toks/s", refresh=False)
+                        bar.update(1)
+        return [r for r in results if r is not None]
+
+
+def _as_prompt_list(prompts: Any) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
+        return [prompts]  # one prompt given as token ids
+    if not prompts:
+        raise InvalidRequest("prompts", "no prompts given")
+    return prompts
+
+
+def _per_prompt(value: Any, count: int, name: str) -> Optional[list]:
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)):
+        return [value] * count
+    if len(value) != count:
+        raise InvalidRequest(name, f"got {len(value)} values for {count} prompts")
+    return list(value)

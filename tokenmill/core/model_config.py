@@ -1,0 +1,131 @@
+"""A model directory's config.json, normalised across transformers 4 and 5 spellings."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from tokenmill.interfaces.errors import ConfigError
+
+_DTYPES = {
+    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the engine needs to know about a checkpoint before building it."""
+
+    path: Path
+    hf_config: dict[str, Any]
+    architecture: str
+    dtype: torch.dtype
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config["vocab_size"])
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.hf_config["num_hidden_layers"])
+
+    @property
+    def num_heads(self) -> int:
+        return int(self.hf_config["num_attention_heads"])
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self.hf_config.get("num_key_value_heads") or self.num_heads)
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.hf_config.get("head_dim") or self.hf_config["hidden_size"] // self.num_heads)
+
+    @property
+    def sliding_window(self) -> Optional[int]:
+        return self.hf_config.get("sliding_window")
+
+    @property
+    def quantization_config(self) -> Optional[dict[str, Any]]:
+        return self.hf_config.get("quantization_config")
+
+
+def normalize_hf_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """transformers-4 spellings -> transformers-5 ones (``rope_parameters``, ``dtype``)."""
+    cfg = dict(raw)
+    if "rope_parameters" not in cfg or cfg["rope_parameters"] is None:
+        rope = dict(cfg.get("rope_scaling") or {})
+        if "type" in rope:
+            rope.setdefault("rope_type", rope.pop("type"))
+        rope.setdefault("rope_type", "default")
+        rope.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+        if "partial_rotary_factor" in cfg:
+            rope.setdefault("partial_rotary_factor", cfg["partial_rotary_factor"])
+        cfg["rope_parameters"] = rope
+    if cfg.get("dtype") is None and cfg.get("torch_dtype") is not None:
+        cfg["dtype"] = cfg["torch_dtype"]
+    cfg.pop("rope_scaling", None)
+    cfg.pop("torch_dtype", None)
+    return cfg
+
+
+def load_model_config(
+    path: str | Path, dtype: str = "auto", max_model_len: Optional[int] = None
+) -> ModelConfig:
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ConfigError("model", f"{path} is not a model directory (no config.json)")
+    try:
+        raw = json.loads(config_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError("model", f"{config_file} is not valid JSON: {exc}") from None
+    hf = normalize_hf_config(raw)
+    architectures = hf.get("architectures") or []
+    if not architectures:
+        raise ConfigError("model", f"{config_file} names no 'architectures'")
+
+    if dtype == "auto":
+        torch_dtype = _DTYPES.get(str(hf.get("dtype") or "float32").removeprefix("torch."))
+        if torch_dtype is None:
+            raise ConfigError("dtype", f"checkpoint dtype {hf.get('dtype')!r} is not supported")
+    else:
+        torch_dtype = _DTYPES[dtype]
+
+    derived = int(hf.get("max_position_embeddings") or 2048)
+    if max_model_len is not None and max_model_len > derived:
+        raise ConfigError(
+            "max_model_len",
+            f"{max_model_len} exceeds the model's max_position_embeddings ({derived})",
+        )
+    return ModelConfig(
+        path=path,
+        hf_config=hf,
+        architecture=architectures[0],
+        dtype=torch_dtype,
+        max_model_len=max_model_len or derived,
+        eos_token_ids=_eos_token_ids(path, hf),
+    )
+
+
+def _eos_token_ids(path: Path, hf: dict[str, Any]) -> tuple[int, ...]:
+    """EOS ids from config.json and generation_config.json (Llama-3 lists several)."""
+    ids: list[int] = []
+    sources = [hf]
+    generation = path / "generation_config.json"
+    if generation.is_file():
+        sources.append(json.loads(generation.read_text()))
+    for source in sources:
+        value = source.get("eos_token_id")
+        for token in value if isinstance(value, list) else [value]:
+            if isinstance(token, int) and token not in ids:
+                ids.append(token)
+    return tuple(ids)

@@ -1,0 +1,151 @@
+"""Turns per-step token updates into vLLM-shaped RequestOutputs.
+
+Owns the per-request output state: detokenizers, logprobs, stop strings and
+the fan-in of ``n > 1`` child sequences into one RequestOutput.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from tokenmill.core.detokenizer import IncrementalDetokenizer
+from tokenmill.core.request import Request
+from tokenmill.interfaces.types import (
+    CompletionOutput,
+    Logprob,
+    PositionLogprobs,
+    RequestMetrics,
+    RequestOutput,
+    SamplingParams,
+)
+
+
+@dataclass
+class _Sequence:
+    index: int
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: Optional[list[PositionLogprobs]] = None
+    cumulative_logprob: Optional[float] = None
+    finish_reason: Optional[str] = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class RequestState:
+    """Everything reported for one user request (all its child sequences)."""
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sequences: dict[str, _Sequence]
+    metrics: RequestMetrics
+    prompt_logprobs: Optional[list[Optional[PositionLogprobs]]] = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.finish_reason is not None for seq in self.sequences.values())
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, RequestState] = {}  # by user request id
+        self._parent_of: dict[str, str] = {}  # child sequence id -> user request id
+
+    def add(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
+            params: SamplingParams, child_ids: list[str], arrival_time: float) -> None:
+        sequences = {}
+        for index, child in enumerate(child_ids):
+            sequences[child] = _Sequence(
+                index, IncrementalDetokenizer(self.tokenizer, params),
+                logprobs=[] if params.logprobs is not None else None,
+                cumulative_logprob=0.0 if params.logprobs is not None else None,
+            )
+            self._parent_of[child] = request_id
+        self.states[request_id] = RequestState(
+            request_id, prompt, prompt_token_ids, params, sequences,
+            RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(prompt_token_ids)),
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+        )
+
+    def parent_of(self, child_id: str) -> Optional[str]:
+        return self._parent_of.get(child_id)
+
+    def child_ids(self, request_id: str) -> list[str]:
+        state = self.states.get(request_id)
+        return list(state.sequences) if state else []
+
+    def add_prompt_logprobs(self, child_id: str, entries: list[Optional[PositionLogprobs]]) -> None:
+        state = self.states[self._parent_of[child_id]]
+        if state.prompt_logprobs is not None and next(iter(state.sequences)) == child_id:
+            self._decode_logprob_tokens(entries)
+            state.prompt_logprobs.extend(entries)
+
+    def add_token(self, request: Request, logprobs: Optional[PositionLogprobs]) -> Optional[str]:
+        """Record a sampled token; returns a stop string it completed, if any."""
+        state = self.states[self._parent_of[request.request_id]]
+        seq = state.sequences[request.request_id]
+        token = request.all_token_ids[-1]
+        seq.token_ids.append(token)
+        now = time.monotonic()
+        if state.metrics.first_token_time is None:
+            state.metrics.first_token_time = now
+            state.metrics.first_scheduled_time = request.metrics.first_scheduled_time
+            state.num_cached_tokens = request.num_cached_tokens
+        state.metrics.num_generation_tokens += 1
+        if logprobs is not None and seq.logprobs is not None:
+            self._decode_logprob_tokens([logprobs])
+            seq.logprobs.append(logprobs)
+            seq.cumulative_logprob += logprobs[token].logprob
+        return seq.detokenizer.update([token])
+
+    def finish(self, request: Request) -> None:
+        state = self.states[self._parent_of[request.request_id]]
+        seq = state.sequences[request.request_id]
+        seq.finish_reason = str(request.finish_reason)
+        seq.stop_reason = request.stop_reason
+        state.metrics.num_preemptions += request.metrics.num_preemptions
+
+    def output(self, request_id: str) -> RequestOutput:
+        """The request's cumulative output; forgets the request once it finished."""
+        state = self.states[request_id]
+        finished = state.finished
+        outputs = [
+            CompletionOutput(
+                index=seq.index,
+                text=seq.detokenizer.visible_text(seq.finish_reason is not None),
+                token_ids=list(seq.token_ids),
+                cumulative_logprob=seq.cumulative_logprob,
+                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+            )
+            for seq in state.sequences.values()
+        ]
+        if finished:
+            state.metrics.finished_time = time.monotonic()
+            del self.states[request_id]
+            for child in state.sequences:
+                del self._parent_of[child]
+        return RequestOutput(
+            request_id=request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            prompt_logprobs=list(state.prompt_logprobs) if state.prompt_logprobs is not None else None,
+            outputs=outputs,
+            finished=finished,
+            num_cached_tokens=state.num_cached_tokens,
+            metrics=state.metrics,
+        )
+
+    def _decode_logprob_tokens(self, entries: list[Optional[PositionLogprobs]]) -> None:
+        for entry in entries:
+            if entry is None:
+                continue
+            for token, logprob in list(entry.items()):
+                entry[token] = Logprob(logprob.logprob, logprob.rank, self.tokenizer.decode([token]))

@@ -1,0 +1,166 @@
+"""Turning a batch of logits into tokens, each row with its own SamplingParams.
+
+Order follows vLLM: min_tokens masking and penalties on the raw logits, then
+greedy argmax or temperature -> min-p -> top-k/top-p -> a draw. Reported
+logprobs are those of the raw distribution. A seeded row draws only from its
+own generator, so its samples do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from tokenmill.interfaces.types import ALL_TOKENS, Logprob, PositionLogprobs, SamplingParams
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """One row of the batch: the request's parameters and the history penalties need."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    stop_token_ids: Sequence[int]
+    generator: Optional[torch.Generator]
+
+
+class Sampler:
+    def __init__(self, seed: int) -> None:
+        #: draws for unseeded rows; seeded from the engine seed for reproducible runs
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow]
+    ) -> tuple[list[int], list[Optional[PositionLogprobs]]]:
+        """``logits`` [num_rows, vocab] float32 -> (token ids, per-row logprobs or None)."""
+        want_logprobs = any(row.params.logprobs is not None for row in rows)
+        raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
+        logits = self._mask_min_tokens(logits, rows)
+        logits = self._apply_penalties(logits, rows)
+
+        greedy = [row.params.greedy for row in rows]
+        if all(greedy):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = torch.empty(len(rows), dtype=torch.long)
+            greedy_mask = torch.tensor(greedy)
+            if greedy_mask.any():
+                tokens[greedy_mask] = logits[greedy_mask].argmax(dim=-1)
+            random_index = (~greedy_mask).nonzero().flatten()
+            random_rows = [rows[i] for i in random_index.tolist()]
+            tokens[random_index] = self._sample(logits[random_index], random_rows)
+
+        token_list = tokens.tolist()
+        if raw_logprobs is None:
+            return token_list, [None] * len(rows)
+        ks = [row.params.logprobs for row in rows]
+        return token_list, gather_logprobs(raw_logprobs, tokens, ks)
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        temperature = torch.tensor([row.params.temperature for row in rows]).unsqueeze(1)
+        logits = logits / temperature
+        min_p = torch.tensor([row.params.min_p for row in rows])
+        if (min_p > 0).any():
+            probs = logits.softmax(dim=-1)
+            threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+            logits = logits.masked_fill(probs < threshold, float("-inf"))
+        logits = apply_top_k_top_p(
+            logits,
+            [row.params.top_k for row in rows],
+            [row.params.top_p for row in rows],
+        )
+        probs = logits.softmax(dim=-1)
+        # The exponential race: argmax(p / q) with q ~ Exp(1) samples from p,
+        # and lets each seeded row draw q from its own generator.
+        q = torch.empty_like(probs)
+        unseeded = [i for i, row in enumerate(rows) if row.generator is None]
+        if unseeded:
+            q[unseeded] = torch.empty(len(unseeded), probs.shape[1]).exponential_(generator=self.generator)
+        for i, row in enumerate(rows):
+            if row.generator is not None:
+                q[i].exponential_(generator=row.generator)
+        return (probs / q).argmax(dim=-1)
+
+    @staticmethod
+    def _mask_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        masked = None
+        for i, row in enumerate(rows):
+            if row.stop_token_ids and len(row.output_token_ids) < row.params.min_tokens:
+                if masked is None:
+                    masked = logits.clone()
+                masked[i, list(row.stop_token_ids)] = float("-inf")
+        return logits if masked is None else masked
+
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        penalized = [
+            i for i, row in enumerate(rows)
+            if row.params.repetition_penalty != 1.0
+            or row.params.presence_penalty != 0.0
+            or row.params.frequency_penalty != 0.0
+        ]
+        if not penalized:
+            return logits
+        logits = logits.clone()
+        vocab = logits.shape[1]
+        for i in penalized:
+            params, row = rows[i].params, logits[i]
+            output = torch.tensor(list(rows[i].output_token_ids), dtype=torch.long)
+            if params.repetition_penalty != 1.0:
+                # vLLM/HF: penalise every token seen in the prompt or the output
+                seen = torch.zeros(vocab, dtype=torch.bool)
+                seen[torch.tensor(list(rows[i].prompt_token_ids), dtype=torch.long)] = True
+                seen[output] = True
+                penalty = params.repetition_penalty
+                row.copy_(torch.where(seen, torch.where(row > 0, row / penalty, row * penalty), row))
+            if params.presence_penalty or params.frequency_penalty:
+                counts = torch.zeros(vocab).index_add_(0, output, torch.ones(len(output)))
+                row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+        return logits
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Mask everything outside each row's top-k and top-p nucleus to -inf."""
+    vocab = logits.shape[1]
+    k = torch.tensor([vocab if v == ALL_TOKENS else min(v, vocab) for v in top_k])
+    p = torch.tensor(top_p, dtype=logits.dtype)
+    if bool((k == vocab).all()) and bool((p >= 1.0).all()):
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    kth = sorted_logits.gather(1, (vocab - k).unsqueeze(1))
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    outside = cumulative <= (1 - p).unsqueeze(1)
+    outside[:, -1] = False  # always keep the most likely token
+    sorted_logits = sorted_logits.masked_fill(outside, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def gather_logprobs(
+    logprobs: torch.Tensor,  # [n, vocab] log-softmax
+    token_ids: torch.Tensor,  # [n] the tokens to report
+    ks: Sequence[Optional[int]],  # per row: top-k to add, None = report nothing
+) -> list[Optional[PositionLogprobs]]:
+    """Per row: ``{token: Logprob}`` for the given token and the row's top-k (vLLM's shape)."""
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))  # [n, 1]
+    ranks = (logprobs > chosen).sum(dim=1) + 1
+    max_k = max((k for k in ks if k is not None), default=0)
+    top_values, top_ids = logprobs.topk(max_k, dim=-1) if max_k else (None, None)
+    chosen_l, ranks_l, ids_l = chosen.squeeze(1).tolist(), ranks.tolist(), token_ids.tolist()
+    top_v = top_values.tolist() if top_values is not None else None
+    top_i = top_ids.tolist() if top_ids is not None else None
+    result: list[Optional[PositionLogprobs]] = []
+    for i, k in enumerate(ks):
+        if k is None:
+            result.append(None)
+            continue
+        entry = {ids_l[i]: Logprob(chosen_l[i], ranks_l[i])}
+        for rank in range(k):
+            token = top_i[i][rank]
+            if token not in entry:
+                entry[token] = Logprob(top_v[i][rank], rank + 1)
+        result.append(entry)
+    return result

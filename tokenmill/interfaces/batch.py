@@ -1,0 +1,67 @@
+"""The messages between scheduler, model runner and engine for one step.
+
+Each is frozen and has one writer: the scheduler writes SchedulerOutput, the
+model runner writes ModelRunnerOutput. Nothing downstream mutates them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from tokenmill.interfaces.types import PositionLogprobs, SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class NewRequestData:
+    """Sent once, the first time a request is scheduled: what the runner keeps for it."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling_params: SamplingParams
+    #: seed of the request's own generator; None shares the engine's generator
+    seed: Optional[int]
+    #: tokens that end the sequence (EOS plus stop_token_ids), masked before min_tokens
+    stop_token_ids: tuple[int, ...]
+    adapter_name: Optional[str] = None
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    """One request's work in a step: compute ``new_token_ids`` at positions from ``num_computed_tokens``."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    num_computed_tokens: int
+    #: the request's whole block table (physical block ids, in order)
+    block_ids: tuple[int, ...]
+    #: True when this step reaches the end of the known tokens, so a token is sampled
+    sample: bool
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    """Everything the model runner needs for one forward pass."""
+
+    scheduled: tuple[ScheduledRequest, ...]
+    new_requests: tuple[NewRequestData, ...]
+    #: requests the runner may forget (finished or aborted since the last step)
+    finished_request_ids: frozenset[str]
+    num_scheduled_tokens: int
+    #: requests preempted by this schedule() call (recompute: they restart from zero)
+    preempted_request_ids: tuple[str, ...] = ()
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRunnerOutput:
+    """What one forward pass produced, keyed by request id."""
+
+    sampled_token_ids: dict[str, int]
+    #: per sampled request: logprobs of the sampled token (+ top-k), when requested
+    logprobs: dict[str, PositionLogprobs]
+    #: per request with prompt_logprobs: the logprobs of the prompt tokens this chunk covered
+    prompt_logprobs: dict[str, list[Optional[PositionLogprobs]]]

@@ -1,0 +1,47 @@
+"""Typed errors: every bad input names the key or parameter it is about."""
+
+from __future__ import annotations
+
+
+class TokenmillError(Exception):
+    """Base class of every error tokenmill raises on purpose."""
+
+
+class ConfigError(TokenmillError, ValueError):
+    """A configuration value is invalid; `key` is its dotted path."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"{key}: {message}")
+        self.key = key
+
+
+class InvalidRequest(TokenmillError, ValueError):
+    """A request or sampling parameter is out of range; `param` names it."""
+
+    def __init__(self, param: str | None, message: str) -> None:
+        super().__init__(f"{param}: {message}" if param else message)
+        self.param = param
+
+
+class UnknownComponent(TokenmillError, LookupError):
+    """A config names a component that no installed plugin registered."""
+
+    def __init__(self, kind: str, name: str, available: list[str], reason: str = "") -> None:
+        listing = ", ".join(sorted(available)) or "none"
+        why = f" ({reason})" if reason else ""
+        super().__init__(f"unknown {kind} {name!r}{why}; available: {listing}")
+        self.kind, self.name, self.available = kind, name, sorted(available)
+
+
+class DuplicateComponent(TokenmillError):
+    """Two plugins registered the same name for the same kind of component."""
+
+    def __init__(self, kind: str, name: str, first: str, second: str) -> None:
+        super().__init__(
+            f"{kind} {name!r} is registered by both plugin {first!r} and plugin {second!r}"
+        )
+        self.kind, self.name, self.plugins = kind, name, (first, second)
+
+
+class ComponentUnavailable(TokenmillError):
+    """A registered component cannot be used here (missing dependency, no GPU, ...)."""

@@ -1,0 +1,94 @@
+"""pluggy hook specifications: the only way the core learns about plugins.
+
+Registration hooks receive a ``register(name, factory)`` callback and return
+nothing, so one plugin can register many components while the host owns
+duplicate detection, provenance and lazy imports. ``factory`` is either a
+callable or a lazy ``"package.module:attr"`` string that is imported only when
+a config selects it, so listing plugins never imports heavy code (Triton, CUDA).
+
+Hooks are called once, when an engine is built, in the process that builds it;
+never per step. Implementations must not give their arguments defaults
+(pluggy does not pass them). Specs only ever gain arguments; ``HOOKSPEC_VERSION``
+is bumped when they do, so a plugin can check what its host supports.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol
+
+import pluggy
+
+PROJECT_NAME = "tokenmill"
+HOOKSPEC_VERSION = 1
+ENTRY_POINT_GROUP = "tokenmill.plugins"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+class Register(Protocol):
+    """The callback passed to registration hooks."""
+
+    def __call__(self, name: str, factory: Callable[..., Any] | str) -> None: ...
+
+
+@hookspec
+def register_scheduling_policies(register: Register) -> None:
+    """Register SchedulingPolicy factories: ``factory(config) -> SchedulingPolicy``.
+
+    ``config`` is the engine's ``SchedulerConfig``; names are what
+    ``scheduler.policy`` / ``--scheduling-policy`` select (``"fifo"``, ...).
+    """
+
+
+@hookspec
+def register_attention_backends(register: Register) -> None:
+    """Register AttentionBackend factories: ``factory() -> AttentionBackend``.
+
+    Names are what ``attention.backend`` / ``--attention-backend`` select.
+    """
+
+
+@hookspec
+def register_quantization_methods(register: Register) -> None:
+    """Register QuantizationMethod factories: ``factory(quant_config: dict) -> QuantizationMethod``.
+
+    Names match a checkpoint's ``quantization_config.quant_method``.
+    """
+
+
+@hookspec
+def register_model_architectures(register: Register) -> None:
+    """Register model classes by Hugging Face ``architectures`` name.
+
+    ``factory`` is the class itself (or a lazy string to it); it is constructed
+    as ``cls(model_config, build)``, see ``tokenmill.interfaces.models``.
+    """
+
+
+@hookspec
+def register_adapter_types(register: Register) -> None:
+    """Register AdapterType factories by adapter kind (``"lora"``)."""
+
+
+@hookspec(firstresult=True)
+def select_attention_backend(device: str, model_config: Any) -> str | None:
+    """Return the attention backend name that ``attention.backend: auto`` means.
+
+    The first non-None answer wins; the built-in default runs ``trylast``.
+    """
+
+
+@hookspec
+def engine_started(engine: Any) -> None:
+    """Observe an engine that has finished building (logging, metrics plugins)."""
+
+
+@hookspec
+def request_finished(output: Any, metrics: Any) -> None:
+    """Observe a finished request: its final RequestOutput and its RequestMetrics."""
+
+
+@hookspec
+def extend_server(app: Any) -> None:
+    """Add routes or middleware to the server's FastAPI app."""

@@ -1,0 +1,49 @@
+"""The model-architecture contract.
+
+A model plugin registers a class under Hugging Face ``architectures`` names.
+The engine constructs it as ``cls(context)`` and then streams the checkpoint's
+tensors into ``load_weights``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Optional, Protocol, runtime_checkable
+
+import torch
+
+from tokenmill.interfaces.attention import AttentionBackend, AttentionMetadata
+from tokenmill.interfaces.quantization import QuantizationMethod
+
+
+@dataclass(frozen=True)
+class ModelContext:
+    """What a model needs to build itself.
+
+    ``hf_config`` is config.json normalised to transformers-5 spellings:
+    ``rope_parameters`` (with ``rope_theta`` inside) and ``dtype``.
+    """
+
+    hf_config: Mapping[str, Any]
+    dtype: torch.dtype
+    attention: AttentionBackend
+    quantization: Optional[QuantizationMethod] = None
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    """A decoder-only language model over a flat batch of tokens."""
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64
+        positions: torch.Tensor,  # [num_tokens] int64
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, hidden_size] -> [n, vocab_size] float32 logits."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Consume checkpoint tensors by their checkpoint names; return the parameter names filled."""

@@ -1,0 +1,165 @@
+"""The public request and result types, with vLLM's names and defaults."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Optional
+
+from tokenmill.interfaces.errors import InvalidRequest
+
+#: vLLM's sentinel for "sample from the whole vocabulary".
+ALL_TOKENS = -1
+
+
+class FinishReason(str, enum.Enum):
+    """Why a sequence stopped; the values are the OpenAI ``finish_reason`` strings."""
+
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the context window
+    ABORT = "abort"  # cancelled by the caller or a disconnect
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request; validated once, at construction.
+
+    ``temperature == 0`` means greedy. ``logprobs=0`` returns the sampled
+    token's logprob only; ``logprobs=k`` adds the top-k. Logprobs are those of
+    the model's raw distribution (before penalties and temperature), as vLLM does.
+    A ``seed`` makes a request's samples reproducible whatever else is batched with it.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = ALL_TOKENS
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: Optional[int] = None
+    max_tokens: Optional[int] = 16
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+    #: the largest ``logprobs``/``prompt_logprobs`` accepted (vLLM's default cap)
+    MAX_LOGPROBS = 20
+
+    def __post_init__(self) -> None:
+        # Accept vLLM's spellings (a single stop string, lists) but store tuples.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        self._validate()
+
+    def _validate(self) -> None:
+        def check(ok: bool, param: str, message: str) -> None:
+            if not ok:
+                raise InvalidRequest(param, message)
+
+        for name in ("n", "top_k", "min_tokens"):
+            check(_is_int(getattr(self, name)), name, "must be an integer")
+        check(self.n >= 1, "n", f"must be at least 1, got {self.n}")
+        check(self.temperature >= 0, "temperature", f"must be non-negative, got {self.temperature}")
+        check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
+        check(self.top_k == ALL_TOKENS or self.top_k >= 1, "top_k",
+              f"must be -1 (disabled) or at least 1, got {self.top_k}")
+        check(0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            check(-2 <= value <= 2, name, f"must be in [-2, 2], got {value}")
+        check(self.repetition_penalty > 0, "repetition_penalty",
+              f"must be greater than 0, got {self.repetition_penalty}")
+        check(self.seed is None or _is_int(self.seed), "seed", "must be an integer")
+        if self.max_tokens is not None:
+            check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
+                  f"must be at least 1, got {self.max_tokens}")
+        check(self.min_tokens >= 0, "min_tokens", f"must be non-negative, got {self.min_tokens}")
+        if self.max_tokens is not None:
+            check(self.min_tokens <= self.max_tokens, "min_tokens",
+                  f"must not exceed max_tokens={self.max_tokens}, got {self.min_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                check(_is_int(value) and 0 <= value <= self.MAX_LOGPROBS, name,
+                      f"must be in [0, {self.MAX_LOGPROBS}], got {value}")
+        check(all(isinstance(s, str) and s for s in self.stop), "stop",
+              "must be non-empty strings")
+        check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+              "must be non-negative integers")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True, slots=True)
+class Logprob:
+    """One candidate token's log-probability, its rank (1 = most likely) and text."""
+
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+#: per position: token id -> Logprob (the sampled token, plus the top-k)
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass
+class CompletionOutput:
+    """One of a request's ``n`` sequences, as vLLM reports it."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: Optional[float]
+    logprobs: Optional[list[PositionLogprobs]]
+    finish_reason: Optional[str] = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after a step: cumulative text and tokens per sequence."""
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    prompt_logprobs: Optional[list[Optional[PositionLogprobs]]]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: Optional["RequestMetrics"] = None
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps (time.monotonic) of a request's life, for TTFT/TPOT and logs."""
+
+    arrival_time: float
+    first_scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    finished_time: Optional[float] = None
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_preemptions: int = 0

@@ -1,0 +1,1 @@
+"""Helpers shipped for tests, benchmarks and docs: tiny models, HF reference runs."""
