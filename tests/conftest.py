@@ -1,0 +1,62 @@
+"""Shared fixtures: tiny model directories and Hugging Face references, made once per session."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from tokenmill import LLM
+from tokenmill.testing.hf_reference import ReferenceSequence, hf_greedy
+from tokenmill.testing.tiny_models import make_tiny_model
+
+NEW_TOKENS = 24
+
+
+def random_prompts(count: int = 12, seed: int = 0, low: int = 3, high: int = 150) -> list[list[int]]:
+    """Token-id prompts of mixed lengths, avoiding the special tokens 0-5."""
+    rng = random.Random(seed)
+    return [[rng.randrange(6, 512) for _ in range(rng.randint(low, high))] for _ in range(count)]
+
+
+PROMPTS = random_prompts()
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> Callable[[str], Path]:
+    """``model_dir("llama")`` -> a tiny model directory, built once per session."""
+    made: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in made:
+            made[arch] = make_tiny_model(arch, tmp_path_factory.mktemp(arch))
+        return made[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def hf_reference(model_dir) -> Callable[[str], list[ReferenceSequence]]:
+    """``hf_reference("llama")`` -> HF greedy references for PROMPTS, computed once."""
+    cache: dict[str, list[ReferenceSequence]] = {}
+
+    def get(arch: str) -> list[ReferenceSequence]:
+        if arch not in cache:
+            cache[arch] = hf_greedy(model_dir(arch), PROMPTS, NEW_TOKENS)
+        return cache[arch]
+
+    return get
+
+
+def make_llm(path: Path, **engine_args: Any) -> LLM:
+    """An LLM with a small KV budget, so tests stay light on memory."""
+    engine_args.setdefault("kv_cache_memory_bytes", 32 * 2**20)
+    return LLM(str(path), **engine_args)
+
+
+@pytest.fixture(scope="session")
+def llama(model_dir) -> LLM:
+    """A default-configured engine over the tiny Llama, shared by read-only tests."""
+    return make_llm(model_dir("llama"))

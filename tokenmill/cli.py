@@ -1,0 +1,174 @@
+"""The ``tokenmill`` command: plugins, make-model, generate.
+
+Engine flags are vLLM's (``--max-num-seqs``, ``--enable-prefix-caching``,
+...), generated from ``config.VLLM_NAMES`` so the CLI, ``LLM(...)`` and the
+YAML tree never drift apart. Precedence: defaults < --config YAML <
+TOKENMILL_* env < flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import typing
+from typing import Any, Optional, Sequence
+
+import structlog
+from pydantic import BaseModel
+
+from tokenmill.interfaces.errors import TokenmillError
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    # logs go to stderr so stdout stays machine-readable (--json)
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+    try:
+        return args.handler(args)
+    except TokenmillError as exc:
+        print(f"tokenmill: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    plugins = commands.add_parser("plugins", help="list installed plugins and what they register")
+    plugins.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    plugins.set_defaults(handler=_plugins)
+
+    make = commands.add_parser("make-model", help="write a tiny random-weight model directory")
+    make.add_argument("directory")
+    make.add_argument("--arch", default="llama", help="tiny architecture key (default: llama)")
+    make.add_argument("--seed", type=int, default=0)
+    make.set_defaults(handler=_make_model)
+
+    generate = commands.add_parser("generate", help="generate completions offline")
+    generate.add_argument("model_or_config", nargs="?", help="model directory or engine YAML")
+    generate.add_argument("--config", help="engine YAML file")
+    generate.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable)")
+    generate.add_argument("--max-tokens", type=int, default=32)
+    generate.add_argument("--temperature", type=float, default=0.0)
+    generate.add_argument("--seed-sampling", type=int, default=None, dest="sampling_seed",
+                          help="per-request sampling seed")
+    generate.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    add_engine_flags(generate)
+    generate.set_defaults(handler=_generate)
+    return parser
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per vLLM engine argument, typed from the config tree."""
+    from tokenmill.core.config import VLLM_NAMES, EngineConfig
+
+    group = parser.add_argument_group("engine (vLLM names)")
+    for name, dotted in VLLM_NAMES.items():
+        if name == "model":
+            group.add_argument("--model", default=None)
+            continue
+        annotation = _annotation(EngineConfig, dotted)
+        flag = "--" + name.replace("_", "-")
+        if annotation is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, dest=name)
+        elif annotation is int:
+            group.add_argument(flag, type=int, default=None, dest=name)
+        else:
+            group.add_argument(flag, default=None, dest=name)
+
+
+def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    from tokenmill.core.config import VLLM_NAMES
+
+    return {name: getattr(args, name) for name in VLLM_NAMES if getattr(args, name, None) is not None}
+
+
+def resolve_config(args: argparse.Namespace):
+    """The EngineConfig for a command taking ``MODEL_OR_YAML``, ``--config`` and engine flags."""
+    from tokenmill.core.config import load_config
+
+    yaml_path, overrides = args.config, engine_overrides(args)
+    target = getattr(args, "model_or_config", None)
+    if target is not None:
+        if target.endswith((".yaml", ".yml")):
+            yaml_path = target
+        else:
+            overrides.setdefault("model", target)
+    return load_config(yaml_path, **overrides)
+
+
+def _annotation(model: type[BaseModel], dotted: str) -> Any:
+    node: Any = model
+    for part in dotted.split("."):
+        annotation = node.model_fields[part].annotation
+        node = annotation
+    args = [a for a in typing.get_args(node) if a is not type(None)]
+    if typing.get_origin(node) is typing.Union and len(args) == 1:
+        return args[0]
+    return node
+
+
+def _plugins(args: argparse.Namespace) -> int:
+    from tokenmill.core.compose import collect_components
+    from tokenmill.core.plugins import make_plugin_manager
+    from tokenmill.interfaces.hookspecs import HOOKSPEC_VERSION
+
+    pm = make_plugin_manager()
+    components = collect_components(pm)
+    registered: dict[str, dict[str, list[str]]] = {name: {} for name in pm.info}
+    for kind, registry in components.by_kind().items():
+        for entry in registry.entries():
+            registered.setdefault(entry.plugin, {}).setdefault(kind, []).append(entry.name)
+    plugins = [
+        {
+            "name": info.name,
+            "distribution": info.distribution,
+            "version": info.version,
+            "module": info.module,
+            "hooks": sorted(impl.name for impl in pm.get_hookcallers(pm.get_plugin(info.name)) or []),
+            "registers": registered.get(info.name, {}),
+        }
+        for info in pm.info.values()
+    ]
+    if args.json:
+        print(json.dumps({"hookspec_version": HOOKSPEC_VERSION, "plugins": plugins}, indent=2))
+        return 0
+    print(f"hook spec version {HOOKSPEC_VERSION}")
+    print(f"{'plugin':<20} {'distribution':<28} registers")
+    for plugin in plugins:
+        dist = f"{plugin['distribution']} {plugin['version']}"
+        what = "; ".join(f"{kind}: {', '.join(names)}" for kind, names in plugin["registers"].items())
+        print(f"{plugin['name']:<20} {dist:<28} {what or '(observers only)'}")
+    return 0
+
+
+def _make_model(args: argparse.Namespace) -> int:
+    from tokenmill.testing.tiny_models import make_tiny_model
+
+    path = make_tiny_model(args.arch, args.directory, seed=args.seed)
+    print(path)
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from tokenmill.core.llm import LLM
+    from tokenmill.interfaces.types import SamplingParams
+
+    llm = LLM(config=resolve_config(args))
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
+                            seed=args.sampling_seed)
+    for output in llm.generate(args.prompt, params, use_tqdm=not args.json):
+        completion = output.outputs[0]
+        if args.json:
+            print(json.dumps({"prompt": output.prompt, "text": completion.text,
+                              "token_ids": completion.token_ids,
+                              "finish_reason": completion.finish_reason}))
+        else:
+            print(f"{output.prompt!r} -> {completion.text!r} ({completion.finish_reason})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
