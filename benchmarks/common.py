@@ -1,0 +1,47 @@
+"""Shared benchmark setup: model presets made by tokenmill.testing, thread pinning, JSON output."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tokenmill.testing.tiny_models import make_tiny_model
+
+#: shapes of the issue tracker's reference workloads (random weights, Llama family)
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(),
+    "52m": dict(hidden_size=512, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=8,
+                intermediate_size=1408, vocab_size=32000, max_position_embeddings=2048,
+                initializer_range=0.02),
+    "350m": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=8,
+                 intermediate_size=2816, vocab_size=32000, max_position_embeddings=2048,
+                 initializer_range=0.02),
+}
+
+
+def add_common_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="model directory (default: a preset made on first use)")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="52m")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1 is stable on a shared box)")
+    parser.add_argument("--json", help="also write the results to this JSON file")
+    parser.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/tokenmill/bench-models"))
+
+
+def prepare(args: argparse.Namespace) -> Path:
+    torch.set_num_threads(args.threads)
+    if args.model:
+        return Path(args.model)
+    path = Path(args.cache_dir) / args.preset
+    if not (path / "model.safetensors").is_file():
+        make_tiny_model("llama", path, seed=0, **PRESETS[args.preset])
+    return path
+
+
+def write_json(path: str | None, results: dict[str, Any]) -> None:
+    if path:
+        Path(path).write_text(json.dumps(results, indent=2))

@@ -1,0 +1,101 @@
+"""Offline throughput, with ``vllm bench throughput`` semantics, against HF transformers.
+
+N requests with random prompts of a fixed input length (fixed seed), a fixed
+number of output tokens each (EOS ignored), all submitted at once. Prints
+requests/s, output tokens/s and total tokens/s for tokenmill and for
+``transformers`` ``generate`` (static batches, KV cache on) on the same
+weights, in the same process, and their ratio.
+
+    python benchmarks/throughput.py --preset 52m --num-prompts 128 --input-len 256 --output-len 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from common import add_common_args, prepare, write_json
+from tokenmill import LLM, SamplingParams
+
+
+def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(count)]
+
+
+def run_tokenmill(path, prompts, output_len, args) -> float:
+    llm = LLM(str(path), dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend)
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], params, use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    assert all(len(o.outputs[0].token_ids) == output_len for o in outputs)
+    return elapsed
+
+
+def run_hf(path, prompts, output_len, args) -> float:
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "auto": "auto"}[args.dtype]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model.eval()
+    kwargs = dict(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
+                  pad_token_id=0)
+    with torch.inference_mode():
+        model.generate(torch.tensor(prompts[:2]), **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2})
+        start = time.perf_counter()
+        for i in range(0, len(prompts), args.hf_batch_size):
+            out = model.generate(torch.tensor(prompts[i:i + args.hf_batch_size]), **kwargs)
+            assert out.shape[1] == len(prompts[0]) + output_len
+        return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_common_args(parser)
+    parser.add_argument("--num-prompts", type=int, default=128)
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"])
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--hf-batch-size", type=int, default=32)
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    path = prepare(args)
+    from tokenmill.core.model_config import load_model_config
+    vocab = load_model_config(path).vocab_size
+    prompts = random_prompts(args.num_prompts, args.input_len, vocab, args.seed)
+    total_in, total_out = args.num_prompts * args.input_len, args.num_prompts * args.output_len
+
+    results = {"config": {k: v for k, v in vars(args).items() if k != "json"}, "engines": {}}
+    engines = [("tokenmill", run_tokenmill)] + ([] if args.skip_hf else [("hf-generate", run_hf)])
+    for name, runner in engines:
+        elapsed = runner(path, prompts, args.output_len, args)
+        results["engines"][name] = {
+            "seconds": round(elapsed, 3),
+            "requests_per_s": round(args.num_prompts / elapsed, 3),
+            "output_tokens_per_s": round(total_out / elapsed, 2),
+            "total_tokens_per_s": round((total_in + total_out) / elapsed, 2),
+        }
+    print(f"{'engine':<12} {'req/s':>8} {'out tok/s':>10} {'total tok/s':>12} {'seconds':>8}")
+    for name, r in results["engines"].items():
+        print(f"{name:<12} {r['requests_per_s']:>8.2f} {r['output_tokens_per_s']:>10.1f} "
+              f"{r['total_tokens_per_s']:>12.1f} {r['seconds']:>8.1f}")
+    if "hf-generate" in results["engines"]:
+        ratio = (results["engines"]["tokenmill"]["output_tokens_per_s"]
+                 / results["engines"]["hf-generate"]["output_tokens_per_s"])
+        results["ratio_tokenmill_vs_hf"] = round(ratio, 3)
+        print(f"tokenmill / HF generate (output tok/s): {ratio:.2f}x")
+    write_json(args.json, results)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""The ``tokenmill`` command, run as a real subprocess."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import yaml
+
+
+def tokenmill(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tokenmill.cli", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_plugins_json_lists_distributions_and_registrations():
+    """`tokenmill plugins --json` reports each plugin's distribution, version and registrations."""
+    result = tokenmill("plugins", "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    plugins = {p["name"]: p for p in data["plugins"]}
+    assert data["hookspec_version"] >= 1
+    assert plugins["fifo"]["distribution"] == "tokenmill"
+    assert plugins["shortest_prompt"]["registers"] == {"scheduling_policies": ["shortest-prompt"]}
+    assert "LlamaForCausalLM" in plugins["llama"]["registers"]["model_architectures"]
+
+
+def test_make_model_then_generate_from_yaml(tmp_path):
+    """make-model writes a loadable model; generate --config runs it with flags overriding YAML."""
+    model = tmp_path / "model"
+    made = tokenmill("make-model", "--arch", "qwen2", str(model))
+    assert made.returncode == 0, made.stderr
+    assert (model / "model.safetensors").is_file() and (model / "tokenizer.json").is_file()
+    config = tmp_path / "engine.yaml"
+    config.write_text(yaml.safe_dump({"model": str(model), "scheduler": {"max_num_seqs": 2},
+                                      "cache": {"kv_cache_memory": "8MiB"}}))
+    result = tokenmill("generate", "--config", str(config), "--prompt", "The quick", "--prompt", "brown fox",
+                       "--max-tokens", "5", "--block-size", "8", "--json")
+    assert result.returncode == 0, result.stderr
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [line["prompt"] for line in lines] == ["The quick", "brown fox"]
+    assert all(len(line["token_ids"]) <= 5 for line in lines)
+
+
+def test_config_errors_exit_2_with_a_message(tmp_path):
+    """A bad config is a one-line error and exit code 2, not a traceback."""
+    config = tmp_path / "engine.yaml"
+    config.write_text("scheduler: {bogus: 1}\n")
+    result = tokenmill("generate", "--config", str(config), "--prompt", "x")
+    assert result.returncode == 2
+    assert "scheduler.bogus" in result.stderr and "Traceback" not in result.stderr

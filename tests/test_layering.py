@@ -1,0 +1,45 @@
+"""Imports flow one way: interfaces <- core <- plugins / server. Core reaches plugins only by hooks."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).parents[1] / "tokenmill"
+FORBIDDEN = {
+    "interfaces": ("tokenmill.core", "tokenmill.plugins", "tokenmill.server", "tokenmill.testing", "tokenmill.cli"),
+    "core": ("tokenmill.plugins", "tokenmill.server", "tokenmill.testing", "tokenmill.cli"),
+    "plugins": ("tokenmill.server", "tokenmill.testing", "tokenmill.cli"),
+}
+
+
+def imported_modules(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+@pytest.mark.parametrize("layer", sorted(FORBIDDEN))
+def test_layer_imports_only_downwards(layer):
+    """No module of a layer imports from a layer above it."""
+    offenders = [
+        f"{path.relative_to(PACKAGE)} imports {module}"
+        for path in (PACKAGE / layer).rglob("*.py")
+        for module in imported_modules(path)
+        if module.startswith(FORBIDDEN[layer])
+    ]
+    assert not offenders, offenders
+
+
+def test_nothing_unpickles():
+    """Weights load from safetensors only: no torch.load or pickle anywhere in the package."""
+    for path in PACKAGE.rglob("*.py"):
+        assert "torch.load(" not in path.read_text(), path
+        assert not {"pickle", "dill", "cloudpickle"} & imported_modules(path), path

@@ -1,0 +1,132 @@
+"""Sampler invariants: every filter keeps its promise, seeds are per request, penalties are exact."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tokenmill.core.sampler import Sampler, SamplingRow
+from tokenmill.interfaces.errors import InvalidRequest
+from tokenmill.interfaces.types import SamplingParams
+
+VOCAB = 50
+
+
+def row(params: SamplingParams, output=(), prompt=(1,), stop=(), generator=None) -> SamplingRow:
+    return SamplingRow(params, list(prompt), list(output), list(stop), generator)
+
+
+def logits_from(seed: int, rows: int = 1) -> torch.Tensor:
+    return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), k=st.integers(1, VOCAB))
+def test_top_k_samples_stay_in_the_top_k(seed, k):
+    """A top-k sample is always among the k largest logits."""
+    logits = logits_from(seed)
+    tokens, _ = Sampler(seed)(logits, [row(SamplingParams(temperature=1.5, top_k=k))])
+    assert tokens[0] in logits[0].topk(k).indices.tolist()
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), p=st.floats(0.05, 1.0))
+def test_top_p_samples_stay_in_the_nucleus(seed, p):
+    """A top-p sample is in the smallest prefix of sorted tokens whose mass reaches p."""
+    logits = logits_from(seed)
+    tokens, _ = Sampler(seed)(logits, [row(SamplingParams(temperature=1.0, top_p=p))])
+    probs, order = logits[0].softmax(-1).sort(descending=True)
+    cumulative = probs.cumsum(0)
+    nucleus_size = int((cumulative < p - 1e-6).sum()) + 1
+    assert tokens[0] in order[:nucleus_size].tolist()
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), min_p=st.floats(0.0, 1.0))
+def test_min_p_samples_are_likely_enough(seed, min_p):
+    """A min-p sample has probability at least min_p times the top token's."""
+    logits = logits_from(seed)
+    tokens, _ = Sampler(seed)(logits, [row(SamplingParams(temperature=1.0, min_p=min_p))])
+    probs = logits[0].softmax(-1)
+    assert probs[tokens[0]] >= min_p * probs.max() - 1e-6
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000))
+def test_greedy_is_argmax_and_logprobs_are_raw(seed):
+    """temperature=0 picks the argmax; logprobs are the raw log-softmax with correct ranks."""
+    logits = logits_from(seed, rows=3)
+    tokens, logprobs = Sampler(0)(logits, [row(SamplingParams(temperature=0, logprobs=3))] * 3)
+    assert tokens == logits.argmax(-1).tolist()
+    reference = logits.log_softmax(-1)
+    for i, entry in enumerate(logprobs):
+        assert entry[tokens[i]].rank == 1
+        top = reference[i].topk(3)
+        for rank, (value, token) in enumerate(zip(top.values.tolist(), top.indices.tolist()), 1):
+            assert entry[token].rank == rank
+            assert math.isclose(entry[token].logprob, value, abs_tol=1e-6)
+
+
+def test_seeded_rows_do_not_depend_on_the_batch():
+    """The same seed gives the same draws whether its row is alone or among others."""
+    logits = logits_from(1, rows=4)
+    params = SamplingParams(temperature=1.0, seed=7)
+
+    def draws(batch_rows, index):
+        generator = torch.Generator().manual_seed(7)
+        out = []
+        for _ in range(5):
+            rows = [row(SamplingParams(temperature=1.0)) for _ in range(batch_rows)]
+            rows[index] = row(params, generator=generator)
+            tokens, _ = Sampler(123)(logits[:batch_rows], rows)
+            out.append(tokens[index])
+        return out
+
+    alone = draws(1, 0)
+    assert draws(4, 0) == alone
+    assert len(set(alone)) > 1  # really sampling, not greedy
+
+
+def test_repetition_presence_and_frequency_penalties_are_exact():
+    """Penalties follow vLLM/HF: divide positive / multiply negative seen logits; subtract counts."""
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5, 3.0]])
+    sampler = Sampler(0)
+    penalised = sampler._apply_penalties(
+        logits, [row(SamplingParams(repetition_penalty=2.0), output=[1], prompt=[0])])
+    assert penalised.tolist() == [[1.0, -4.0, 1.0, 0.5, 3.0]]
+    penalised = sampler._apply_penalties(
+        logits, [row(SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), output=[4, 4, 2])])
+    assert penalised.tolist() == [[2.0, -2.0, 0.25, 0.5, 2.0]]
+
+
+def test_min_tokens_masks_stop_tokens_until_reached():
+    """Before min_tokens outputs exist, EOS and stop tokens cannot be sampled."""
+    logits = torch.tensor([[0.0, 10.0, 1.0]])
+    params = SamplingParams(temperature=0, min_tokens=2)
+    tokens, _ = Sampler(0)(logits, [row(params, output=[2], stop=[1])])
+    assert tokens == [2]
+    tokens, _ = Sampler(0)(logits, [row(params, output=[2, 2], stop=[1])])
+    assert tokens == [1]
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", 0), ("min_p", 1.5),
+    ("presence_penalty", 3.0), ("frequency_penalty", -2.5), ("repetition_penalty", 0.0),
+    ("max_tokens", 0), ("n", 0), ("logprobs", 21), ("prompt_logprobs", -1), ("min_tokens", -1),
+    ("stop", [""]), ("stop_token_ids", [-3]), ("seed", 1.5), ("n", True),
+])
+def test_out_of_range_parameters_name_the_parameter(field, value):
+    """Every bad sampling parameter fails at construction with its name in the error."""
+    with pytest.raises(InvalidRequest) as info:
+        SamplingParams(**{field: value})
+    assert info.value.param == field
+
+
+def test_min_tokens_above_max_tokens_is_rejected():
+    """min_tokens > max_tokens can never be satisfied."""
+    with pytest.raises(InvalidRequest, match="min_tokens"):
+        SamplingParams(min_tokens=5, max_tokens=2)
