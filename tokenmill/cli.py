@@ -46,6 +46,14 @@ def _parser() -> argparse.ArgumentParser:
     make.add_argument("--seed", type=int, default=0)
     make.set_defaults(handler=_make_model)
 
+    serve = commands.add_parser("serve", help="serve the OpenAI-compatible API")
+    serve.add_argument("model_or_config", nargs="?",
+                       help="model directory or engine YAML (default: the built-in demo model)")
+    serve.add_argument("--config", help="engine YAML file")
+    add_server_flags(serve)
+    add_engine_flags(serve)
+    serve.set_defaults(handler=_serve)
+
     generate = commands.add_parser("generate", help="generate completions offline")
     generate.add_argument("model_or_config", nargs="?", help="model directory or engine YAML")
     generate.add_argument("--config", help="engine YAML file")
@@ -79,10 +87,25 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, default=None, dest=name)
 
 
-def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    from tokenmill.core.config import VLLM_NAMES
+def add_server_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
+    group.add_argument("--port", type=int, default=None, help="port (default 8000)")
+    group.add_argument("--api-key", default=None, help="require this bearer token on /v1/* "
+                       "(default: $TOKENMILL_API_KEY if set)")
+    group.add_argument("--served-model-name", nargs="+", default=None)
+    group.add_argument("--max-queued-requests", type=int, default=None,
+                       help="answer 503 when this many requests wait")
+    group.add_argument("--max-request-body-bytes", default=None, help="e.g. 4MiB")
+    group.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default=None)
+    group.add_argument("--log-format", choices=["auto", "json", "console"], default=None)
 
-    return {name: getattr(args, name) for name in VLLM_NAMES if getattr(args, name, None) is not None}
+
+def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    from tokenmill.core.config import SERVER_NAMES, VLLM_NAMES
+
+    names = list(VLLM_NAMES) + list(SERVER_NAMES)
+    return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 
 def resolve_config(args: argparse.Namespace):
@@ -149,6 +172,27 @@ def _make_model(args: argparse.Namespace) -> int:
 
     path = make_tiny_model(args.arch, args.directory, seed=args.seed)
     print(path)
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from tokenmill.core.async_engine import AsyncLLM
+    from tokenmill.core.engine import LLMEngine
+    from tokenmill.server.app import create_app
+    from tokenmill.server.logging import configure_logging
+    from tokenmill.testing.demo import demo_model_dir
+
+    config = resolve_config(args)
+    configure_logging(config.server.log_level, config.server.log_format)
+    if config.model is None:
+        config = config.model_copy(update={"model": str(demo_model_dir())})
+    engine = LLMEngine.from_config(config)
+    app = create_app(AsyncLLM(engine, config.server.max_queued_requests), config.server)
+    uvicorn.run(app, host=config.server.host, port=config.server.port,
+                log_level=config.server.log_level, access_log=config.server.log_level == "debug",
+                timeout_graceful_shutdown=int(config.server.drain_timeout) + 1)
     return 0
 
 

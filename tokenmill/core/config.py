@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, SecretStr, ValidationError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from tokenmill.interfaces.errors import ConfigError
@@ -63,6 +63,25 @@ class AdaptersConfig(BaseModel):
     enable_lora: bool = False
 
 
+class ServerConfig(BaseModel):
+    model_config = _STRICT
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    #: bearer token for /v1/*; unset falls back to the TOKENMILL_API_KEY env var, then to none
+    api_key: Optional[SecretStr] = None
+    #: names clients use in "model"; default: the model directory's name
+    served_model_name: Optional[list[str]] = None
+    #: waiting requests beyond this get HTTP 503; None = unbounded
+    max_queued_requests: Optional[int] = Field(None, ge=1)
+    max_request_body_bytes: ByteSize = ByteSize(4 * 1024**2)
+    #: seconds in-flight requests may take to finish on shutdown
+    drain_timeout: float = Field(10.0, ge=0)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    #: "auto" = JSON lines unless stderr is a terminal
+    log_format: Literal["auto", "json", "console"] = "auto"
+
+
 class EngineConfig(BaseSettings):
     """The whole engine, as one validated tree."""
 
@@ -82,6 +101,7 @@ class EngineConfig(BaseSettings):
     attention: AttentionConfig = AttentionConfig()
     quantization: QuantizationConfig = QuantizationConfig()
     adapters: AdaptersConfig = AdaptersConfig()
+    server: ServerConfig = ServerConfig()
 
     @classmethod
     def settings_customise_sources(
@@ -115,6 +135,18 @@ VLLM_NAMES: dict[str, str] = {
     "attention_backend": "attention.backend",
     "quantization": "quantization.method",
     "enable_lora": "adapters.enable_lora",
+}
+
+#: `tokenmill serve` flags (vLLM's names where vLLM has one) -> dotted paths
+SERVER_NAMES: dict[str, str] = {
+    "host": "server.host",
+    "port": "server.port",
+    "api_key": "server.api_key",
+    "served_model_name": "server.served_model_name",
+    "max_queued_requests": "server.max_queued_requests",
+    "max_request_body_bytes": "server.max_request_body_bytes",
+    "log_level": "server.log_level",
+    "log_format": "server.log_format",
 }
 
 _yaml_data: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar(
@@ -176,7 +208,7 @@ def nest_overrides(flat: dict[str, Any]) -> dict[str, Any]:
     """Turn vLLM's flat names (and section dicts) into the nested tree."""
     tree: dict[str, Any] = {}
     for key, value in flat.items():
-        dotted = VLLM_NAMES.get(key, key)
+        dotted = VLLM_NAMES.get(key) or SERVER_NAMES.get(key) or key
         if dotted == key and key not in EngineConfig.model_fields:
             raise ConfigError(
                 key, f"unknown engine argument; valid: {', '.join(sorted(VLLM_NAMES))}"

@@ -1,0 +1,206 @@
+"""AsyncLLM: the engine's step loop on its own thread, per-request async streams.
+
+The HTTP event loop never runs model code: requests are validated and
+tokenized on the caller's side, handed to the loop thread through a queue,
+and every step's outputs are pushed back onto each request's asyncio.Queue.
+A stream that is closed before its request finished (client disconnect,
+cancellation) aborts the request, which frees its KV blocks on the next
+loop iteration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable, Optional
+
+import structlog
+
+from tokenmill.core.engine import LLMEngine, PromptType
+from tokenmill.interfaces.errors import InvalidRequest, TokenmillError
+from tokenmill.interfaces.types import RequestOutput, SamplingParams
+
+log = structlog.get_logger("tokenmill.async_engine")
+
+#: called on the loop thread after each step with that step's outputs
+StepObserver = Callable[[LLMEngine, list[RequestOutput]], None]
+
+
+class EngineOverloaded(TokenmillError):
+    """The waiting queue is full; the caller should retry later (HTTP 503)."""
+
+
+class EngineDead(TokenmillError):
+    """The engine loop stopped after an internal error; no request can be served."""
+
+
+@dataclass(frozen=True)
+class _Add:
+    request_id: str
+    prompt: dict
+    params: SamplingParams
+    priority: int
+    user: Optional[str]
+    arrival_time: float
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+class AsyncLLM:
+    def __init__(self, engine: LLMEngine, max_queued_requests: Optional[int] = None) -> None:
+        self.engine = engine
+        self.max_queued_requests = max_queued_requests
+        self.observers: list[StepObserver] = []
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._pending_adds = 0
+        self._draining = False
+        self.error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
+        self._thread.start()
+
+    # --- caller side (event loop) -----------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return len(self.engine.scheduler.waiting) + self._pending_adds
+
+    @property
+    def num_running(self) -> int:
+        return len(self.engine.scheduler.running)
+
+    def prepare_prompt(self, prompt: PromptType) -> dict:
+        """Tokenize and validate on the caller's thread (tokenizers are thread-safe)."""
+        text, token_ids = self.engine.tokenize_prompt(prompt)
+        return {"prompt": text, "prompt_token_ids": token_ids}
+
+    def generate(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        user: Optional[str] = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Admit a request now and return its stream of cumulative RequestOutputs.
+
+        Admission errors (overload, a dead engine, a duplicate id) raise here,
+        before any response starts. The returned iterator must be consumed or
+        closed: closing it early aborts the request.
+        """
+        if self.error is not None:
+            raise EngineDead(f"the engine stopped: {self.error!r}")
+        if self._draining:
+            raise EngineOverloaded("the server is shutting down")
+        if self.max_queued_requests is not None and self.num_waiting >= self.max_queued_requests:
+            raise EngineOverloaded(f"the waiting queue is full ({self.max_queued_requests} requests)")
+        prepared = prompt if isinstance(prompt, dict) and "prompt_token_ids" in prompt else self.prepare_prompt(prompt)
+        stream: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if request_id in self._streams:
+                raise InvalidRequest("request_id", f"request id {request_id!r} is already in use")
+            self._streams[request_id] = (asyncio.get_running_loop(), stream)
+            self._pending_adds += 1
+        self._send(_Add(request_id, prepared, params, priority, user, time.monotonic()))
+        return self._iterate(request_id, stream)
+
+    async def _iterate(self, request_id: str, stream: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._send(_Abort(request_id))
+
+    def shutdown(self, drain_timeout: float = 5.0) -> None:
+        """Let in-flight requests finish for up to ``drain_timeout`` seconds, then fail
+        whatever still runs and stop the loop thread."""
+        self._draining = True
+        deadline = time.monotonic() + drain_timeout
+        while self._streams and time.monotonic() < deadline and self._thread.is_alive():
+            time.sleep(0.05)
+        self._stopping.set()
+        self._wake.set()
+        self._thread.join(10.0)
+
+    def _send(self, command: object) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    # --- loop thread -------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stopping.is_set():
+                self._drain_commands()
+                if not engine.has_unfinished_requests():
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+                    continue
+                outputs = engine.step()
+                for observer in self.observers:
+                    observer(engine, outputs)
+                for output in outputs:
+                    self._deliver(output.request_id, output, final=output.finished)
+        except BaseException as exc:  # the loop must never die silently
+            self.error = exc
+            log.exception("engine loop failed")
+        finally:
+            self._fail_all(self.error or EngineDead("the server is shutting down"))
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _Add):
+                with self._lock:
+                    self._pending_adds -= 1
+                if command.request_id not in self._streams:
+                    continue  # cancelled before it reached the engine
+                try:
+                    self.engine.add_request(command.request_id, command.prompt, command.params,
+                                            priority=command.priority, user=command.user,
+                                            arrival_time=command.arrival_time)
+                except TokenmillError as exc:
+                    self._deliver(command.request_id, exc, final=True)
+            else:
+                outputs = self.engine.abort_request(command.request_id)
+                for observer in self.observers:
+                    observer(self.engine, outputs)
+                with self._lock:
+                    self._streams.pop(command.request_id, None)
+
+    def _deliver(self, request_id: str, item: object, final: bool) -> None:
+        with self._lock:
+            target = self._streams.pop(request_id, None) if final else self._streams.get(request_id)
+        if target is not None:
+            loop, stream = target
+            loop.call_soon_threadsafe(stream.put_nowait, item)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._lock:
+            streams, self._streams = self._streams, {}
+        for loop, stream in streams.values():
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(stream.put_nowait, exc)

@@ -1,0 +1,107 @@
+"""create_app(): the OpenAI-compatible FastAPI application over an AsyncLLM."""
+
+from __future__ import annotations
+
+import os
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+import tokenmill
+from tokenmill.core.async_engine import AsyncLLM
+from tokenmill.core.config import ServerConfig
+from tokenmill.server.chat import chat_prompt_ids, create_chat_completion
+from tokenmill.server.completions import create_completion
+from tokenmill.server.errors import APIError, install_error_handlers
+from tokenmill.server.generation import ServingContext, parse_body
+from tokenmill.server.logging import log_finished_requests
+from tokenmill.server.metrics import ServerMetrics
+from tokenmill.server.middleware import APIKeyAuth, BodySizeLimit
+from tokenmill.server.protocol import DetokenizeRequest, TokenizeRequest, now
+
+
+def resolve_api_key(config: ServerConfig) -> Optional[str]:
+    """The configured key, else TOKENMILL_API_KEY (read now, not at import), else none."""
+    if config.api_key is not None:
+        return config.api_key.get_secret_value()
+    return os.environ.get("TOKENMILL_API_KEY") or None
+
+
+def create_app(llm: AsyncLLM, config: Optional[ServerConfig] = None) -> FastAPI:
+    config = config or ServerConfig()
+    engine = llm.engine
+    names = config.served_model_name or [Path(engine.config.model).name]
+    ctx = ServingContext(llm, names, engine.max_model_len, engine.tokenizer)
+    metrics = ServerMetrics(names[0])
+    llm.observers += [metrics.observe_step, log_finished_requests]
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        llm.shutdown(config.drain_timeout)
+
+    app = FastAPI(title="tokenmill", version=tokenmill.__version__, lifespan=lifespan)
+    app.state.serving = ctx
+    app.state.metrics = metrics
+    install_error_handlers(app)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await create_completion(request, ctx)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await create_chat_completion(request, ctx)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": now(), "owned_by": "tokenmill",
+             "root": str(engine.config.model), "parent": None, "max_model_len": engine.max_model_len}
+            for name in names]}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await parse_body(request, TokenizeRequest)
+        ctx.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages", "prompt")
+        if body.messages is not None:
+            tokens = chat_prompt_ids(ctx, body.messages)
+        else:
+            tokens = ctx.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body = await parse_body(request, DetokenizeRequest)
+        ctx.check_model(body.model)
+        vocab = engine.model_config.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token ids must be in [0, {vocab}); got {bad[:5]}", "tokens")
+        return {"prompt": ctx.tokenizer.decode(body.tokens)}
+
+    @app.get("/health")
+    async def health():
+        if llm.error is not None:
+            return JSONResponse({"status": "error", "detail": repr(llm.error)}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/version")
+    async def version():
+        return {"version": tokenmill.__version__}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    engine.plugin_manager.hook.extend_server(app=app)
+    # outermost first: size limit, then auth, then routing
+    app.add_middleware(APIKeyAuth, api_key=resolve_api_key(config))
+    app.add_middleware(BodySizeLimit, max_bytes=int(config.max_request_body_bytes))
+    return app

@@ -1,0 +1,151 @@
+"""What completions and chat share: admission checks, stream merging, disconnect handling."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Optional, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from tokenmill.core.async_engine import AsyncLLM
+from tokenmill.interfaces.types import RequestOutput
+from tokenmill.server.errors import APIError
+
+T = TypeVar("T", bound=BaseModel)
+
+#: the most sequences one request may ask for (n x prompts)
+MAX_SEQUENCES_PER_REQUEST = 128
+
+
+@dataclass
+class ServingContext:
+    """Per-app state the route handlers need."""
+
+    llm: AsyncLLM
+    served_model_names: list[str]
+    max_model_len: int
+    tokenizer: Any
+    counter: dict = field(default_factory=lambda: {"next": 0})
+
+    def start(self, requests: list[tuple[str, dict, Any]], priority: int,
+              user: Optional[str]) -> list[AsyncIterator[RequestOutput]]:
+        """Admit several engine requests at once: all of them, or (on an error) none."""
+        streams: list[AsyncIterator[RequestOutput]] = []
+        try:
+            for request_id, prompt, params in requests:
+                streams.append(self.llm.generate(request_id, prompt, params, priority=priority, user=user))
+        except Exception:
+            for request_id, _, _ in requests[: len(streams)]:
+                self.llm.abort(request_id)
+            raise
+        return streams
+
+    def check_model(self, name: Optional[str]) -> str:
+        if name is None or name in self.served_model_names:
+            return self.served_model_names[0]
+        raise APIError(404, f"the model `{name}` does not exist; served: {', '.join(self.served_model_names)}",
+                       "model")
+
+    def max_tokens_for(self, prompt_len: int, requested: Optional[int]) -> int:
+        """Check the context window; a missing max_tokens means 'the rest of it'."""
+        room = self.max_model_len - prompt_len
+        if room < 1 or (requested is not None and requested > room):
+            asked = prompt_len + (requested or 0)
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {asked} tokens ({prompt_len} in the prompt, {requested or 0} for the "
+                "completion). Please reduce the prompt or max_tokens.",
+                "max_tokens" if room >= 1 else "prompt",
+            )
+        return requested if requested is not None else room
+
+
+async def parse_body(request: Request, model: type[T]) -> T:
+    """JSON body -> model; invalid UTF-8, invalid JSON and schema errors are 400s."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise APIError(400, "the request body is not valid UTF-8") from None
+    except json.JSONDecodeError as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc.msg} at position {exc.pos}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        raise APIError(400, f"{param}: {first['msg']}" if param else first["msg"], param) from None
+
+
+async def merge_streams(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several requests' outputs as they come, tagged with their index.
+
+    Closing the merged iterator cancels every producer, which aborts any request
+    still running (their generators' ``finally`` does that).
+    """
+    if len(streams) == 1:
+        async for output in streams[0]:
+            yield 0, output
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for output in stream:
+                await queue.put((index, output))
+        except BaseException as exc:  # forwarded to the consumer, which re-raises
+            await queue.put(exc)
+            return
+        await queue.put(done)
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+    """Run ``work``; if the client goes away first, cancel it (aborting its requests)."""
+    task = asyncio.ensure_future(work)
+
+    async def wait_disconnect() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(wait_disconnect())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise APIError(499, "client disconnected")
+    return task.result()
+
+
+def sse(data: Any) -> str:
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"

@@ -1,0 +1,46 @@
+"""structlog setup: JSON lines for machines, readable lines in a terminal; one line per request."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import structlog
+
+from tokenmill.core.engine import LLMEngine
+from tokenmill.interfaces.types import RequestOutput
+
+log = structlog.get_logger("tokenmill.requests")
+
+
+def configure_logging(level: str = "info", fmt: str = "auto") -> None:
+    as_json = fmt == "json" or (fmt == "auto" and not sys.stderr.isatty())
+    renderer = structlog.processors.JSONRenderer() if as_json else structlog.dev.ConsoleRenderer()
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+
+
+def log_finished_requests(engine: LLMEngine, outputs: list[RequestOutput]) -> None:
+    """StepObserver: one line per finished request, with its latency figures."""
+    for output in outputs:
+        if not output.finished:
+            continue
+        m = output.metrics
+        ttft = None if m.first_token_time is None else round(m.first_token_time - m.arrival_time, 4)
+        e2e = None if m.finished_time is None else round(m.finished_time - m.arrival_time, 4)
+        log.info("request finished", request_id=output.request_id,
+                 prompt_tokens=len(output.prompt_token_ids),
+                 generation_tokens=sum(len(o.token_ids) for o in output.outputs),
+                 cached_tokens=output.num_cached_tokens, ttft_s=ttft, e2e_s=e2e,
+                 finish_reason=[o.finish_reason for o in output.outputs],
+                 preemptions=m.num_preemptions)

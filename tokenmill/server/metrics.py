@@ -1,0 +1,95 @@
+"""Prometheus metrics with vLLM's names under the ``tokenmill:`` prefix.
+
+Each app has its own CollectorRegistry, so several servers (or tests) in one
+process never share counters. Engine-wide gauges are sampled after every
+step by a StepObserver on the loop thread; per-request latencies are
+recorded as outputs arrive.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from tokenmill.core.engine import LLMEngine
+from tokenmill.interfaces.types import RequestOutput
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+
+        def gauge(name, doc):
+            return Gauge(f"tokenmill:{name}", doc, labels, registry=r).labels(model_name)
+
+        def counter(name, doc):
+            return Counter(f"tokenmill:{name}", doc, labels, registry=r).labels(model_name)
+
+        def histogram(name, doc):
+            return Histogram(f"tokenmill:{name}", doc, labels, buckets=_LATENCY_BUCKETS,
+                             registry=r).labels(model_name)
+
+        self.running = gauge("num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.preemptions = counter("num_preemptions", "Requests preempted.")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens served by the prefix cache.")
+        self._success = Counter("tokenmill:request_success", "Finished requests by finish reason.",
+                                ["model_name", "finished_reason"], registry=r)
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.")
+        self.itl = histogram("inter_token_latency_seconds", "Time between output tokens.")
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.")
+        self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduling.")
+        self.model_name = model_name
+        self._last_token_time: dict[str, tuple[float, int]] = {}
+        self._seen_preemptions = 0
+        self._seen_prefix = (0, 0)
+
+    def observe_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
+        """StepObserver: called on the engine thread after each step (and each abort)."""
+        scheduler = engine.scheduler
+        self.running.set(len(scheduler.running))
+        self.waiting.set(len(scheduler.waiting))
+        kv = scheduler.kv_cache
+        self.kv_usage.set(kv.pool.usage())
+        self.preemptions.inc(scheduler.num_preemptions_total - self._seen_preemptions)
+        self._seen_preemptions = scheduler.num_preemptions_total
+        queries, hits = self._seen_prefix
+        self.prefix_queries.inc(kv.prefix_queries - queries)
+        self.prefix_hits.inc(kv.prefix_hits - hits)
+        self._seen_prefix = (kv.prefix_queries, kv.prefix_hits)
+        now = time.monotonic()
+        for output in outputs:
+            self._observe_request(output, now)
+
+    def _observe_request(self, output: RequestOutput, now: float) -> None:
+        metrics = output.metrics
+        generated = sum(len(o.token_ids) for o in output.outputs)
+        last: Optional[tuple[float, int]] = self._last_token_time.get(output.request_id)
+        if last is None:
+            if generated and metrics.first_token_time is not None:
+                self.prompt_tokens.inc(len(output.prompt_token_ids))
+                self.ttft.observe(metrics.first_token_time - metrics.arrival_time)
+                if metrics.first_scheduled_time is not None:
+                    self.queue_time.observe(metrics.first_scheduled_time - metrics.arrival_time)
+        elif generated > last[1]:
+            self.itl.observe((now - last[0]) / (generated - last[1]))
+        previous = last[1] if last else 0
+        self.generation_tokens.inc(max(0, generated - previous))
+        if output.finished:
+            self._last_token_time.pop(output.request_id, None)
+            for completion in output.outputs:
+                self._success.labels(self.model_name, completion.finish_reason or "abort").inc()
+            self.e2e.observe(now - metrics.arrival_time)
+        elif generated:
+            self._last_token_time[output.request_id] = (now, generated)
