@@ -50,3 +50,38 @@ def test_config_errors_exit_2_with_a_message(tmp_path):
     result = tokenmill("generate", "--config", str(config), "--prompt", "x")
     assert result.returncode == 2
     assert "scheduler.bogus" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_serve_runs_the_demo_model_with_vllm_flags(tmp_path):
+    """`tokenmill serve` with no model builds and serves the cached demo model on 127.0.0.1."""
+    import os
+    import time
+
+    import httpx
+
+    from server_harness import free_port
+
+    port = free_port()
+    env = {**os.environ, "TOKENMILL_CACHE_DIR": str(tmp_path / "cache")}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(port), "--max-num-seqs", "4",
+         "--served-model-name", "demo", "--kv-cache-memory-bytes", "16MiB", "--log-format", "json"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        response = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
+                              json={"model": "demo", "prompt": "Hello", "max_tokens": 3}, timeout=60)
+        assert response.status_code == 200
+        assert response.json()["usage"]["completion_tokens"] == 3
+    finally:
+        process.terminate()
+        _, stderr = process.communicate(timeout=30)
+    assert (tmp_path / "cache" / "demo-llama" / "model.safetensors").is_file()
+    request_lines = [json.loads(line) for line in stderr.splitlines() if '"request finished"' in line]
+    assert request_lines and request_lines[0]["generation_tokens"] == 3

@@ -1,0 +1,45 @@
+"""A real uvicorn server on 127.0.0.1 in a background thread, for tests."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from typing import Iterator
+
+import uvicorn
+
+from tokenmill.core.async_engine import AsyncLLM
+from tokenmill.core.config import ServerConfig
+from tokenmill.core.engine import LLMEngine
+from tokenmill.server.app import create_app
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def running_server(engine: LLMEngine, **server_config) -> Iterator[tuple[str, AsyncLLM]]:
+    """Yield (base_url, async engine) while a uvicorn server serves ``engine``."""
+    config = ServerConfig(**server_config)
+    llm = AsyncLLM(engine, config.max_queued_requests)
+    app = create_app(llm, config)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}", llm
+    finally:
+        server.should_exit = True
+        thread.join(15)

@@ -1,0 +1,142 @@
+"""Every bad input gets its documented status and the OpenAI error envelope, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from conftest import make_llm
+from server_harness import running_server
+
+MODEL = "tiny"
+KEY = "sekret"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def url(model_dir):
+    engine = make_llm(model_dir("llama")).llm_engine
+    with running_server(engine, served_model_name=[MODEL], api_key=KEY, max_request_body_bytes=16 * 1024) as (base, _):
+        yield base
+
+
+def completion(**fields):
+    return {"model": MODEL, "prompt": "hello", "max_tokens": 4, **fields}
+
+
+def chat(**fields):
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **fields}
+
+
+C, CH = "/v1/completions", "/v1/chat/completions"
+CASES = [
+    # (name, path, body (dict -> JSON, bytes -> raw), headers, status, param)
+    ("temperature wrong type", C, completion(temperature="hot"), AUTH, 400, "temperature"),
+    ("negative temperature", C, completion(temperature=-1), AUTH, 400, "temperature"),
+    ("top_p above one", C, completion(top_p=1.5), AUTH, 400, "top_p"),
+    ("top_p zero", C, completion(top_p=0), AUTH, 400, "top_p"),
+    ("top_k zero", C, completion(top_k=0), AUTH, 400, "top_k"),
+    ("min_p out of range", C, completion(min_p=2), AUTH, 400, "min_p"),
+    ("presence penalty out of range", C, completion(presence_penalty=5), AUTH, 400, "presence_penalty"),
+    ("repetition penalty zero", C, completion(repetition_penalty=0), AUTH, 400, "repetition_penalty"),
+    ("max_tokens zero", C, completion(max_tokens=0), AUTH, 400, "max_tokens"),
+    ("max_tokens beyond context", C, completion(max_tokens=100000), AUTH, 400, "max_tokens"),
+    ("prompt longer than context", C, completion(prompt=[7] * 600), AUTH, 400, "prompt"),
+    ("empty prompt list", C, completion(prompt=[]), AUTH, 400, "prompt"),
+    ("empty string prompt", C, completion(prompt=""), AUTH, 400, "prompt"),
+    ("token id outside vocab", C, completion(prompt=[1, 10**9]), AUTH, 400, "prompt_token_ids"),
+    ("prompt wrong type", C, completion(prompt={"a": 1}), AUTH, 400, None),
+    ("n zero", C, completion(n=0), AUTH, 400, "n"),
+    ("huge n", C, completion(n=100000), AUTH, 400, "n"),
+    ("logprobs too many", C, completion(logprobs=50), AUTH, 400, "logprobs"),
+    ("suffix unsupported", C, completion(suffix="x"), AUTH, 400, "suffix"),
+    ("logit_bias unsupported", C, completion(logit_bias={"5": 1.0}), AUTH, 400, "logit_bias"),
+    ("stop wrong type", C, completion(stop=5), AUTH, 400, None),
+    ("seed wrong type", C, completion(seed="x"), AUTH, 400, "seed"),
+    ("missing prompt", C, {"model": MODEL}, AUTH, 400, "prompt"),
+    ("unknown model", C, completion(model="gpt-9"), AUTH, 404, "model"),
+    ("invalid JSON", C, b"{not json", AUTH, 400, None),
+    ("non-UTF-8 body", C, b"\xff\xfe\x00garbage", AUTH, 400, None),
+    ("JSON array body", C, b"[1, 2]", AUTH, 400, None),
+    ("oversized body", C, completion(prompt="x" * 20000), AUTH, 413, None),
+    ("missing API key", C, completion(), {}, 401, None),
+    ("wrong API key", C, completion(), {"Authorization": "Bearer nope"}, 401, None),
+    ("empty messages", CH, chat(messages=[]), AUTH, 400, "messages"),
+    ("bad role", CH, chat(messages=[{"role": "wizard", "content": "x"}]), AUTH, 400, None),
+    ("top_logprobs without logprobs", CH, chat(top_logprobs=2), AUTH, 400, "top_logprobs"),
+    ("top_logprobs too many", CH, chat(logprobs=True, top_logprobs=99), AUTH, 400, "logprobs"),
+    ("tools unsupported", CH, chat(tools=[{"type": "function"}]), AUTH, 400, "tools"),
+    ("chat unknown model", CH, chat(model="nope"), AUTH, 404, "model"),
+    ("detokenize bad ids", "/detokenize", {"tokens": [-1]}, AUTH, 400, "tokens"),
+    ("tokenize needs one input", "/tokenize", {}, AUTH, 400, "prompt"),
+    ("unknown route", "/v1/nothing", {}, AUTH, 404, None),
+]
+
+
+@pytest.mark.parametrize("name,path,body,headers,status,param", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_gets_documented_status_and_envelope(url, name, path, body, headers, status, param):
+    """Each bad request: the right 4xx, OpenAI's envelope, no traceback; then a good request works."""
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    response = httpx.post(url + path, content=content, headers={"content-type": "application/json", **headers},
+                          timeout=60)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == status and error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+    assert "Traceback" not in response.text
+    ok = httpx.post(url + C, json=completion(), headers=AUTH, timeout=60)
+    assert ok.status_code == 200
+
+
+def test_chunked_oversized_body_is_cut_off(url):
+    """A chunked upload without Content-Length is refused once it passes the limit."""
+    def chunks():
+        for _ in range(64):
+            yield b"x" * 1024
+
+    response = httpx.post(url + C, content=chunks(), headers={**AUTH, "content-type": "application/json"})
+    assert response.status_code == 413
+    assert response.json()["error"]["code"] == 413
+
+
+def test_full_waiting_queue_answers_503(model_dir):
+    """With one running and one waiting request, a third gets 503 until room frees up."""
+    engine = make_llm(model_dir("llama"), max_num_seqs=1).llm_engine
+    with running_server(engine, served_model_name=[MODEL], max_queued_requests=1) as (base, llm):
+        long = {"model": MODEL, "prompt": "x", "max_tokens": 300, "ignore_eos": True}
+        threads = [threading.Thread(target=httpx.post, args=(base + C,), kwargs={"json": long, "timeout": 120})
+                   for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 10
+        while not (llm.num_running == 1 and llm.num_waiting >= 1) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        response = httpx.post(base + C, json=completion(), timeout=60)
+        assert response.status_code == 503
+        assert response.json()["error"]["type"] == "server_overloaded"
+        for thread in threads:
+            thread.join(120)
+        assert httpx.post(base + C, json=completion(), timeout=60).status_code == 200
+
+
+def test_error_after_stream_started_is_an_sse_error_event(model_dir):
+    """If the engine stops mid-stream, the client gets an SSE error event and then [DONE]."""
+    engine = make_llm(model_dir("llama")).llm_engine
+    with running_server(engine, served_model_name=[MODEL], drain_timeout=0) as (base, llm):
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        lines = []
+        with httpx.stream("POST", base + C, json=body, timeout=60) as response:
+            for line in filter(None, response.iter_lines()):
+                lines.append(line)
+                if len(lines) == 3:
+                    threading.Thread(target=llm.shutdown, kwargs={"drain_timeout": 0}).start()
+        assert lines[-1] == "data: [DONE]"
+        assert "event: error" in lines
+        error = json.loads(lines[lines.index("event: error") + 1][6:])["error"]
+        assert error["code"] == 503
