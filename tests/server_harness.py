@@ -12,6 +12,7 @@ import uvicorn
 
 from tokenmill.core.async_engine import AsyncLLM
 from tokenmill.core.config import ServerConfig
+from tokenmill.core.embedding_engine import EmbeddingEngine
 from tokenmill.core.engine import LLMEngine
 from tokenmill.server.app import create_app
 
@@ -23,10 +24,10 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_server(engine: LLMEngine, **server_config) -> Iterator[tuple[str, AsyncLLM]]:
-    """Yield (base_url, async engine) while a uvicorn server serves ``engine``."""
+def running_server(engine: LLMEngine | EmbeddingEngine, **server_config) -> Iterator[tuple[str, AsyncLLM]]:
+    """Yield (base_url, served object) while a uvicorn server serves ``engine``."""
     config = ServerConfig(**server_config)
-    llm = AsyncLLM(engine, config.max_queued_requests)
+    llm = AsyncLLM(engine, config.max_queued_requests) if isinstance(engine, LLMEngine) else engine
     app = create_app(llm, config)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",

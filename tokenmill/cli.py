@@ -179,6 +179,7 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from tokenmill.core.async_engine import AsyncLLM
+    from tokenmill.core.compose import build_engine
     from tokenmill.core.engine import LLMEngine
     from tokenmill.server.app import create_app
     from tokenmill.server.logging import configure_logging
@@ -188,8 +189,9 @@ def _serve(args: argparse.Namespace) -> int:
     configure_logging(config.server.log_level, config.server.log_format)
     if config.model is None:
         config = config.model_copy(update={"model": str(demo_model_dir())})
-    engine = LLMEngine.from_config(config)
-    app = create_app(AsyncLLM(engine, config.server.max_queued_requests), config.server)
+    engine = build_engine(config)
+    served = AsyncLLM(engine, config.server.max_queued_requests) if isinstance(engine, LLMEngine) else engine
+    app = create_app(served, config.server)
     uvicorn.run(app, host=config.server.host, port=config.server.port,
                 log_level=config.server.log_level, access_log=config.server.log_level == "debug",
                 timeout_graceful_shutdown=int(config.server.drain_timeout) + 1)

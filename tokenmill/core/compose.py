@@ -16,6 +16,7 @@ import torch
 from transformers import AutoTokenizer
 
 from tokenmill.core.config import EngineConfig
+from tokenmill.core.embedding_engine import EmbeddingEngine
 from tokenmill.core.engine import LLMEngine
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.layers.attention import Attention
@@ -23,6 +24,7 @@ from tokenmill.core.loader import iterate_weights
 from tokenmill.core.model_config import ModelConfig, load_model_config
 from tokenmill.core.model_runner import ModelRunner
 from tokenmill.core.plugins import PluginManager, make_plugin_manager
+from tokenmill.core.pooling import Pooler
 from tokenmill.core.registry import Registry
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.interfaces.attention import AttentionBackend
@@ -84,7 +86,8 @@ def collect_components(pm: PluginManager) -> Components:
     return Components(**registries)
 
 
-def build_engine(config: EngineConfig, pm: Optional[PluginManager] = None) -> LLMEngine:
+def build_engine(config: EngineConfig, pm: Optional[PluginManager] = None) -> LLMEngine | EmbeddingEngine:
+    """A generation engine, or an embedding engine when the architecture is an encoder."""
     if config.model is None:
         raise ConfigError("model", "no model given: pass a model directory or set 'model' in the YAML")
     pm = pm or make_plugin_manager()
@@ -103,15 +106,22 @@ def build_engine(config: EngineConfig, pm: Optional[PluginManager] = None) -> LL
     model = model_cls(ModelContext(model_config.hf_config, model_config.dtype, backend, quantization))
     _load_checkpoint(model, model_config)
     model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(
+        config.tokenizer or config.model, trust_remote_code=config.trust_remote_code
+    )
+    if getattr(model_cls, "is_embedding_model", False):
+        engine = EmbeddingEngine(config, model_config, tokenizer, model, Pooler.from_model_dir(model_config.path),
+                                 pm, config.scheduler.max_num_batched_tokens)
+        log.info("embedding engine built", model=str(model_config.path), architecture=model_config.architecture,
+                 pooling=engine.pooler.mode, normalize=engine.pooler.normalize)
+        pm.hook.engine_started(engine=engine)
+        return engine
 
     num_blocks = _num_kv_blocks(config, model_config, backend)
     _bind_kv_caches(model, backend, num_blocks, config.cache.block_size, model_config.dtype)
     kv_cache = KVCacheManager(num_blocks, config.cache.block_size, config.cache.prefix_caching)
     scheduler = Scheduler(config.scheduler, kv_cache, policy)
     runner = ModelRunner(model, config.cache.block_size, config.seed)
-    tokenizer = AutoTokenizer.from_pretrained(
-        config.tokenizer or config.model, trust_remote_code=config.trust_remote_code
-    )
     engine = LLMEngine(config, model_config, tokenizer, scheduler, runner, pm)
     log.info("engine built", model=str(model_config.path), architecture=model_config.architecture,
              dtype=str(model_config.dtype).removeprefix("torch."), attention=backend.name,

@@ -45,7 +45,10 @@ class LLMEngine:
     def from_config(cls, config: EngineConfig, plugin_manager: Optional[PluginManager] = None) -> "LLMEngine":
         from tokenmill.core.compose import build_engine
 
-        return build_engine(config, plugin_manager)
+        engine = build_engine(config, plugin_manager)
+        if not isinstance(engine, cls):
+            raise InvalidRequest("model", f"{config.model} is an embedding model, not a generator")
+        return engine
 
     @property
     def max_model_len(self) -> int:

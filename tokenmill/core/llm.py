@@ -10,6 +10,7 @@ from typing import Any, Optional, Sequence, Union
 from tqdm.auto import tqdm
 
 from tokenmill.core.config import EngineConfig, load_config
+from tokenmill.core.embedding_engine import EmbeddingEngine
 from tokenmill.core.engine import LLMEngine, PromptType
 from tokenmill.core.plugins import PluginManager
 from tokenmill.interfaces.errors import InvalidRequest
@@ -38,7 +39,9 @@ class LLM:
             config = load_config(model=model, **engine_args)
         elif model is not None or engine_args:
             raise TypeError("pass either config= or model/engine arguments, not both")
-        self.llm_engine = LLMEngine.from_config(config, plugin_manager)
+        from tokenmill.core.compose import build_engine
+
+        self.llm_engine = build_engine(config, plugin_manager)
         self._ids = itertools.count()
 
     @classmethod
@@ -47,6 +50,14 @@ class LLM:
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
+
+    def embed(self, inputs: Union[str, Sequence[int], Sequence[Union[str, Sequence[int]]]]) -> list[list[float]]:
+        """Sentence embeddings of texts or token-id lists (embedding models only)."""
+        engine = self.llm_engine
+        if not isinstance(engine, EmbeddingEngine):
+            raise InvalidRequest("model", "this model generates text; embed() needs an embedding model")
+        items = [inputs] if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)) else list(inputs)
+        return engine.embed(engine.tokenize(items)).tolist()
 
     def generate(
         self,
@@ -61,6 +72,8 @@ class LLM:
         A prompt is a string, a list of token ids, or a dict with ``prompt`` or
         ``prompt_token_ids``; ``prompts`` may be one prompt or a list of them.
         """
+        if not isinstance(self.llm_engine, LLMEngine):
+            raise InvalidRequest("model", "this is an embedding model; use embed()")
         prompt_list = _as_prompt_list(prompts)
         params = _per_prompt(sampling_params, len(prompt_list), "sampling_params") or [SamplingParams()] * len(prompt_list)
         priorities = _per_prompt(priority, len(prompt_list), "priority") or [0] * len(prompt_list)

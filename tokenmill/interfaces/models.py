@@ -47,3 +47,23 @@ class CausalLM(Protocol):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Consume checkpoint tensors by their checkpoint names; return the parameter names filled."""
+
+
+@runtime_checkable
+class EmbeddingModel(Protocol):
+    """An encoder (BERT-style): bidirectional attention over padded batches, no KV cache.
+
+    A model class marks itself with ``is_embedding_model = True``; the engine
+    then builds an embedding engine around it instead of a generation engine.
+    """
+
+    is_embedding_model: bool
+
+    def encode(
+        self,
+        input_ids: torch.Tensor,  # [batch, seq] int64, right-padded
+        attention_mask: torch.Tensor,  # [batch, seq] 1 = token, 0 = padding
+    ) -> torch.Tensor:  # [batch, seq, hidden]
+        ...
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]: ...

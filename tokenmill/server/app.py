@@ -14,8 +14,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 import tokenmill
 from tokenmill.core.async_engine import AsyncLLM
 from tokenmill.core.config import ServerConfig
+from tokenmill.core.embedding_engine import EmbeddingEngine
 from tokenmill.server.chat import chat_prompt_ids, create_chat_completion
 from tokenmill.server.completions import create_completion
+from tokenmill.server.embeddings import EmbeddingService
 from tokenmill.server.errors import APIError, install_error_handlers
 from tokenmill.server.generation import ServingContext, parse_body
 from tokenmill.server.logging import log_finished_requests
@@ -31,18 +33,28 @@ def resolve_api_key(config: ServerConfig) -> Optional[str]:
     return os.environ.get("TOKENMILL_API_KEY") or None
 
 
-def create_app(llm: AsyncLLM, config: Optional[ServerConfig] = None) -> FastAPI:
+def create_app(llm: AsyncLLM | EmbeddingEngine, config: Optional[ServerConfig] = None) -> FastAPI:
+    """The app for a generation engine (wrapped in AsyncLLM) or an embedding engine."""
     config = config or ServerConfig()
-    engine = llm.engine
+    generating = isinstance(llm, AsyncLLM)
+    engine = llm.engine if generating else llm
     names = config.served_model_name or [Path(engine.config.model).name]
-    ctx = ServingContext(llm, names, engine.max_model_len, engine.tokenizer)
+    ctx = ServingContext(llm if generating else None, names, engine.max_model_len, engine.tokenizer)
     metrics = ServerMetrics(names[0])
-    llm.observers += [metrics.observe_step, log_finished_requests]
+    embeddings = None if generating else EmbeddingService(engine, names[0])
+    if generating:
+        llm.observers += [metrics.observe_step, log_finished_requests]
+
+    def require(kind: str) -> None:
+        if (kind == "generation") != generating:
+            what = "generates text" if generating else "is an embedding model"
+            raise APIError(400, f"the model `{names[0]}` {what}; this endpoint needs {kind}", "model")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
-        llm.shutdown(config.drain_timeout)
+        if generating:
+            llm.shutdown(config.drain_timeout)
 
     app = FastAPI(title="tokenmill", version=tokenmill.__version__, lifespan=lifespan)
     app.state.serving = ctx
@@ -51,11 +63,18 @@ def create_app(llm: AsyncLLM, config: Optional[ServerConfig] = None) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
+        require("generation")
         return await create_completion(request, ctx)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
+        require("generation")
         return await create_chat_completion(request, ctx)
+
+    @app.post("/v1/embeddings")
+    async def create_embeddings(request: Request):
+        require("embeddings")
+        return await embeddings.create(request)
 
     @app.get("/v1/models")
     async def models():
@@ -88,7 +107,7 @@ def create_app(llm: AsyncLLM, config: Optional[ServerConfig] = None) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        if llm.error is not None:
+        if generating and llm.error is not None:
             return JSONResponse({"status": "error", "detail": repr(llm.error)}, status_code=503)
         return {"status": "ok"}
 

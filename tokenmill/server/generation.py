@@ -24,7 +24,7 @@ MAX_SEQUENCES_PER_REQUEST = 128
 class ServingContext:
     """Per-app state the route handlers need."""
 
-    llm: AsyncLLM
+    llm: Optional[AsyncLLM]  # None when serving an embedding model
     served_model_names: list[str]
     max_model_len: int
     tokenizer: Any

@@ -8,12 +8,13 @@ is downloaded. The same arguments always give the same bytes of weights.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from tokenmill.testing.corpus import CORPUS
 
@@ -42,7 +43,17 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "mistral": dict(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=24),
     "qwen2": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"]),
     "qwen2-tied": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True),
+    # an encoder for embeddings, with sentence-transformers' mean pooling + normalization
+    "bert": dict(model_type="bert", architectures=["BertModel"], hidden_act="gelu", layer_norm_eps=1e-12,
+                 type_vocab_size=2, initializer_range=0.05),
 }
+
+_ENCODERS = {"bert"}
+_SENTENCE_TRANSFORMERS_MODULES = [
+    {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+    {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+]
 
 
 def train_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
@@ -70,14 +81,30 @@ def make_tiny_model(arch: str, path: str | Path, *, seed: int = 0, **overrides: 
     tokenizer = train_tokenizer()
     fields = {**_BASE, **ARCHITECTURES[arch], "vocab_size": len(tokenizer), **overrides}
     model_type = fields.pop("model_type")
+    if arch in _ENCODERS:
+        for key in ("rms_norm_eps", "num_key_value_heads", "tie_word_embeddings"):
+            fields.pop(key)
     config = AutoConfig.for_model(model_type, **fields)
+    auto = AutoModel if arch in _ENCODERS else AutoModelForCausalLM
     with _seeded(seed):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.generation_config.eos_token_id = EOS_ID
-    model.generation_config.bos_token_id = BOS_ID
+        model = auto.from_config(config, dtype=torch.float32)
+    if arch in _ENCODERS:
+        _write_sentence_transformers_config(path, config.hidden_size)
+    else:
+        model.generation_config.eos_token_id = EOS_ID
+        model.generation_config.bos_token_id = BOS_ID
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def _write_sentence_transformers_config(path: Path, hidden: int) -> None:
+    (path / "modules.json").write_text(json.dumps(_SENTENCE_TRANSFORMERS_MODULES, indent=2))
+    (path / "1_Pooling").mkdir(exist_ok=True)
+    (path / "1_Pooling" / "config.json").write_text(json.dumps({
+        "word_embedding_dimension": hidden, "pooling_mode_cls_token": False,
+        "pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": False,
+        "pooling_mode_mean_sqrt_len_tokens": False}, indent=2))
 
 
 class _seeded:
@@ -93,5 +120,3 @@ class _seeded:
     def __exit__(self, *exc: object) -> None:
         torch.random.set_rng_state(self.state)
 
-
-MakeModel = Callable[..., Path]

@@ -1,0 +1,68 @@
+"""The engine for encoder (embedding) models: tokenize, batch, encode, pool."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from tokenmill.core.config import EngineConfig
+from tokenmill.core.model_config import ModelConfig
+from tokenmill.core.plugins import PluginManager
+from tokenmill.core.pooling import Pooler
+from tokenmill.interfaces.errors import InvalidRequest
+from tokenmill.interfaces.models import EmbeddingModel
+
+
+class EmbeddingEngine:
+    """Embeds batches of texts or token ids. Not thread-safe: one caller at a time."""
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, tokenizer: Any,
+                 model: EmbeddingModel, pooler: Pooler, plugin_manager: PluginManager,
+                 max_batch_tokens: int) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.model = model
+        self.pooler = pooler
+        self.plugin_manager = plugin_manager
+        self.max_batch_tokens = max_batch_tokens
+        self.max_model_len = min(model_config.max_model_len, pooler.max_seq_length or model_config.max_model_len)
+
+    def tokenize(self, inputs: Sequence[str | Sequence[int]]) -> list[list[int]]:
+        """Texts (with the tokenizer's special tokens) or token ids, length-checked."""
+        result = []
+        for item in inputs:
+            ids = self.tokenizer.encode(item) if isinstance(item, str) else list(item)
+            if not ids:
+                raise InvalidRequest("input", "inputs must not be empty")
+            if len(ids) > self.max_model_len:
+                raise InvalidRequest("input", f"an input has {len(ids)} tokens; this model embeds at most "
+                                              f"{self.max_model_len}")
+            vocab = self.model_config.vocab_size
+            if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+                raise InvalidRequest("input", f"token ids must be integers in [0, {vocab})")
+            result.append(ids)
+        return result
+
+    @torch.inference_mode()
+    def embed(self, token_ids: list[list[int]]) -> torch.Tensor:
+        """[n, hidden] float32 embeddings, in input order. Batches similar lengths together."""
+        order = sorted(range(len(token_ids)), key=lambda i: len(token_ids[i]))
+        out = torch.empty(len(token_ids), self.model_config.hf_config["hidden_size"])
+        pad = self.tokenizer.pad_token_id or 0
+        start = 0
+        while start < len(order):
+            end = start + 1
+            while end < len(order) and (end - start + 1) * len(token_ids[order[end]]) <= self.max_batch_tokens:
+                end += 1
+            batch = [token_ids[i] for i in order[start:end]]
+            width = max(map(len, batch))
+            ids = torch.full((len(batch), width), pad, dtype=torch.long)
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for row, seq in enumerate(batch):
+                ids[row, : len(seq)] = torch.tensor(seq)
+                mask[row, : len(seq)] = 1
+            out[order[start:end]] = self.pooler(self.model.encode(ids, mask), mask)
+            start = end
+        return out
