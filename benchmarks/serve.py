@@ -1,0 +1,215 @@
+"""Online serving load, with ``vllm bench serve`` semantics, against any OpenAI-compatible server.
+
+Sends N streaming /v1/completions requests with Poisson arrivals at
+``--request-rate`` (``inf`` = all at once) and at most ``--max-concurrency``
+in flight, then reports request and output-token throughput and
+TTFT / TPOT / ITL / E2EL (mean, median, p99; TPOT = (e2e - ttft) / (n - 1)).
+
+Point it at a running server (``--base-url``), or let it launch one per
+engine in turn on the same model: ``--launch tokenmill,transformers``.
+
+    python benchmarks/serve.py --launch tokenmill,transformers --preset 52m --num-prompts 64 \\
+        --input-len 256 --output-len 128 --max-concurrency 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import numpy as np
+
+from common import add_common_args, prepare, write_json
+
+
+@dataclass
+class Result:
+    ok: bool = False
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    error: str = ""
+
+
+#: per engine, the fields it accepts beyond OpenAI's (transformers serve rejects unknown ones)
+EXTRA_FIELDS = {"tokenmill": {"ignore_eos": True}, "external": {"ignore_eos": True}, "transformers": {}}
+
+
+async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, output_len: int,
+                      extra: dict) -> Result:
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}, **extra}
+    result = Result()
+    start = last = time.perf_counter()
+    chunks = 0
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+                if not chunk.get("choices") or not chunk["choices"][0].get("text"):
+                    continue
+                now = time.perf_counter()
+                if chunks == 0:
+                    result.ttft = now - start
+                else:
+                    result.itl.append(now - last)
+                last = now
+                chunks += 1
+        result.e2e = time.perf_counter() - start
+        result.output_tokens = result.output_tokens or chunks
+        result.ok = True
+    except httpx.HTTPError as exc:
+        result.error = repr(exc)
+    return result
+
+
+async def run_load(url: str, model: str, prompts: list[str], output_len: int, rate: float,
+                   concurrency: int, seed: int, extra: dict) -> tuple[list[Result], float]:
+    rng = np.random.default_rng(seed)
+    semaphore = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency + 8)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        async def limited(prompt: str) -> Result:
+            async with semaphore:
+                return await one_request(client, url, model, prompt, output_len, extra)
+
+        tasks = []
+        start = time.perf_counter()
+        for prompt in prompts:
+            tasks.append(asyncio.create_task(limited(prompt)))
+            if rate != float("inf"):
+                await asyncio.sleep(rng.exponential(1.0 / rate))
+        results = await asyncio.gather(*tasks)
+        return results, time.perf_counter() - start
+
+
+def summarize(results: list[Result], duration: float) -> dict:
+    ok = [r for r in results if r.ok]
+    out = sum(r.output_tokens for r in ok)
+
+    def stats(values: list[float]) -> dict:
+        if not values:
+            return {"mean_ms": None, "median_ms": None, "p99_ms": None}
+        return {"mean_ms": round(1000 * statistics.fmean(values), 2),
+                "median_ms": round(1000 * statistics.median(values), 2),
+                "p99_ms": round(1000 * float(np.percentile(values, 99)), 2)}
+
+    return {
+        "completed": len(ok), "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if not r.ok})[:3],
+        "duration_s": round(duration, 2),
+        "request_throughput": round(len(ok) / duration, 3),
+        "output_throughput": round(out / duration, 2),
+        "ttft": stats([r.ttft for r in ok]),
+        "tpot": stats([(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]),
+        "itl": stats([x for r in ok for x in r.itl]),
+        "e2el": stats([r.e2e for r in ok]),
+    }
+
+
+def launch(engine: str, model_path: str, port: int, threads: int, max_num_seqs: int) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    if engine == "tokenmill":
+        command = [sys.executable, "-m", "tokenmill.cli", "serve", model_path, "--port", str(port),
+                   "--served-model-name", "bench", "--max-num-seqs", str(max_num_seqs), "--log-level", "warning"]
+    elif engine == "transformers":
+        command = ["transformers", "serve", model_path, "--port", str(port), "--continuous-batching"]
+    else:
+        raise SystemExit(f"unknown engine to launch: {engine}")
+    return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def wait_ready(url: str, process: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"server exited: {process.stderr.read().decode()[-2000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit("server did not become ready")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_common_args(parser)
+    parser.add_argument("--base-url", help="an already running server (skips --launch)")
+    parser.add_argument("--served-model", default="bench", help="the 'model' field to send")
+    parser.add_argument("--launch", default="tokenmill", help="comma-separated: tokenmill,transformers")
+    parser.add_argument("--port", type=int, default=8321)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--request-rate", type=float, default=float("inf"))
+    parser.add_argument("--max-concurrency", type=int, default=32)
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="tokenmill's batch limit when launched")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    path = prepare(args)
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    rng = random.Random(args.seed)
+    vocab = len(tokenizer)
+    prompts = [tokenizer.decode([rng.randrange(10, vocab) for _ in range(args.input_len)]) for _ in range(args.num_prompts)]
+
+    targets = [("external", args.base_url)] if args.base_url else [(e, None) for e in args.launch.split(",")]
+    report = {"config": {k: v for k, v in vars(args).items() if k != "json"}, "engines": {}}
+    for name, url in targets:
+        process = None
+        model = args.served_model
+        if url is None:
+            url = f"http://127.0.0.1:{args.port}"
+            process = launch(name, str(path), args.port, args.threads, args.max_num_seqs)
+            model = "bench" if name == "tokenmill" else str(path)
+        try:
+            if process is not None:
+                wait_ready(url, process)
+            extra = EXTRA_FIELDS.get(name, {})
+            asyncio.run(run_load(url, model, prompts[:2], 4, float("inf"), 2, args.seed, extra))  # warm-up
+            results, duration = asyncio.run(run_load(url, model, prompts, args.output_len, args.request_rate,
+                                                     args.max_concurrency, args.seed, extra))
+            report["engines"][name] = summarize(results, duration)
+        finally:
+            if process is not None:
+                process.terminate()
+                try:
+                    process.wait(30)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait(30)
+        r = report["engines"][name]
+        print(f"{name:<13} done {r['completed']}/{args.num_prompts}  req/s {r['request_throughput']:.2f}  "
+              f"out tok/s {r['output_throughput']:.1f}  TTFT p50 {r['ttft']['median_ms']} ms  "
+              f"TPOT p50 {r['tpot']['median_ms']} ms  ITL p50 {r['itl']['median_ms']} ms  "
+              f"E2EL p50 {r['e2el']['median_ms']} ms" + (f"  errors: {r['errors']}" if r["errors"] else ""))
+    engines = report["engines"]
+    if "tokenmill" in engines and "transformers" in engines and engines["transformers"]["output_throughput"]:
+        ratio = engines["tokenmill"]["output_throughput"] / engines["transformers"]["output_throughput"]
+        report["ratio_tokenmill_vs_transformers"] = round(ratio, 3)
+        print(f"tokenmill / transformers serve (output tok/s): {ratio:.2f}x")
+    write_json(args.json, report)
+
+
+if __name__ == "__main__":
+    main()
