@@ -22,11 +22,12 @@ from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.layers.attention import Attention
 from tokenmill.core.loader import iterate_weights
 from tokenmill.core.model_config import ModelConfig, load_model_config
-from tokenmill.core.model_runner import ModelRunner
+from tokenmill.core.model_runner import ModelRunner, SwapCaches
 from tokenmill.core.plugins import PluginManager, make_plugin_manager
 from tokenmill.core.pooling import Pooler
 from tokenmill.core.registry import Registry
 from tokenmill.core.scheduler import Scheduler
+from tokenmill.core.swap_space import SwapSpace
 from tokenmill.interfaces.attention import AttentionBackend
 from tokenmill.interfaces.errors import ConfigError
 from tokenmill.interfaces.models import ModelContext
@@ -117,11 +118,19 @@ def build_engine(config: EngineConfig, pm: Optional[PluginManager] = None) -> LL
         pm.hook.engine_started(engine=engine)
         return engine
 
-    num_blocks = _num_kv_blocks(config, model_config, backend)
-    _bind_kv_caches(model, backend, num_blocks, config.cache.block_size, model_config.dtype)
+    num_blocks, bytes_per_block = _num_kv_blocks(config, model_config, backend)
+    caches = _bind_kv_caches(model, backend, num_blocks, config.cache.block_size, model_config.dtype)
     kv_cache = KVCacheManager(num_blocks, config.cache.block_size, config.cache.prefix_caching)
-    scheduler = Scheduler(config.scheduler, kv_cache, policy)
-    runner = ModelRunner(model, config.cache.block_size, config.seed)
+    swap_space, swap_caches = None, None
+    if config.scheduler.preemption_mode == "swap":
+        num_host_blocks = int(config.cache.swap_space) // bytes_per_block
+        swap_space = SwapSpace(num_host_blocks)
+        # on a GPU this would be pinned host memory; on CPU it is a second pool
+        swap_caches = SwapCaches(backend, caches, [torch.zeros(
+            backend.kv_cache_shape(num_host_blocks, config.cache.block_size, c_spec.num_kv_heads, c_spec.head_dim),
+            dtype=model_config.dtype) for c_spec in _attention_specs(model)])
+    scheduler = Scheduler(config.scheduler, kv_cache, policy, swap_space)
+    runner = ModelRunner(model, config.cache.block_size, config.seed, swap_caches)
     engine = LLMEngine(config, model_config, tokenizer, scheduler, runner, pm)
     log.info("engine built", model=str(model_config.path), architecture=model_config.architecture,
              dtype=str(model_config.dtype).removeprefix("torch."), attention=backend.name,
@@ -188,7 +197,8 @@ def _load_checkpoint(model: torch.nn.Module, model_config: ModelConfig) -> None:
             method.process_weights_after_loading(module)
 
 
-def _num_kv_blocks(config: EngineConfig, model_config: ModelConfig, backend: AttentionBackend) -> int:
+def _num_kv_blocks(config: EngineConfig, model_config: ModelConfig, backend: AttentionBackend) -> tuple[int, int]:
+    """(number of KV blocks, bytes per block across all layers)."""
     block_size = config.cache.block_size
     per_layer = 1
     for dim in backend.kv_cache_shape(1, block_size, model_config.num_kv_heads, model_config.head_dim):
@@ -208,13 +218,20 @@ def _num_kv_blocks(config: EngineConfig, model_config: ModelConfig, backend: Att
             f"sequence of max_model_len={model_config.max_model_len} needs ({blocks_per_seq}); "
             "give it more memory or lower max_model_len",
         )
-    return num_blocks
+    return num_blocks, bytes_per_block
+
+
+def _attention_specs(model: torch.nn.Module) -> list:
+    return [module.spec for module in model.modules() if isinstance(module, Attention)]
 
 
 def _bind_kv_caches(model: torch.nn.Module, backend: AttentionBackend, num_blocks: int,
-                    block_size: int, dtype: torch.dtype) -> None:
+                    block_size: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    caches = []
     for module in model.modules():
         if isinstance(module, Attention):
             spec = module.spec
             shape = backend.kv_cache_shape(num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
             module.kv_cache = torch.zeros(shape, dtype=dtype)
+            caches.append(module.kv_cache)
+    return caches

@@ -28,7 +28,11 @@ class SchedulerConfig(BaseModel):
     max_num_seqs: int = Field(256, ge=1)
     max_num_batched_tokens: int = Field(4096, ge=1)
     chunked_prefill: bool = True
-    preemption_mode: Literal["recompute"] = "recompute"
+    #: recompute: a victim's KV is dropped and recomputed later; swap: it is copied to
+    #: the host swap space (cache.swap_space) and back, falling back to recompute when full
+    preemption_mode: Literal["recompute", "swap"] = "recompute"
+    #: options of the chosen policy, validated by the policy itself
+    policy_config: dict[str, Any] = {}
 
 
 class CacheConfig(BaseModel):
@@ -41,6 +45,8 @@ class CacheConfig(BaseModel):
     #: max_num_seqs sequences of max_model_len tokens could use
     kv_cache_memory: ByteSize = ByteSize(2 * 1024**3)
     prefix_caching: bool = True
+    #: host memory for swapped-out KV blocks (used with scheduler.preemption_mode: swap)
+    swap_space: ByteSize = ByteSize(1024**3)
 
 
 class AttentionConfig(BaseModel):
@@ -127,6 +133,7 @@ VLLM_NAMES: dict[str, str] = {
     "enable_prefix_caching": "cache.prefix_caching",
     "num_gpu_blocks_override": "cache.num_blocks",
     "kv_cache_memory_bytes": "cache.kv_cache_memory",
+    "swap_space": "cache.swap_space",
     "max_num_seqs": "scheduler.max_num_seqs",
     "max_num_batched_tokens": "scheduler.max_num_batched_tokens",
     "enable_chunked_prefill": "scheduler.chunked_prefill",

@@ -6,6 +6,8 @@ import itertools
 import time
 from typing import Any, Optional, Sequence, Union
 
+import structlog
+
 from tokenmill.core.config import EngineConfig
 from tokenmill.core.model_config import ModelConfig
 from tokenmill.core.model_runner import ModelRunner
@@ -13,8 +15,11 @@ from tokenmill.core.output_processor import OutputProcessor
 from tokenmill.core.plugins import PluginManager
 from tokenmill.core.request import Request
 from tokenmill.core.scheduler import Scheduler
+from tokenmill.interfaces.batch import SchedulerStats
 from tokenmill.interfaces.errors import InvalidRequest
 from tokenmill.interfaces.types import FinishReason, RequestOutput, SamplingParams
+
+log = structlog.get_logger("tokenmill.engine")
 
 #: a prompt: text, token ids, or vLLM's dict forms
 PromptType = Union[str, Sequence[int], dict]
@@ -40,6 +45,9 @@ class LLMEngine:
         self.plugin_manager = plugin_manager
         self.outputs = OutputProcessor(tokenizer)
         self._arrivals = itertools.count()
+        self._warned_priority = False
+        #: the queue after the latest step (for metrics and observers)
+        self.last_scheduler_stats: Optional[SchedulerStats] = None
 
     @classmethod
     def from_config(cls, config: EngineConfig, plugin_manager: Optional[PluginManager] = None) -> "LLMEngine":
@@ -104,6 +112,10 @@ class LLMEngine:
             )
         if request_id in self.outputs.states:
             raise InvalidRequest("request_id", f"request id {request_id!r} is already in use")
+        if priority and not self._warned_priority and not getattr(self.scheduler.policy, "uses_priority", False):
+            self._warned_priority = True
+            log.warning("request priorities are ignored by this scheduling policy; "
+                        "use scheduling_policy='priority'", policy=self.config.scheduler.policy)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
         self.outputs.add(request_id, text, token_ids, params, child_ids, arrival_time)
@@ -141,6 +153,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, and return outputs of requests that advanced."""
         batch = self.scheduler.schedule()
+        self.last_scheduler_stats = batch.stats
         result = self.runner.execute(batch)
         advanced = self.scheduler.update(batch, result)
 

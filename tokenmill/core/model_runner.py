@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from tokenmill.core.sampler import Sampler, SamplingRow, gather_logprobs
-from tokenmill.interfaces.attention import AttentionMetadata
+from tokenmill.interfaces.attention import AttentionBackend, AttentionMetadata
 from tokenmill.interfaces.batch import (
     ModelRunnerOutput,
     NewRequestData,
@@ -35,11 +35,33 @@ class _RequestState:
     num_prompt_logprobs_done: int = 1  # the first prompt token has none
 
 
+@dataclass(frozen=True)
+class SwapCaches:
+    """Per layer, the device KV cache and its host-side swap twin."""
+
+    backend: AttentionBackend
+    device: list[torch.Tensor]
+    host: list[torch.Tensor]
+
+    def copy(self, pairs: tuple[tuple[int, int], ...], to_host: bool) -> None:
+        """``pairs`` are (device block, host block); copies in the given direction."""
+        if not pairs:
+            return
+        index = torch.tensor(pairs, dtype=torch.long)
+        if not to_host:
+            index = index.flip(1)
+        for device, host in zip(self.device, self.host):
+            src, dst = (device, host) if to_host else (host, device)
+            self.backend.swap_blocks(src, dst, index)
+
+
 class ModelRunner:
-    def __init__(self, model: CausalLM, block_size: int, seed: int) -> None:
+    def __init__(self, model: CausalLM, block_size: int, seed: int,
+                 swap: Optional["SwapCaches"] = None) -> None:
         self.model = model
         self.block_size = block_size
         self.sampler = Sampler(seed)
+        self.swap = swap
         self._states: dict[str, _RequestState] = {}
 
     @torch.inference_mode()
@@ -51,6 +73,10 @@ class ModelRunner:
             self._states[data.request_id] = _RequestState(data, generator)
         for request_id in batch.finished_request_ids:
             self._states.pop(request_id, None)
+        if batch.blocks_to_swap_out or batch.blocks_to_swap_in:
+            assert self.swap is not None, "swap requested but no swap space was allocated"
+            self.swap.copy(batch.blocks_to_swap_out, to_host=True)
+            self.swap.copy(batch.blocks_to_swap_in, to_host=False)
         if batch.is_empty:
             return ModelRunnerOutput({}, {}, {})
 

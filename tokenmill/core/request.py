@@ -11,7 +11,8 @@ from tokenmill.interfaces.types import FinishReason, RequestMetrics, SamplingPar
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
-    PREEMPTED = "preempted"
+    PREEMPTED = "preempted"  # KV dropped: recomputed when resumed
+    SWAPPED = "swapped"  # KV in the host swap space: copied back when resumed
     FINISHED = "finished"
 
 

@@ -3,24 +3,29 @@ known tokens, within a token budget and ``max_num_seqs``.
 
 There is no separate prefill phase. Running requests are served first (a
 decode token, or the next prefill chunk), then waiting ones in the policy's
-order. When KV blocks run out, the policy picks a victim, which is preempted
-by recompute: its blocks are freed and it waits to be computed again (its
-prefix is usually still in the prefix cache).
+order. Preemption has two triggers: KV blocks running out for a running
+request (the policy picks a victim), and a waiting request that the policy
+ranks above running ones while the batch is full (by seats or blocks). A
+victim is preempted by recompute (its blocks are dropped; its prefix usually
+stays in the prefix cache) or by swap (its blocks are copied to the host swap
+space and back when it resumes, falling back to recompute when that is full).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Iterable
+from typing import Iterable, Optional
 
 from tokenmill.core.config import SchedulerConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.swap_space import SwapSpace
 from tokenmill.interfaces.batch import (
     ModelRunnerOutput,
     NewRequestData,
     ScheduledRequest,
     SchedulerOutput,
+    SchedulerStats,
 )
 from tokenmill.interfaces.scheduling import SchedulingPolicy
 from tokenmill.interfaces.types import FinishReason
@@ -28,17 +33,23 @@ from tokenmill.interfaces.types import FinishReason
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, kv_cache: KVCacheManager, policy: SchedulingPolicy
+        self,
+        config: SchedulerConfig,
+        kv_cache: KVCacheManager,
+        policy: SchedulingPolicy,
+        swap_space: Optional[SwapSpace] = None,
     ) -> None:
         self.config = config
         self.kv_cache = kv_cache
         self.policy = policy
+        self.swap_space = swap_space if config.preemption_mode == "swap" else None
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._known_to_runner: set[str] = set()
         self._finished_since_schedule: set[str] = set()
         self.num_preemptions_total = 0
+        self.num_swaps_total = 0
 
     # --- queue -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -49,6 +60,10 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @property
+    def num_swapped(self) -> int:
+        return sum(1 for r in self.waiting if r.status is RequestStatus.SWAPPED)
 
     def finish_requests(
         self, request_ids: Iterable[str], reason: FinishReason, stop_reason: int | str | None = None
@@ -70,74 +85,117 @@ class Scheduler:
 
     # --- one step ----------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
-        block_size = self.kv_cache.block_size
-        scheduled: list[ScheduledRequest] = []
-        new_requests: list[NewRequestData] = []
-        preempted: list[str] = []
+        step = _Step(self.config.max_num_batched_tokens)
+        self.waiting.sort(key=self.policy.sort_key)
+        self._preempt_for_waiting(step)
+        self._schedule_running(step)
+        # Admit waiting requests unless running ones just ran out of blocks
+        # (admitting more would only preempt again).
+        if not step.pressure_preempted:
+            self._schedule_waiting(step)
 
-        def emit(request: Request, num_new: int) -> None:
-            start = request.num_computed_tokens
-            if request.request_id not in self._known_to_runner:
-                self._known_to_runner.add(request.request_id)
-                new_requests.append(_new_request_data(request))
-            scheduled.append(ScheduledRequest(
-                request_id=request.request_id,
-                new_token_ids=tuple(request.all_token_ids[start:start + num_new]),
-                num_computed_tokens=start,
-                block_ids=self.kv_cache.block_ids(request.request_id),
-                sample=start + num_new == request.num_tokens,
-            ))
+        finished = frozenset(self._finished_since_schedule)
+        self._finished_since_schedule.clear()
+        num_tokens = self.config.max_num_batched_tokens - step.budget
+        return SchedulerOutput(
+            scheduled=tuple(step.scheduled),
+            new_requests=tuple(step.new_requests),
+            finished_request_ids=finished,
+            num_scheduled_tokens=num_tokens,
+            preempted_request_ids=tuple(step.preempted),
+            blocks_to_swap_out=tuple(step.swap_out),
+            blocks_to_swap_in=tuple(step.swap_in),
+            stats=SchedulerStats(len(self.running), len(self.waiting), self.num_swapped, len(step.preempted),
+                                 num_tokens, self.kv_cache.pool.usage()),
+        )
 
-        # Running requests first, in admission order.
+    def _preempt_for_waiting(self, step: "_Step") -> None:
+        """Let waiting requests the policy ranks higher take a full batch's seats or blocks."""
+        seats = self.config.max_num_seqs - len(self.running)
+        # blocks left once the running requests have grown by this step's tokens
+        free_blocks = self.kv_cache.pool.num_free_blocks - sum(map(self._blocks_to_grow, self.running))
+        for candidate in list(self.waiting):
+            need = self._blocks_to_admit(candidate, step.budget)
+            while seats < 1 or free_blocks < need:
+                victims = [r for r in self.running if self.policy.may_preempt(candidate, r)]
+                if not victims:
+                    return  # the best waiting request cannot get in; nor can later ones
+                victim = self.policy.choose_victim(victims)
+                free_blocks += self._blocks_to_grow(victim) + self._preempt(victim, step)
+                seats += 1
+            seats -= 1
+            free_blocks -= need
+
+    def _schedule_running(self, step: "_Step") -> None:
         index = 0
-        while index < len(self.running) and budget > 0:
+        while index < len(self.running) and step.budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.num_tokens - request.num_computed_tokens, step.budget)
             while not self.kv_cache.allocate_slots(request, num_new):
                 victim = self.policy.choose_victim(self.running[index:])
-                self._preempt(victim)
-                preempted.append(victim.request_id)
+                self._preempt(victim, step)
+                step.pressure_preempted = True
                 if victim is request:
                     break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted itself; the next request slid into `index`
-            emit(request, num_new)
-            budget -= num_new
+            self._emit(request, num_new, step)
             index += 1
 
-        # Then waiting requests, in the policy's order, unless this step had to
-        # preempt (admitting more would only preempt again).
-        if not preempted:
-            self.waiting.sort(key=self.policy.sort_key)
-            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-                request = self.waiting[0]
-                hits = self.kv_cache.get_computed_blocks(request)
-                num_new = request.num_tokens - len(hits) * block_size
-                if num_new > budget and not self.config.chunked_prefill:
-                    break
-                num_new = min(num_new, budget)
-                if not self.kv_cache.allocate_slots(request, num_new, hits):
-                    break
-                self.waiting.pop(0)
-                request.num_computed_tokens = len(hits) * block_size
-                if request.metrics.first_scheduled_time is None:
-                    request.metrics.first_scheduled_time = time.monotonic()
-                    request.num_cached_tokens = request.num_computed_tokens
-                request.status = RequestStatus.RUNNING
-                self.running.append(request)
-                emit(request, num_new)
-                budget -= num_new
+    def _schedule_waiting(self, step: "_Step") -> None:
+        block_size = self.kv_cache.block_size
+        for request in list(self.waiting):
+            if step.budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                return
+            if request.request_id in step.preempted:
+                continue  # never re-admit a victim in the step that preempted it
+            swapped = request.status is RequestStatus.SWAPPED
+            hits = [] if swapped else self.kv_cache.get_computed_blocks(request)
+            num_computed = request.num_computed_tokens if swapped else len(hits) * block_size
+            num_new = request.num_tokens - num_computed
+            if num_new > step.budget and not self.config.chunked_prefill:
+                return
+            num_new = min(num_new, step.budget)
+            # a waiting request that is not swapped has computed nothing yet: the hits
+            # become its first computed tokens once the allocation succeeds
+            if not self.kv_cache.allocate_slots(request, num_new, hits):
+                return
+            request.num_computed_tokens = num_computed
+            if swapped:
+                host = self.swap_space.release(request.request_id)
+                step.swap_in.extend(zip(self.kv_cache.block_ids(request.request_id), host))
+            self.waiting.remove(request)
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = time.monotonic()
+                request.num_cached_tokens = request.num_computed_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self._emit(request, num_new, step)
 
-        finished = frozenset(self._finished_since_schedule)
-        self._finished_since_schedule.clear()
-        return SchedulerOutput(
-            scheduled=tuple(scheduled),
-            new_requests=tuple(new_requests),
-            finished_request_ids=finished,
-            num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
-            preempted_request_ids=tuple(preempted),
-        )
+    def _blocks_to_grow(self, request: Request) -> int:
+        """New blocks a running request needs for its next token or chunk."""
+        tokens = min(request.num_tokens, request.num_computed_tokens + self.config.max_num_batched_tokens)
+        return max(0, -(-tokens // self.kv_cache.block_size) - self.kv_cache.num_blocks_of(request.request_id))
+
+    def _blocks_to_admit(self, request: Request, budget: int) -> int:
+        """Blocks a waiting request needs for its first step (ignoring prefix hits)."""
+        tokens = request.num_tokens if not self.config.chunked_prefill else min(
+            request.num_tokens, request.num_computed_tokens + budget)
+        return -(-tokens // self.kv_cache.block_size)
+
+    def _emit(self, request: Request, num_new: int, step: "_Step") -> None:
+        start = request.num_computed_tokens
+        if request.request_id not in self._known_to_runner:
+            self._known_to_runner.add(request.request_id)
+            step.new_requests.append(_new_request_data(request))
+        step.scheduled.append(ScheduledRequest(
+            request_id=request.request_id,
+            new_token_ids=tuple(request.all_token_ids[start:start + num_new]),
+            num_computed_tokens=start,
+            block_ids=self.kv_cache.block_ids(request.request_id),
+            sample=start + num_new == request.num_tokens,
+        ))
+        step.budget -= num_new
 
     def update(self, output: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
         """Advance computed tokens, append sampled tokens, apply token-level stops.
@@ -161,22 +219,51 @@ class Scheduler:
         return advanced
 
     # --- internals ---------------------------------------------------------
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, step: "_Step") -> int:
+        """Preempt a running request; returns the number of device blocks it freed."""
         self.running.remove(request)
+        device_blocks = self.kv_cache.block_ids(request.request_id)
+        host = None
+        if self.swap_space is not None and request.num_computed_tokens > 0:
+            host = self.swap_space.allocate(request.request_id, len(device_blocks))
+        if host is not None:
+            step.swap_out.extend(zip(device_blocks, host))
+            request.status = RequestStatus.SWAPPED
+            self.num_swaps_total += 1
+        else:
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.PREEMPTED
+        free_before = self.kv_cache.pool.num_free_blocks
         self.kv_cache.free(request)
-        request.num_computed_tokens = 0
-        request.status = RequestStatus.PREEMPTED
         request.metrics.num_preemptions += 1
         self.num_preemptions_total += 1
+        step.preempted.append(request.request_id)
         self.waiting.append(request)
+        self.waiting.sort(key=self.policy.sort_key)
+        return self.kv_cache.pool.num_free_blocks - free_before
 
     def _free(self, request: Request) -> None:
         request.status = RequestStatus.FINISHED
         self.kv_cache.free(request)
+        if self.swap_space is not None:
+            self.swap_space.release(request.request_id)
         del self.requests[request.request_id]
         if request.request_id in self._known_to_runner:
             self._known_to_runner.discard(request.request_id)
             self._finished_since_schedule.add(request.request_id)
+
+
+class _Step:
+    """What one schedule() call accumulates."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.scheduled: list[ScheduledRequest] = []
+        self.new_requests: list[NewRequestData] = []
+        self.preempted: list[str] = []
+        self.swap_out: list[tuple[int, int]] = []
+        self.swap_in: list[tuple[int, int]] = []
+        self.pressure_preempted = False
 
 
 def _new_request_data(request: Request) -> NewRequestData:

@@ -81,6 +81,12 @@ class AttentionBackend(Protocol):
     ) -> tuple[int, ...]:
         """Shape of one layer's cache tensor (keys and values together)."""
 
+    def swap_blocks(self, src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor) -> None:
+        """Copy blocks between two caches of this backend's layout (device <-> host swap).
+
+        ``pairs`` is ``[n, 2]`` int64: (source block, destination block).
+        """
+
     def forward(
         self,
         layer: AttentionLayerSpec,

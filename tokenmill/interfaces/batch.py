@@ -40,6 +40,18 @@ class ScheduledRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    """The queue after a schedule() call, for metrics and observers."""
+
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_preempted: int  # in this step
+    num_scheduled_tokens: int
+    kv_cache_usage: float
+
+
+@dataclass(frozen=True, slots=True)
 class SchedulerOutput:
     """Everything the model runner needs for one forward pass."""
 
@@ -48,8 +60,12 @@ class SchedulerOutput:
     #: requests the runner may forget (finished or aborted since the last step)
     finished_request_ids: frozenset[str]
     num_scheduled_tokens: int
-    #: requests preempted by this schedule() call (recompute: they restart from zero)
+    #: requests preempted by this schedule() call
     preempted_request_ids: tuple[str, ...] = ()
+    #: (device block, host block) copies to make before the forward pass, outs first
+    blocks_to_swap_out: tuple[tuple[int, int], ...] = ()
+    blocks_to_swap_in: tuple[tuple[int, int], ...] = ()
+    stats: Optional["SchedulerStats"] = None
 
     @property
     def is_empty(self) -> bool:

@@ -39,13 +39,24 @@ class RequestView(Protocol):
 
 @runtime_checkable
 class SchedulingPolicy(Protocol):
-    """Orders waiting requests and picks preemption victims."""
+    """Orders waiting requests and picks preemption victims.
+
+    Called by the scheduler on its thread, every step: keep the methods cheap.
+    A factory receives the engine's ``SchedulerConfig``; policy-specific
+    options live in ``config.policy_config`` and are the policy's to validate.
+    """
+
+    #: whether per-request ``priority`` means anything to this policy (the engine
+    #: warns once when requests carry a priority that the policy would ignore)
+    uses_priority: bool
 
     def sort_key(self, request: RequestView) -> Any:
         """Key of a waiting request; the smallest is admitted first."""
 
     def may_preempt(self, waiting: RequestView, running: RequestView) -> bool:
-        """Whether ``waiting`` may evict ``running`` to be admitted now (a full batch)."""
+        """Whether ``waiting`` may evict ``running`` to be admitted now, when the batch is
+        full (by ``max_num_seqs`` or by KV blocks). Must be a strict order (never both
+        ways for one pair), so that two requests cannot preempt each other in turn."""
 
     def choose_victim(self, running: Sequence[RequestView]) -> RequestView:
         """Which running request to preempt when KV blocks run out: one of ``running``.

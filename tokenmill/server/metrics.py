@@ -38,6 +38,11 @@ class ServerMetrics:
 
         self.running = gauge("num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.swapped = gauge("num_requests_swapped", "Preempted requests whose KV is in the host swap space.")
+        self.batch_tokens = Histogram("tokenmill:iteration_tokens_total", "Tokens scheduled per engine step.",
+                                      ["model_name"], registry=r,
+                                      buckets=(1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+                                      ).labels(model_name)
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
@@ -60,6 +65,10 @@ class ServerMetrics:
         scheduler = engine.scheduler
         self.running.set(len(scheduler.running))
         self.waiting.set(len(scheduler.waiting))
+        self.swapped.set(scheduler.num_swapped)
+        stats = engine.last_scheduler_stats
+        if stats is not None and outputs:
+            self.batch_tokens.observe(stats.num_scheduled_tokens)
         kv = scheduler.kv_cache
         self.kv_usage.set(kv.pool.usage())
         self.preemptions.inc(scheduler.num_preemptions_total - self._seen_preemptions)

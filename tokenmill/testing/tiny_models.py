@@ -80,6 +80,10 @@ def make_tiny_model(arch: str, path: str | Path, *, seed: int = 0, **overrides: 
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer()
     fields = {**_BASE, **ARCHITECTURES[arch], "vocab_size": len(tokenizer), **overrides}
+    if fields["vocab_size"] > len(tokenizer):
+        # a larger vocabulary (benchmark shapes): give every extra id a text of its own,
+        # so generated ids decode to visible text and decoded prompts re-encode exactly
+        tokenizer.add_tokens([f"<|t{i}|>" for i in range(len(tokenizer), fields["vocab_size"])])
     model_type = fields.pop("model_type")
     if arch in _ENCODERS:
         for key in ("rms_norm_eps", "num_key_value_heads", "tie_word_embeddings"):

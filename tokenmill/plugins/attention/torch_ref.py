@@ -30,6 +30,9 @@ class TorchReferenceAttention:
     ) -> tuple[int, ...]:
         return (2, num_blocks, block_size, num_kv_heads, head_dim)
 
+    def swap_blocks(self, src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor) -> None:
+        dst[:, pairs[:, 1]] = src[:, pairs[:, 0]]
+
     def forward(
         self,
         layer: AttentionLayerSpec,

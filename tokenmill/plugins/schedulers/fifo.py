@@ -9,7 +9,10 @@ from tokenmill.interfaces.scheduling import RequestView
 
 
 class FifoPolicy:
-    """Admit in arrival order; when blocks run out, preempt the most recently admitted."""
+    """Admit in arrival order; when blocks run out, preempt the most recently admitted.
+    Per-request priorities are ignored (the engine logs that once)."""
+
+    uses_priority = False
 
     def __init__(self, config: Any = None) -> None:
         pass
