@@ -7,7 +7,14 @@ import pytest
 
 from conftest import NEW_TOKENS, PROMPTS, make_llm
 from tokenmill import SamplingParams
+from tokenmill.core.compose import collect_components
+from tokenmill.core.plugins import make_plugin_manager
+from tokenmill.interfaces.errors import UnknownComponent
 from tokenmill.testing.hf_reference import assert_matches_reference
+from tokenmill.testing.tiny_models import ARCHITECTURES
+
+#: every tiny decoder the factory can make: one or more per registered architecture
+DECODERS = sorted(name for name, spec in ARCHITECTURES.items() if spec["model_type"] != "bert")
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
 
@@ -20,11 +27,44 @@ def generate(llm, prompts=PROMPTS):
     return outputs, tokens, logprobs
 
 
-@pytest.mark.parametrize("arch", ["llama", "llama3", "mistral", "qwen2", "qwen2-tied"])
+@pytest.mark.parametrize("arch", DECODERS)
 def test_default_engine_matches_hf(arch, model_dir, hf_reference):
     """12 mixed-length prompts batched together decode exactly as HF does, alone."""
     _, tokens, logprobs = generate(make_llm(model_dir(arch)))
     assert_matches_reference(hf_reference(arch), tokens, logprobs)
+
+
+@pytest.mark.parametrize("arch", DECODERS)
+def test_chunked_prefill_and_prefix_hits_match_hf_for_every_family(arch, model_dir, hf_reference):
+    """Every family, with 16-token prefill chunks and a second, prefix-cached pass."""
+    llm = make_llm(model_dir(arch), max_num_batched_tokens=16, block_size=8)
+    generate(llm)
+    second, tokens, logprobs = generate(llm)
+    assert any(o.num_cached_tokens > 0 for o in second)
+    assert_matches_reference(hf_reference(arch), tokens, logprobs)
+
+
+def test_every_registered_architecture_has_a_parity_model():
+    """A model plugin is covered by the parity tests as soon as it registers: the tiny
+    factory must know how to build each registered architecture."""
+    registered = set(collect_components(make_plugin_manager()).model_architectures.names())
+    buildable = {spec["architectures"][0] for spec in ARCHITECTURES.values()}
+    assert registered <= buildable, f"no tiny model for {sorted(registered - buildable)}"
+
+
+def test_unregistered_architecture_lists_the_registered_ones(model_dir, tmp_path):
+    """A checkpoint whose architecture no plugin registers fails, naming what is available."""
+    import json
+    import shutil
+
+    target = tmp_path / "unknown"
+    shutil.copytree(model_dir("llama"), target)
+    config = json.loads((target / "config.json").read_text())
+    config["architectures"] = ["FancyNewForCausalLM"]
+    (target / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnknownComponent) as info:
+        make_llm(target)
+    assert "FancyNewForCausalLM" in str(info.value) and "LlamaForCausalLM" in info.value.available
 
 
 VARIANTS = {

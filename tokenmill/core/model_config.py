@@ -61,10 +61,19 @@ class ModelConfig:
 def normalize_hf_config(raw: dict[str, Any]) -> dict[str, Any]:
     """transformers-4 spellings -> transformers-5 ones (``rope_parameters``, ``dtype``)."""
     cfg = dict(raw)
+    # GPT-2 style names
+    for gpt2_name, name in (("n_embd", "hidden_size"), ("n_layer", "num_hidden_layers"),
+                            ("n_head", "num_attention_heads"), ("n_positions", "max_position_embeddings")):
+        if gpt2_name in cfg:
+            cfg.setdefault(name, cfg[gpt2_name])
     if "rope_parameters" not in cfg or cfg["rope_parameters"] is None:
         rope = dict(cfg.get("rope_scaling") or {})
         if "type" in rope:
             rope.setdefault("rope_type", rope.pop("type"))
+        if rope.get("rope_type") == "su":  # Phi-3's original name for longrope
+            rope["rope_type"] = "longrope"
+        if "original_max_position_embeddings" in cfg:
+            rope.setdefault("original_max_position_embeddings", cfg["original_max_position_embeddings"])
         rope.setdefault("rope_type", "default")
         rope.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
         if "partial_rotary_factor" in cfg:

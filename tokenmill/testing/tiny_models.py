@@ -32,7 +32,8 @@ _BASE: dict[str, Any] = dict(
     tie_word_embeddings=False,
 )
 
-#: architecture key -> config overrides; every supported family has at least one
+#: architecture key -> config overrides; every supported family has at least one.
+#: "_drop" lists base fields the family's config does not have.
 ARCHITECTURES: dict[str, dict[str, Any]] = {
     "llama": dict(model_type="llama", architectures=["LlamaForCausalLM"]),
     "llama3": dict(
@@ -40,12 +41,40 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
                           high_freq_factor=4.0, original_max_position_embeddings=64),
     ),
+    # Yi / DeepSeek-dense quirks: MQA, biases, head_dim != hidden / heads, other rope scalings
+    "llama-mqa-bias": dict(model_type="llama", architectures=["LlamaForCausalLM"], num_key_value_heads=1,
+                           attention_bias=True, head_dim=32, tie_word_embeddings=True),
+    "llama-linear": dict(model_type="llama", architectures=["LlamaForCausalLM"],
+                         rope_scaling=dict(rope_type="linear", factor=2.0)),
+    "llama-dynamic": dict(model_type="llama", architectures=["LlamaForCausalLM"],
+                          rope_scaling=dict(rope_type="dynamic", factor=2.0)),
+    "llama-yarn": dict(model_type="llama", architectures=["LlamaForCausalLM"],
+                       rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=128)),
     "mistral": dict(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=24),
+    "mixtral": dict(model_type="mixtral", architectures=["MixtralForCausalLM"], num_local_experts=4,
+                    num_experts_per_tok=2, sliding_window=None),
     "qwen2": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"]),
     "qwen2-tied": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True),
+    "qwen3": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=16),
+    "qwen3-moe": dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], head_dim=16, num_experts=4,
+                      num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1]),
+    "phi3": dict(model_type="phi3", architectures=["Phi3ForCausalLM"]),
+    "phi3-longrope": dict(model_type="phi3", architectures=["Phi3ForCausalLM"], original_max_position_embeddings=256,
+                          rope_scaling=dict(rope_type="longrope", short_factor=[1.0 + i / 16 for i in range(8)],
+                                            long_factor=[2.0 + i / 8 for i in range(8)],
+                                            original_max_position_embeddings=256)),
+    "gemma": dict(model_type="gemma", architectures=["GemmaForCausalLM"], head_dim=16,
+                  hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True),
+    "gemma2": dict(model_type="gemma2", architectures=["Gemma2ForCausalLM"], head_dim=16, sliding_window=16,
+                   query_pre_attn_scalar=16, hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True),
+    "gpt2": dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], n_embd=64, n_layer=2, n_head=4,
+                 n_positions=512, activation_function="gelu_new", tie_word_embeddings=True,
+                 _drop=("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                        "num_key_value_heads", "max_position_embeddings", "rms_norm_eps")),
     # an encoder for embeddings, with sentence-transformers' mean pooling + normalization
     "bert": dict(model_type="bert", architectures=["BertModel"], hidden_act="gelu", layer_norm_eps=1e-12,
-                 type_vocab_size=2, initializer_range=0.05),
+                 type_vocab_size=2, initializer_range=0.05,
+                 _drop=("rms_norm_eps", "num_key_value_heads", "tie_word_embeddings")),
 }
 
 _ENCODERS = {"bert"}
@@ -79,15 +108,14 @@ def make_tiny_model(arch: str, path: str | Path, *, seed: int = 0, **overrides: 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer()
-    fields = {**_BASE, **ARCHITECTURES[arch], "vocab_size": len(tokenizer), **overrides}
+    spec = dict(ARCHITECTURES[arch])
+    base = {k: v for k, v in _BASE.items() if k not in spec.pop("_drop", ())}
+    fields = {**base, **spec, "vocab_size": len(tokenizer), **overrides}
     if fields["vocab_size"] > len(tokenizer):
         # a larger vocabulary (benchmark shapes): give every extra id a text of its own,
         # so generated ids decode to visible text and decoded prompts re-encode exactly
         tokenizer.add_tokens([f"<|t{i}|>" for i in range(len(tokenizer), fields["vocab_size"])])
     model_type = fields.pop("model_type")
-    if arch in _ENCODERS:
-        for key in ("rms_norm_eps", "num_key_value_heads", "tie_word_embeddings"):
-            fields.pop(key)
     config = AutoConfig.for_model(model_type, **fields)
     auto = AutoModel if arch in _ENCODERS else AutoModelForCausalLM
     with _seeded(seed):

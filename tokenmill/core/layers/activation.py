@@ -7,20 +7,27 @@ from torch.nn import functional as F
 
 from tokenmill.interfaces.errors import ConfigError
 
-_GATES = {
+_ACTIVATIONS = {
     "silu": F.silu,
-    "gelu": lambda x: F.gelu(x),
+    "gelu": F.gelu,
+    "relu": F.relu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
 }
+
+
+def activation(name: str):
+    """The elementwise activation HF calls ``name``."""
+    try:
+        return _ACTIVATIONS[name]
+    except KeyError:
+        raise ConfigError("hidden_act", f"unsupported activation {name!r}; "
+                          f"supported: {', '.join(sorted(_ACTIVATIONS))}") from None
 
 
 def gated_activation(name: str):
     """``act(gate) * up`` for a ``[..., 2 * d]`` tensor holding gate then up."""
-    try:
-        act = _GATES[name]
-    except KeyError:
-        raise ConfigError("hidden_act", f"unsupported activation {name!r}; "
-                          f"supported: {', '.join(sorted(_GATES))}") from None
+    act = activation(name)
 
     def apply(x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)

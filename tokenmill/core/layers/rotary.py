@@ -7,7 +7,7 @@ so fp32 logits match the reference to the last bits that matter.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import torch
 from torch import nn
@@ -15,22 +15,73 @@ from torch import nn
 from tokenmill.interfaces.errors import ConfigError
 
 
-def inverse_frequencies(rope: Mapping[str, Any], head_dim: int) -> tuple[torch.Tensor, float]:
-    """``(inv_freq [rotary_dim // 2], attention_scaling)`` for a ``rope_parameters`` dict."""
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+
+
+def inverse_frequencies(
+    rope: Mapping[str, Any], head_dim: int, max_position_embeddings: int
+) -> tuple[torch.Tensor, float, Optional[tuple[torch.Tensor, int]]]:
+    """``(inv_freq [rotary_dim // 2], attention_scaling, long)`` for a ``rope_parameters`` dict.
+
+    ``long`` is ``(inv_freq, from_position)`` for longrope's long-context factors.
+    ``dynamic`` NTK scaling only changes frequencies beyond max_position_embeddings,
+    which max_model_len never exceeds, so it equals the default here (as in HF).
+    """
     rope_type = rope.get("rope_type", "default")
     dim = int(head_dim * rope.get("partial_rotary_factor", 1.0))
     base = rope["rope_theta"]
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    if rope_type == "default":
-        return inv_freq, 1.0
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv_freq = 1.0 / (base**exponents)
+    if rope_type in ("default", "dynamic"):
+        return inv_freq, 1.0, None
     if rope_type == "linear":
-        return inv_freq / rope["factor"], 1.0
+        return inv_freq / rope["factor"], 1.0, None
     if rope_type == "llama3":
-        return _llama3(inv_freq, rope), 1.0
+        return _llama3(inv_freq, rope), 1.0, None
+    if rope_type == "yarn":
+        return (*_yarn(rope, dim, base, max_position_embeddings), None)
+    if rope_type == "longrope":
+        original = rope["original_max_position_embeddings"]
+        factor = rope.get("factor") or max_position_embeddings / original
+        scaling = rope.get("attention_factor") or (
+            1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original)))
+        short = 1.0 / (torch.tensor(rope["short_factor"], dtype=torch.float32) * base**exponents)
+        long = 1.0 / (torch.tensor(rope["long_factor"], dtype=torch.float32) * base**exponents)
+        return short, scaling, (long, original)
     raise ConfigError(
         "rope_parameters.rope_type",
-        f"rope type {rope_type!r} is not supported yet; supported: default, linear, llama3",
+        f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}",
     )
+
+
+def _yarn(rope: Mapping[str, Any], dim: int, base: float, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+    original = rope["original_max_position_embeddings"]
+    factor = rope.get("factor") or max_position_embeddings / original
+
+    def get_mscale(scale: float, mscale: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    scaling = rope.get("attention_factor")
+    if scaling is None:
+        mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+        scaling = (get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+                   if mscale and mscale_all_dim else get_mscale(factor))
+    beta_fast, beta_slow = rope.get("beta_fast") or 32, rope.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rope.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation_factor = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation_factor) + (1.0 / pos_freqs) * extrapolation_factor
+    return inv_freq, float(scaling)
 
 
 def _llama3(inv_freq: torch.Tensor, rope: Mapping[str, Any]) -> torch.Tensor:
@@ -47,11 +98,14 @@ def _llama3(inv_freq: torch.Tensor, rope: Mapping[str, Any]) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, rope: Mapping[str, Any]) -> None:
+    def __init__(self, head_dim: int, rope: Mapping[str, Any], max_position_embeddings: int) -> None:
         super().__init__()
-        inv_freq, self.scaling = inverse_frequencies(rope, head_dim)
+        inv_freq, self.scaling, long = inverse_frequencies(rope, head_dim, max_position_embeddings)
         self.rotary_dim = 2 * inv_freq.numel()
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # longrope: positions from `long_from` on use the long-context factors
+        self.long_from = long[1] if long else None
+        self.register_buffer("long_inv_freq", long[0] if long else None, persistent=False)
 
     def forward(
         self,
@@ -60,6 +114,9 @@ class RotaryEmbedding(nn.Module):
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[:, None].float() * self.inv_freq  # [num_tokens, rotary_dim // 2]
+        if self.long_from is not None:
+            long = positions[:, None].float() * self.long_inv_freq
+            freqs = torch.where(positions[:, None] >= self.long_from, long, freqs)
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         cos = (emb.cos() * self.scaling).to(query.dtype)
         sin = (emb.sin() * self.scaling).to(query.dtype)

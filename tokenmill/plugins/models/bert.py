@@ -13,13 +13,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from tokenmill.core.layers.activation import activation
 from tokenmill.core.layers.linear import Linear
 from tokenmill.core.layers.weights import load_weights
 from tokenmill.interfaces.errors import ConfigError
 from tokenmill.interfaces.hookspecs import hookimpl
 from tokenmill.interfaces.models import ModelContext
-
-_ACTIVATIONS = {"gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
 
 
 class BertLayer(nn.Module):
@@ -34,10 +33,7 @@ class BertLayer(nn.Module):
         self.intermediate = Linear(hidden, [inter], bias=True, dtype=dtype)
         self.output = Linear(inter, [hidden], bias=True, dtype=dtype)
         self.output_norm = nn.LayerNorm(hidden, eps=eps, dtype=dtype)
-        act = cfg.get("hidden_act", "gelu")
-        if act not in _ACTIVATIONS:
-            raise ConfigError("hidden_act", f"unsupported activation {act!r} for BERT")
-        self.act = _ACTIVATIONS[act]
+        self.act = activation(cfg.get("hidden_act", "gelu"))
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         batch, seq, hidden = x.shape

@@ -1,9 +1,11 @@
-"""Llama and the families that share its decoder block.
+"""The Llama decoder block and the families that are Llama with switches.
 
-Covers ``LlamaForCausalLM`` (Llama 1-3.x, incl. Llama-3.1 ``llama3`` rope
-scaling; Yi and DeepSeek dense checkpoints use this name too) and
-``MistralForCausalLM`` (sliding-window attention). Other families reuse the
-block by overriding the class-level switches (see qwen2.py).
+Covers ``LlamaForCausalLM`` (Llama 1-3.x incl. ``llama3`` rope scaling; Yi
+and DeepSeek dense checkpoints use this name too, with ``attention_bias``,
+``head_dim`` and ``linear``/``dynamic``/``yarn`` rope scaling) and
+``MistralForCausalLM`` (sliding-window attention). Other families (Qwen2/3,
+Gemma, Phi-3, Mixtral) subclass ``LlamaForCausalLM`` and override the
+class-level switches below instead of copying the block.
 """
 
 from __future__ import annotations
@@ -25,26 +27,32 @@ from tokenmill.interfaces.models import ModelContext
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, ctx: ModelContext, cfg: Mapping[str, Any], prefix: str,
-                 qkv_bias: bool, o_bias: bool, sliding_window: Optional[int]) -> None:
+    def __init__(self, model: "LlamaForCausalLM", ctx: ModelContext, prefix: str, layer: int) -> None:
         super().__init__()
+        cfg = ctx.hf_config
         hidden = cfg["hidden_size"]
         self.num_heads = cfg["num_attention_heads"]
         self.num_kv_heads = cfg.get("num_key_value_heads") or self.num_heads
         self.head_dim = cfg.get("head_dim") or hidden // self.num_heads
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split = [q_size, kv_size, kv_size]
-        self.qkv_proj = Linear(hidden, self.split, bias=qkv_bias, dtype=ctx.dtype,
+        self.qkv_proj = Linear(hidden, self.split, bias=model.qkv_bias(cfg), dtype=ctx.dtype,
                                quantization=ctx.quantization, prefix=f"{prefix}.qkv_proj")
-        self.o_proj = Linear(q_size, [hidden], bias=o_bias, dtype=ctx.dtype,
+        self.o_proj = Linear(q_size, [hidden], bias=model.o_bias(cfg), dtype=ctx.dtype,
                              quantization=ctx.quantization, prefix=f"{prefix}.o_proj")
-        self.rotary_emb = RotaryEmbedding(self.head_dim, cfg["rope_parameters"])
+        if model.qk_norm:
+            eps = cfg.get("rms_norm_eps", 1e-6)
+            self.q_norm = model.norm_class(self.head_dim, eps, ctx.dtype)
+            self.k_norm = model.norm_class(self.head_dim, eps, ctx.dtype)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, cfg["rope_parameters"],
+                                          cfg.get("max_position_embeddings") or 2048)
         spec = AttentionLayerSpec(
             num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim,
-            scale=self.head_dim**-0.5,
-            sliding_window=sliding_window,
+            scale=model.attention_scale(cfg, self.head_dim),
+            sliding_window=model.sliding_window(cfg, layer),
+            logits_soft_cap=cfg.get("attn_logit_softcapping"),
         )
         self.attn = Attention(spec, ctx.attention)
 
@@ -53,52 +61,69 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
         out = self.attn(q, k, v, metadata)
         return self.o_proj(out.flatten(1))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, ctx: ModelContext, cfg: Mapping[str, Any], prefix: str) -> None:
+    def __init__(self, ctx: ModelContext, cfg: Mapping[str, Any], prefix: str,
+                 intermediate_size: Optional[int] = None) -> None:
         super().__init__()
-        hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+        hidden, inter = cfg["hidden_size"], intermediate_size or cfg["intermediate_size"]
         bias = bool(cfg.get("mlp_bias", False))
         self.gate_up_proj = Linear(hidden, [inter, inter], bias=bias, dtype=ctx.dtype,
                                    quantization=ctx.quantization, prefix=f"{prefix}.gate_up_proj")
         self.down_proj = Linear(inter, [hidden], bias=bias, dtype=ctx.dtype,
                                 quantization=ctx.quantization, prefix=f"{prefix}.down_proj")
-        self.act = gated_activation(cfg.get("hidden_act", "silu"))
+        self.act = gated_activation(cfg.get("hidden_activation") or cfg.get("hidden_act", "silu"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, ctx: ModelContext, cfg: Mapping[str, Any], prefix: str,
-                 qkv_bias: bool, o_bias: bool, sliding_window: Optional[int]) -> None:
+    def __init__(self, model: "LlamaForCausalLM", ctx: ModelContext, prefix: str, layer: int) -> None:
         super().__init__()
-        eps = cfg.get("rms_norm_eps", 1e-6)
-        self.self_attn = LlamaAttention(ctx, cfg, f"{prefix}.self_attn", qkv_bias, o_bias, sliding_window)
-        self.mlp = LlamaMLP(ctx, cfg, f"{prefix}.mlp")
-        self.input_layernorm = RMSNorm(cfg["hidden_size"], eps, ctx.dtype)
-        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps, ctx.dtype)
+        cfg = ctx.hf_config
+        eps, hidden = cfg.get("rms_norm_eps", 1e-6), cfg["hidden_size"]
+        self.sandwich = model.sandwich_norms
+        self.self_attn = LlamaAttention(model, ctx, f"{prefix}.self_attn", layer)
+        self.mlp = model.make_mlp(ctx, f"{prefix}.mlp", layer)
+        self.input_layernorm = model.norm_class(hidden, eps, ctx.dtype)
+        # Llama: post_attention_layernorm is the pre-MLP norm. Gemma-2 ("sandwich"):
+        # it normalises the attention output, and the MLP has its own pre/post norms.
+        self.post_attention_layernorm = model.norm_class(hidden, eps, ctx.dtype)
+        if self.sandwich:
+            self.pre_feedforward_layernorm = model.norm_class(hidden, eps, ctx.dtype)
+            self.post_feedforward_layernorm = model.norm_class(hidden, eps, ctx.dtype)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), metadata)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn = self.self_attn(positions, self.input_layernorm(x), metadata)
+        if not self.sandwich:
+            x = x + attn
+            return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.post_attention_layernorm(attn)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, ctx: ModelContext, layers: list[LlamaDecoderLayer]) -> None:
+    def __init__(self, model: "LlamaForCausalLM", ctx: ModelContext) -> None:
         super().__init__()
         cfg = ctx.hf_config
         self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"], dtype=ctx.dtype)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6), ctx.dtype)
+        self.embed_scale = model.embed_scale(cfg)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(model, ctx, f"model.layers.{i}", i) for i in range(cfg["num_hidden_layers"]))
+        self.norm = model.norm_class(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6), ctx.dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         for layer in self.layers:
             x = layer(positions, x, metadata)
         return self.norm(x)
@@ -111,20 +136,22 @@ class LlamaForCausalLM(nn.Module):
         ("qkv_proj", "q_proj", 0), ("qkv_proj", "k_proj", 1), ("qkv_proj", "v_proj", 2),
         ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1),
     )
+    norm_class: type[nn.Module] = RMSNorm
+    #: RMSNorm on each head's q and k before rotary (Qwen3)
+    qk_norm = False
+    #: Gemma-2's extra norms around attention and MLP outputs
+    sandwich_norms = False
 
     def __init__(self, ctx: ModelContext) -> None:
         super().__init__()
         cfg = ctx.hf_config
-        layers = [
-            LlamaDecoderLayer(ctx, cfg, f"model.layers.{i}", self.qkv_bias(cfg), self.o_bias(cfg),
-                              self.sliding_window(cfg, i))
-            for i in range(cfg["num_hidden_layers"])
-        ]
-        self.model = LlamaModel(ctx, layers)
+        self.model = LlamaModel(self, ctx)
+        self.final_logit_softcapping = cfg.get("final_logit_softcapping")
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = Linear(cfg["hidden_size"], [cfg["vocab_size"]], bias=False, dtype=ctx.dtype)
 
+    # --- switches ----------------------------------------------------------
     @staticmethod
     def qkv_bias(cfg: Mapping[str, Any]) -> bool:
         return bool(cfg.get("attention_bias", False))
@@ -132,6 +159,14 @@ class LlamaForCausalLM(nn.Module):
     @staticmethod
     def o_bias(cfg: Mapping[str, Any]) -> bool:
         return bool(cfg.get("attention_bias", False))
+
+    @staticmethod
+    def attention_scale(cfg: Mapping[str, Any], head_dim: int) -> float:
+        return head_dim**-0.5
+
+    @staticmethod
+    def embed_scale(cfg: Mapping[str, Any]) -> Optional[float]:
+        return None
 
     @staticmethod
     def sliding_window(cfg: Mapping[str, Any], layer: int) -> Optional[int]:
@@ -142,13 +177,22 @@ class LlamaForCausalLM(nn.Module):
             return None
         return int(window)
 
+    def make_mlp(self, ctx: ModelContext, prefix: str, layer: int) -> nn.Module:
+        return LlamaMLP(ctx, ctx.hf_config, prefix)
+
+    # --- CausalLM ----------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, metadata)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.tie_word_embeddings:
-            return nn.functional.linear(hidden, self.model.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+            logits = nn.functional.linear(hidden, self.model.embed_tokens.weight).float()
+        else:
+            logits = self.lm_head(hidden).float()
+        if self.final_logit_softcapping is not None:
+            cap = self.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         skip = ["rotary_emb.inv_freq"] + (["lm_head."] if self.tie_word_embeddings else [])

@@ -1,11 +1,28 @@
-"""Qwen2: the Llama block with q/k/v bias (no o_proj bias), often tied embeddings."""
+"""Qwen2 (q/k/v bias, no o_proj bias) and Qwen3 (q/k RMSNorm, optional bias), dense and MoE."""
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+import re
+from typing import Any, Iterable, Mapping, Optional
 
+import torch
+from torch import nn
+
+from tokenmill.core.layers.activation import activation
+from tokenmill.core.layers.moe import FusedMoE
+from tokenmill.core.layers.weights import load_weights
 from tokenmill.interfaces.hookspecs import hookimpl
-from tokenmill.plugins.models.llama import LlamaForCausalLM
+from tokenmill.interfaces.models import ModelContext
+from tokenmill.plugins.models.llama import LlamaForCausalLM, LlamaMLP
+
+
+def qwen_sliding_window(cfg: Mapping[str, Any], layer: int) -> Optional[int]:
+    # transformers 5 writes layer_types; 4 used use_sliding_window + max_window_layers
+    if cfg.get("layer_types") is None:
+        if not cfg.get("use_sliding_window") or layer < cfg.get("max_window_layers", 0):
+            return None
+        return cfg.get("sliding_window")
+    return LlamaForCausalLM.sliding_window(cfg, layer)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
@@ -17,16 +34,71 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     def o_bias(cfg: Mapping[str, Any]) -> bool:
         return False
 
-    @staticmethod
-    def sliding_window(cfg: Mapping[str, Any], layer: int) -> Optional[int]:
-        # transformers 5 writes layer_types; 4 used use_sliding_window + max_window_layers
-        if cfg.get("layer_types") is None:
-            if not cfg.get("use_sliding_window") or layer < cfg.get("max_window_layers", 0):
-                return None
-            return cfg.get("sliding_window")
-        return LlamaForCausalLM.sliding_window(cfg, layer)
+    sliding_window = staticmethod(qwen_sliding_window)
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True
+    sliding_window = staticmethod(qwen_sliding_window)
+
+
+_EXPERT = re.compile(r"(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_FUSED_EXPERTS = re.compile(r"(.*\.mlp)\.experts\.(gate_up_proj|down_proj)$")
+
+
+def load_moe_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], expert_pattern: re.Pattern,
+                     parts: Mapping[str, str], stacked, skip, rename: Mapping[str, str] = {}) -> set[str]:
+    """Route per-expert tensors (or transformers-5 fused 3D ones) into FusedMoE modules;
+    everything else goes through the generic loader."""
+    modules = dict(model.named_modules())
+    loaded: set[str] = set()
+
+    def others():
+        for name, tensor in weights:
+            for old, new in rename.items():
+                name = name.replace(old, new)
+            match = expert_pattern.match(name)
+            if match:
+                moe, expert, part = match.groups()
+                modules[moe].load_expert(int(expert), parts[part], tensor)
+                loaded.update({f"{moe}.w13", f"{moe}.w2"})
+                continue
+            fused = _FUSED_EXPERTS.match(name)
+            if fused:
+                moe, kind = fused.groups()
+                target = modules[moe].w13 if kind == "gate_up_proj" else modules[moe].w2
+                target.data.copy_(tensor)
+                loaded.add(f"{moe}.{'w13' if kind == 'gate_up_proj' else 'w2'}")
+                continue
+            yield name, tensor
+
+    loaded |= load_weights(model, others(), stacked, skip)
+    return loaded
+
+
+class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+    """Qwen3 with sparse MoE MLPs (top-k softmax routing, optional renormalisation)."""
+
+    def make_mlp(self, ctx: ModelContext, prefix: str, layer: int) -> nn.Module:
+        cfg = ctx.hf_config
+        # transformers 5 writes num_local_experts; 4 (and the Qwen releases) num_experts
+        num_experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+        sparse = (num_experts > 0 and layer not in (cfg.get("mlp_only_layers") or [])
+                  and (layer + 1) % cfg.get("decoder_sparse_step", 1) == 0)
+        if not sparse:
+            return LlamaMLP(ctx, cfg, prefix)
+        return FusedMoE(num_experts, cfg["num_experts_per_tok"], cfg["hidden_size"],
+                        cfg["moe_intermediate_size"], bool(cfg.get("norm_topk_prob", False)),
+                        activation(cfg.get("hidden_act", "silu")), ctx.dtype)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        skip = ["rotary_emb.inv_freq"] + (["lm_head."] if self.tie_word_embeddings else [])
+        return load_moe_weights(self, weights, _EXPERT, {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"},
+                                self.stacked_params, skip)
 
 
 @hookimpl
 def register_model_architectures(register):
     register("Qwen2ForCausalLM", Qwen2ForCausalLM)
+    register("Qwen3ForCausalLM", Qwen3ForCausalLM)
+    register("Qwen3MoeForCausalLM", Qwen3MoeForCausalLM)
