@@ -182,7 +182,7 @@ def _quantization(config: EngineConfig, model_config: ModelConfig, components: C
     method = config.quantization.method or quant_config.get("quant_method")
     if method is None:
         return None
-    return components.quantization_methods.get(method)(quant_config)
+    return components.quantization_methods.get(method)(quant_config, config.quantization)
 
 
 def _load_checkpoint(model: torch.nn.Module, model_config: ModelConfig) -> None:
@@ -195,6 +195,9 @@ def _load_checkpoint(model: torch.nn.Module, model_config: ModelConfig) -> None:
         method = getattr(module, "method", None)
         if method is not None and hasattr(method, "process_weights_after_loading"):
             method.process_weights_after_loading(module)
+    weight_bytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    log.info("weights loaded", weight_memory_mib=round(weight_bytes / 2**20, 2),
+             quantization=(model_config.quantization_config or {}).get("quant_method"))
 
 
 def _num_kv_blocks(config: EngineConfig, model_config: ModelConfig, backend: AttentionBackend) -> tuple[int, int]:

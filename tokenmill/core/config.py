@@ -59,8 +59,11 @@ class AttentionConfig(BaseModel):
 class QuantizationConfig(BaseModel):
     model_config = _STRICT
 
-    #: None detects it from the checkpoint's quantization_config
+    #: None detects it from the checkpoint's quantization_config; "fp8" on an
+    #: unquantized checkpoint quantizes its weights at load
     method: Optional[str] = None
+    #: apply the checkpoint's activation quantization (FP8 W8A8 schemes); off = weight-only
+    quantize_activations: bool = True
 
 
 class AdaptersConfig(BaseModel):

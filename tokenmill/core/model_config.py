@@ -98,6 +98,9 @@ def load_model_config(
     except json.JSONDecodeError as exc:
         raise ConfigError("model", f"{config_file} is not valid JSON: {exc}") from None
     hf = normalize_hf_config(raw)
+    legacy_quant = path / "quantize_config.json"  # AutoGPTQ's separate file
+    if not hf.get("quantization_config") and legacy_quant.is_file():
+        hf["quantization_config"] = {"quant_method": "gptq", **json.loads(legacy_quant.read_text())}
     architectures = hf.get("architectures") or []
     if not architectures:
         raise ConfigError("model", f"{config_file} names no 'architectures'")

@@ -51,9 +51,11 @@ def register_attention_backends(register: Register) -> None:
 
 @hookspec
 def register_quantization_methods(register: Register) -> None:
-    """Register QuantizationMethod factories: ``factory(quant_config: dict) -> QuantizationMethod``.
+    """Register QuantizationMethod factories: ``factory(quant_config, options) -> QuantizationMethod``.
 
-    Names match a checkpoint's ``quantization_config.quant_method``.
+    Names match a checkpoint's ``quantization_config.quant_method``;
+    ``quant_config`` is that dict (empty for online quantization) and
+    ``options`` the engine's ``QuantizationConfig`` section.
     """
 
 

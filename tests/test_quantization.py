@@ -1,0 +1,171 @@
+"""Quantized checkpoints (GPTQ, AWQ, FP8) load exactly: logits equal the shared references."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file
+
+from conftest import make_llm
+from tokenmill import LLM, SamplingParams, load_config
+from tokenmill.interfaces.errors import ConfigError
+from tokenmill.plugins.quantization.group_quant import GroupQuantizedLinear
+from tokenmill.plugins.quantization.packing import pack, pack_awq, unpack, unpack_awq
+from tokenmill.testing.logits import prompt_logits
+
+CHECKPOINTS = Path(__file__).parents[1].parent / "shared" / "quant-checkpoints"
+NAMES = sorted(p.name for p in CHECKPOINTS.iterdir() if (p / "reference.safetensors").is_file()) \
+    if CHECKPOINTS.is_dir() else []
+needs_checkpoints = pytest.mark.skipif(not NAMES, reason=f"shared checkpoints not found at {CHECKPOINTS}")
+
+
+def logits_of(path: Path, quantize_activations: bool = True, **engine_args) -> tuple[torch.Tensor, dict]:
+    reference = load_file(path / "reference.safetensors")
+    config = load_config(model=str(path), dtype="float32", kv_cache_memory_bytes=2**24, **engine_args)
+    config.quantization.quantize_activations = quantize_activations
+    engine = LLM(config=config).llm_engine
+    logits = torch.stack([prompt_logits(engine, row.tolist()) for row in reference["input_ids"]])
+    return logits, reference
+
+
+def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((got - expected).norm() / expected.norm()).item()
+
+
+@needs_checkpoints
+@pytest.mark.parametrize("name", NAMES)
+def test_checkpoint_logits_match_exact_dequantization(name):
+    """Every shared checkpoint reproduces logits_ref (weights dequantized exactly) in fp32."""
+    logits, reference = logits_of(CHECKPOINTS / name, quantize_activations=False)
+    assert relative_error(logits, reference["logits_ref"]) < 1e-3
+
+
+@needs_checkpoints
+@pytest.mark.parametrize("name", [n for n in NAMES if "fp8" in n])
+def test_fp8_activation_quantization_matches_w8a8_reference(name):
+    """With the scheme's activation quantization on, FP8 checkpoints reproduce logits_w8a8."""
+    logits, reference = logits_of(CHECKPOINTS / name)
+    assert relative_error(logits, reference["logits_w8a8"]) < 1e-3
+    assert relative_error(logits, reference["logits_ref"]) > 1e-3  # activations really were quantized
+
+
+@needs_checkpoints
+@pytest.mark.parametrize("name", ["gptq-w4g64-sym-descact-v1-gptqmodel", "awq-w4g64-gemm-gptqmodel", "fp8-block"])
+def test_quantized_checkpoints_generate_end_to_end(name):
+    """Greedy generation runs through LLM.generate on quantized weights and stays quantized in memory."""
+    llm = make_llm(CHECKPOINTS / name, dtype="float32")
+    [output] = llm.generate({"prompt_token_ids": [5, 9, 33, 71, 2]}, SamplingParams(temperature=0, max_tokens=8,
+                            ignore_eos=True), use_tqdm=False)
+    assert len(output.outputs[0].token_ids) == 8
+    layer = llm.llm_engine.runner.model.model.layers[0].mlp.down_proj
+    if "fp8" not in name:
+        assert not hasattr(layer, "weight") and layer.int4_weight.dtype == torch.uint8
+
+
+@needs_checkpoints
+def test_unsupported_variants_fail_naming_the_field(tmp_path):
+    """3-bit GPTQ and an unknown checkpoint_format fail at load with the field's name."""
+    for field, value, key in (("bits", 3, "bits"), ("checkpoint_format", "marlin", "checkpoint_format")):
+        target = tmp_path / f"bad-{field}"
+        shutil.copytree(CHECKPOINTS / "gptq-w4g64-sym-v1-rtn", target)
+        (target / "quantize_config.json").unlink()
+        config = json.loads((target / "config.json").read_text())
+        config["quantization_config"][field] = value
+        (target / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ConfigError, match=key):
+            make_llm(target)
+
+
+@needs_checkpoints
+def test_modules_to_not_convert_stay_unquantized(tmp_path):
+    """A layer listed in modules_to_not_convert loads as plain weights (here: from a dense copy)."""
+    source = CHECKPOINTS / "awq-w4g64-gemm-rtn"
+    target = tmp_path / "partial-awq"
+    shutil.copytree(source, target)
+    config = json.loads((target / "config.json").read_text())
+    config["quantization_config"]["modules_to_not_convert"] = ["down_proj"]
+    (target / "config.json").write_text(json.dumps(config))
+    tensors = load_file(target / "model.safetensors")
+    dense = load_file(CHECKPOINTS / "base-fp16" / "model.safetensors")
+    for name in [n for n in tensors if ".down_proj." in n]:
+        del tensors[name]
+    for name in [n for n in dense if ".down_proj." in n]:
+        tensors[name] = dense[name]
+    from safetensors.torch import save_file
+    save_file(tensors, target / "model.safetensors")
+    llm = make_llm(target, dtype="float32")
+    model = llm.llm_engine.runner.model
+    assert model.model.layers[0].mlp.down_proj.weight.dtype == torch.float32
+    assert hasattr(model.model.layers[0].mlp.gate_up_proj, "int4_weight")
+
+
+@needs_checkpoints
+def test_online_fp8_quantizes_an_unquantized_checkpoint():
+    """quantization='fp8' on a full-precision checkpoint quantizes weights per channel at load."""
+    base = CHECKPOINTS / "base-fp16"
+    exact, reference = logits_of(base)
+    online, _ = logits_of(base, quantization="fp8")
+    assert relative_error(exact, reference["logits_ref"]) < 1e-3
+    assert 1e-4 < relative_error(online, reference["logits_ref"]) < 0.1
+
+
+@settings(max_examples=25, deadline=None)
+@given(bits=st.sampled_from([4, 8]), rows=st.sampled_from([8, 16, 32]), cols=st.sampled_from([8, 16]),
+       seed=st.integers(0, 1000))
+def test_gptq_pack_unpack_round_trip(bits, rows, cols, seed):
+    """Packing along either dimension and unpacking gives the values back."""
+    values = torch.randint(0, 2**bits, (rows, cols), generator=torch.Generator().manual_seed(seed))
+    assert torch.equal(unpack(pack(values, bits, dim=0), bits, dim=0), values.to(torch.int32))
+    assert torch.equal(unpack(pack(values, bits, dim=1), bits, dim=1), values.to(torch.int32))
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 1000))
+def test_awq_nibble_order_round_trip(seed):
+    """AWQ's interleaved nibble order packs and unpacks to the same matrix."""
+    values = torch.randint(0, 16, (16, 32), generator=torch.Generator().manual_seed(seed))
+    packed = pack_awq(values)
+    assert packed.shape == (16, 4)
+    assert torch.equal(unpack_awq(packed), values.to(torch.int32))
+    # nibble 1 of word 0 holds column 2 (order 0, 2, 4, 6, 1, 3, 5, 7)
+    assert ((packed[0, 0] >> 4) & 0xF).item() == values[0, 2].item()
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 1000), act_order=st.booleans(), bits=st.sampled_from([4, 8]))
+def test_group_quantized_kernels_equal_dequantization(seed, act_order, bits):
+    """The CPU int4 kernel (with act-order permutation) and the int8 path equal x @ dequant(W)."""
+    g = torch.Generator().manual_seed(seed)
+    k, n, group = 128, 32, 32
+    q = torch.randint(0, 2**bits, (k, n), generator=g)
+    zeros = torch.randint(0, 2**bits, (k // group, n), generator=g)
+    scales = torch.rand(k // group, n, generator=g) * 0.05 + 0.01
+    g_idx = torch.arange(k) // group
+    if act_order:
+        g_idx = g_idx[torch.randperm(k, generator=g)]
+    w = (q.float() - zeros[g_idx].float()) * scales[g_idx]  # [K, N]
+    x = torch.randn(5, k, generator=g)
+    layer = torch.nn.Module()
+    kernel = GroupQuantizedLinear(q, zeros, scales, g_idx, bits, torch.float32, layer)
+    assert kernel.kind == ("int4pack" if bits == 4 else "dequant")
+    torch.testing.assert_close(kernel.apply(layer, x, None), x @ w, atol=1e-4, rtol=1e-4)
+
+
+@needs_checkpoints
+def test_quantized_checkpoint_serves_over_http():
+    """A GPTQ checkpoint answers /v1/completions through the real server."""
+    import httpx
+
+    from server_harness import running_server
+
+    engine = make_llm(CHECKPOINTS / "gptq-w4g64-asym-v2-gptqmodel", dtype="float32").llm_engine
+    with running_server(engine, served_model_name=["gptq"]) as (url, _):
+        response = httpx.post(url + "/v1/completions", json={"model": "gptq", "prompt": [5, 9, 33], "max_tokens": 4,
+                                                             "temperature": 0, "ignore_eos": True}, timeout=60)
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4

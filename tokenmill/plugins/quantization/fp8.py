@@ -1,0 +1,200 @@
+"""FP8 (e4m3) weights: vLLM's ``fp8`` checkpoints, ``compressed-tensors`` float-quantized
+checkpoints, and online quantization of unquantized checkpoints.
+
+CPUs have no FP8 arithmetic, so weights are dequantized once, at load, to the
+compute dtype (the log reports the resulting weight memory). When the
+checkpoint's scheme quantizes activations (W8A8: static per-tensor, dynamic
+per-token, or per-token groups of 128 for block-wise checkpoints), the same
+quantize-dequantize is applied to activations, unless
+``quantization.quantize_activations`` is off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from tokenmill.core.layers.linear import shard_loader
+from tokenmill.interfaces.errors import ConfigError
+from tokenmill.interfaces.hookspecs import hookimpl
+from tokenmill.plugins.quantization.group_quant import ignored, output_shard_loader
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+
+
+def fake_quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Round ``x`` through FP8 with ``scale`` (quantize, then dequantize)."""
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).to(x.dtype) * scale
+
+
+@dataclass(frozen=True)
+class Fp8Scheme:
+    weights: str  # "tensor" | "channel" | "block"
+    block: Optional[tuple[int, int]] = None
+    activations: Optional[str] = None  # None | "static" (per tensor) | "token" (dynamic)
+    scale_name: str = "weight_scale"
+
+
+class Fp8LinearMethod:
+    def __init__(self, scheme: Fp8Scheme, quantize_activations: bool, online: bool = False) -> None:
+        self.scheme = scheme
+        self.activations = scheme.activations if quantize_activations and not online else None
+        self.online = online
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int], dtype: torch.dtype) -> None:
+        n, shards = sum(output_sizes), len(output_sizes)
+        offsets = [sum(output_sizes[:i]) for i in range(shards)]
+        layer.quant_dtype, layer.quant_output_sizes = dtype, output_sizes
+
+        def add(name: str, tensor: torch.Tensor, loader) -> None:
+            param = nn.Parameter(tensor, requires_grad=False)
+            param.weight_loader = loader  # type: ignore[attr-defined]
+            layer.register_parameter(name, param)
+
+        if self.online:
+            add("weight", torch.empty(n, input_size, dtype=dtype), shard_loader(output_sizes))
+            return
+        add("weight", torch.empty(n, input_size, dtype=FP8), shard_loader(output_sizes))
+        scheme = self.scheme
+        if scheme.weights == "tensor":
+            add(scheme.scale_name, torch.ones(shards, dtype=torch.float32), _scalar_per_shard(shards))
+        elif scheme.weights == "channel":
+            add(scheme.scale_name, torch.ones(n, 1, dtype=torch.float32), output_shard_loader(offsets, output_sizes, 0))
+        else:
+            bn, bk = scheme.block
+            rows = [-(-size // bn) for size in output_sizes]
+            add(scheme.scale_name, torch.ones(sum(rows), -(-input_size // bk), dtype=torch.float32),
+                output_shard_loader([sum(rows[:i]) for i in range(shards)], rows, 0))
+        if scheme.activations == "static":
+            add("input_scale", torch.ones(shards, dtype=torch.float32), _scalar_per_shard(shards))
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        w = layer.weight.data
+        if self.online:  # per-channel FP8 of a full-precision checkpoint
+            scale = (w.float().abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+            dequant = (w.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * scale
+        else:
+            dequant = w.float() * self._expanded_scale(layer, w.shape)
+            delattr(layer, self.scheme.scale_name)
+        del layer.weight
+        layer.register_parameter("weight", nn.Parameter(dequant.to(layer.quant_dtype), requires_grad=False))
+
+    def _expanded_scale(self, layer: nn.Module, shape: torch.Size) -> torch.Tensor:
+        scale = getattr(layer, self.scheme.scale_name).data
+        if self.scheme.weights == "channel":
+            return scale
+        sizes = layer.quant_output_sizes
+        if self.scheme.weights == "tensor":
+            return torch.repeat_interleave(scale, torch.tensor(sizes)).unsqueeze(1)
+        bn, bk = self.scheme.block
+        parts, block_row = [], 0
+        for size in sizes:
+            rows = -(-size // bn)
+            part = scale[block_row:block_row + rows].repeat_interleave(bn, 0)[:size]
+            parts.append(part.repeat_interleave(bk, 1)[:, : shape[1]])
+            block_row += rows
+        return torch.cat(parts)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if self.activations is None:
+            return nn.functional.linear(x, layer.weight, bias)
+        if self.activations == "static":
+            # each fused part has its own input scale (they were separate modules)
+            outs, start = [], 0
+            for i, size in enumerate(layer.quant_output_sizes):
+                xq = fake_quantize(x, layer.input_scale[i])
+                outs.append(nn.functional.linear(xq, layer.weight[start:start + size]))
+                start += size
+            out = torch.cat(outs, dim=-1)
+            return out if bias is None else out + bias
+        scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12).to(x.dtype)
+        return nn.functional.linear(fake_quantize(x, scale), layer.weight, bias)
+
+
+def _scalar_per_shard(shards: int):
+    def load(param: torch.Tensor, loaded: torch.Tensor, shard_id: Optional[int]) -> None:
+        value = loaded.reshape(())
+        if shard_id is None:
+            param.data.fill_(value)
+        else:
+            param.data[shard_id] = value
+
+    return load
+
+
+class Fp8Method:
+    """vLLM's ``quant_method: fp8`` (per-tensor or 128x128 block), or online FP8 when the
+    checkpoint is unquantized."""
+
+    name = "fp8"
+
+    def __init__(self, config: dict[str, Any], options: Any = None) -> None:
+        quantize_activations = getattr(options, "quantize_activations", True)
+        if not config:  # online: quantization="fp8" over a full-precision checkpoint
+            self.method = Fp8LinearMethod(Fp8Scheme("channel"), quantize_activations, online=True)
+            self.ignored_layers = None
+            return
+        scheme = config.get("activation_scheme", "dynamic")
+        if scheme not in ("static", "dynamic"):
+            raise ConfigError("quantization_config.activation_scheme", f"unknown activation scheme {scheme!r}")
+        block = config.get("weight_block_size")
+        if block is not None:
+            if scheme != "dynamic":
+                raise ConfigError("quantization_config.activation_scheme", "block-wise FP8 needs dynamic activations")
+            # activations: dynamic per token, as the reference dequantizer of the shared
+            # checkpoints prescribes (DeepSeek-style kernels use 1x128 token groups)
+            fp8 = Fp8Scheme("block", tuple(block), "token", "weight_scale_inv")
+        else:
+            fp8 = Fp8Scheme("tensor", None, "static" if scheme == "static" else "token")
+        self.method = Fp8LinearMethod(fp8, quantize_activations)
+        self.ignored_layers = config.get("ignored_layers")
+
+    def linear_method(self, prefix: str) -> Optional[Fp8LinearMethod]:
+        return None if ignored(prefix, self.ignored_layers) else self.method
+
+
+class CompressedTensorsMethod:
+    """``compressed-tensors`` checkpoints in the float-quantized (FP8) format."""
+
+    name = "compressed-tensors"
+
+    def __init__(self, config: dict[str, Any], options: Any = None) -> None:
+        fmt = config.get("format")
+        if fmt != "float-quantized":
+            raise ConfigError("quantization_config.format", f"compressed-tensors format {fmt!r} is not supported "
+                                                            "(float-quantized)")
+        groups = list((config.get("config_groups") or {}).values())
+        if len(groups) != 1:
+            raise ConfigError("quantization_config.config_groups", "exactly one config group is supported")
+        weights, inputs = groups[0].get("weights") or {}, groups[0].get("input_activations")
+        if weights.get("type") != "float" or weights.get("num_bits") != 8:
+            raise ConfigError("quantization_config.config_groups.weights", "only 8-bit float weights are supported")
+        strategy = weights.get("strategy")
+        if strategy not in ("tensor", "channel", "block"):
+            raise ConfigError("quantization_config.config_groups.weights.strategy", f"unsupported strategy {strategy!r}")
+        block = tuple(weights["block_structure"]) if strategy == "block" else None
+        activations = None
+        if inputs:
+            if inputs.get("dynamic") and inputs.get("strategy") == "token":
+                activations = "token"
+            elif not inputs.get("dynamic") and inputs.get("strategy") == "tensor":
+                activations = "static"
+            else:
+                raise ConfigError("quantization_config.config_groups.input_activations",
+                                  f"unsupported activation scheme {inputs}")
+        scheme = Fp8Scheme(strategy, block, activations)
+        self.method = Fp8LinearMethod(scheme, getattr(options, "quantize_activations", True))
+        self.ignore = config.get("ignore")
+
+    def linear_method(self, prefix: str) -> Optional[Fp8LinearMethod]:
+        return None if ignored(prefix, self.ignore) else self.method
+
+
+@hookimpl
+def register_quantization_methods(register):
+    register("fp8", Fp8Method)
+    register("compressed-tensors", CompressedTensorsMethod)
