@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-import random
+import os
+
+import torch
+
+# Triton kernels run in the interpreter without a GPU; triton reads this when a kernel
+# module is imported, so it is set before any test imports one.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import random  # noqa: E402
 from pathlib import Path
 from typing import Any, Callable
 

@@ -9,7 +9,10 @@ zeros[g_idx[k], n]) * scales[g_idx[k], n]``. From there one kernel is chosen:
   (``_weight_int4pack_mm_for_cpu``); act-order becomes a permutation of the
   input channels, applied to activations.
 - otherwise (8-bit, irregular groups): int8 storage, dequantized per call.
-- CUDA: the Triton dequant-GEMM kernel in ``triton_gemm`` (GPTQ-packed layout).
+- CUDA (when the layer's tensors live on a GPU): the Triton dequant-GEMM in
+  ``triton_gemm`` over GPTQ-packed weights (AWQ is repacked to that layout).
+  The engine itself runs on CPU today, so this path is exercised by the kernel
+  test under TRITON_INTERPRET=1.
 
 Weights stay quantized in memory in every case.
 """
@@ -37,6 +40,15 @@ class GroupQuantizedLinear:
         uniform = bool((counts == group_size).all()) and group_size > 0
         self.perm: Optional[torch.Tensor] = None
         self.kind = "dequant"
+        if q.device.type == "cuda":  # Triton dequant-GEMM over GPTQ-packed weights
+            from tokenmill.plugins.quantization.packing import pack
+
+            self.kind = "triton"
+            layer.register_buffer(prefix + "t_qweight", pack(q, bits, dim=0), persistent=False)
+            layer.register_buffer(prefix + "t_zeros", zeros.to(torch.int32), persistent=False)
+            layer.register_buffer(prefix + "t_scales", scales, persistent=False)
+            layer.register_buffer(prefix + "t_g_idx", g_idx.to(torch.int32), persistent=False)
+            return
         if bits == 4 and uniform and self.in_features % group_size == 0:
             order = torch.argsort(g_idx, stable=True)
             if not torch.equal(order, torch.arange(self.in_features)):
@@ -71,7 +83,12 @@ class GroupQuantizedLinear:
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, self.in_features)
-        if self.kind == "int4pack":
+        if self.kind == "triton":
+            from tokenmill.plugins.quantization.triton_gemm import dequant_gemm
+
+            out = dequant_gemm(x.to(self.dtype), *(self._get(layer, f"t_{name}") for name in
+                                                   ("qweight", "zeros", "scales", "g_idx")), self.bits)
+        elif self.kind == "int4pack":
             if self.perm is not None:
                 x = x.index_select(1, self._get(layer, "input_perm"))
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(

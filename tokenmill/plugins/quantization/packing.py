@@ -31,7 +31,7 @@ def pack(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     shifts = torch.arange(per_word, dtype=torch.int64) * bits
     words = (grouped << shifts).sum(-1)
     words = torch.where(words >= 2**31, words - 2**32, words)  # reinterpret as signed int32
-    return words.to(torch.int32).movedim(-1, dim)
+    return words.to(torch.int32).movedim(-1, dim).contiguous()
 
 
 def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
