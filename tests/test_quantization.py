@@ -56,7 +56,7 @@ def test_fp8_activation_quantization_matches_w8a8_reference(name):
 
 
 @needs_checkpoints
-@pytest.mark.parametrize("name", ["gptq-w4g64-sym-descact-v1-gptqmodel", "awq-w4g64-gemm-gptqmodel", "fp8-block"])
+@pytest.mark.parametrize("name", NAMES)
 def test_quantized_checkpoints_generate_end_to_end(name):
     """Greedy generation runs through LLM.generate on quantized weights and stays quantized in memory."""
     llm = make_llm(CHECKPOINTS / name, dtype="float32")
@@ -64,8 +64,10 @@ def test_quantized_checkpoints_generate_end_to_end(name):
                             ignore_eos=True), use_tqdm=False)
     assert len(output.outputs[0].token_ids) == 8
     layer = llm.llm_engine.runner.model.model.layers[0].mlp.down_proj
-    if "fp8" not in name:
+    if name.startswith(("gptq-w4", "awq")):  # 4-bit weights stay packed: no full-precision copy
         assert not hasattr(layer, "weight") and layer.int4_weight.dtype == torch.uint8
+    elif name.startswith("gptq-w8"):
+        assert not hasattr(layer, "weight") and layer.q_weight.dtype == torch.uint8
 
 
 @needs_checkpoints
@@ -137,19 +139,24 @@ def test_awq_nibble_order_round_trip(seed):
     assert ((packed[0, 0] >> 4) & 0xF).item() == values[0, 2].item()
 
 
-@settings(max_examples=20, deadline=None)
-@given(seed=st.integers(0, 1000), act_order=st.booleans(), bits=st.sampled_from([4, 8]))
-def test_group_quantized_kernels_equal_dequantization(seed, act_order, bits):
-    """The CPU int4 kernel (with act-order permutation) and the int8 path equal x @ dequant(W)."""
+def random_group_quantized(seed: int, k: int, n: int, group: int, bits: int, act_order: bool):
+    """(q [K, N], zeros, scales [G, N], g_idx [K], dequantized W [K, N], a generator for inputs)."""
     g = torch.Generator().manual_seed(seed)
-    k, n, group = 128, 32, 32
     q = torch.randint(0, 2**bits, (k, n), generator=g)
     zeros = torch.randint(0, 2**bits, (k // group, n), generator=g)
     scales = torch.rand(k // group, n, generator=g) * 0.05 + 0.01
     g_idx = torch.arange(k) // group
     if act_order:
         g_idx = g_idx[torch.randperm(k, generator=g)]
-    w = (q.float() - zeros[g_idx].float()) * scales[g_idx]  # [K, N]
+    return q, zeros, scales, g_idx, (q.float() - zeros[g_idx].float()) * scales[g_idx], g
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 1000), act_order=st.booleans(), bits=st.sampled_from([4, 8]))
+def test_group_quantized_kernels_equal_dequantization(seed, act_order, bits):
+    """The CPU int4 kernel (with act-order permutation) and the int8 path equal x @ dequant(W)."""
+    k = 128
+    q, zeros, scales, g_idx, w, g = random_group_quantized(seed, k, 32, 32, bits, act_order)
     x = torch.randn(5, k, generator=g)
     layer = torch.nn.Module()
     kernel = GroupQuantizedLinear(q, zeros, scales, g_idx, bits, torch.float32, layer)
@@ -158,17 +165,26 @@ def test_group_quantized_kernels_equal_dequantization(seed, act_order, bits):
 
 
 @needs_checkpoints
-def test_quantized_checkpoint_serves_over_http():
-    """A GPTQ checkpoint answers /v1/completions through the real server."""
+@pytest.mark.parametrize("name", NAMES)
+def test_quantized_checkpoint_serves_over_http(name):
+    """Every shared checkpoint answers /v1/completions through the real server, greedily
+    with the same tokens as the offline engine."""
     import httpx
 
     from server_harness import running_server
 
-    engine = make_llm(CHECKPOINTS / "gptq-w4g64-asym-v2-gptqmodel", dtype="float32").llm_engine
-    with running_server(engine, served_model_name=["gptq"]) as (url, _):
-        response = httpx.post(url + "/v1/completions", json={"model": "gptq", "prompt": [5, 9, 33], "max_tokens": 4,
-                                                             "temperature": 0, "ignore_eos": True}, timeout=60)
-    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4
+    llm = make_llm(CHECKPOINTS / name, dtype="float32")
+    prompt = [5, 9, 33, 71]
+    offline = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
+                                                                        logprobs=0), use_tqdm=False)[0]
+    with running_server(llm.llm_engine, served_model_name=["q"]) as (url, _):
+        response = httpx.post(url + "/v1/completions", json={"model": "q", "prompt": prompt, "max_tokens": 4,
+                                                             "temperature": 0, "ignore_eos": True, "logprobs": 0},
+                              timeout=60)
+    assert response.status_code == 200
+    served = response.json()["choices"][0]["logprobs"]["token_logprobs"]
+    assert served == pytest.approx([e[t].logprob for e, t in zip(offline.outputs[0].logprobs,
+                                                                  offline.outputs[0].token_ids)])
 
 
 @settings(max_examples=6, deadline=None)
@@ -178,17 +194,11 @@ def test_triton_dequant_gemm_matches_the_torch_path(seed, bits, act_order, m):
     """The GPU kernel (interpreted here) equals the torch dequantization, act-order included.
     AWQ checkpoints reach it in the same canonical form (see the AWQ round-trip test)."""
     triton_gemm = pytest.importorskip("tokenmill.plugins.quantization.triton_gemm")
-    g = torch.Generator().manual_seed(seed)
-    k, n, group = 64, 48, 16
-    q = torch.randint(0, 2**bits, (k, n), generator=g)
-    zeros = torch.randint(0, 2**bits, (k // group, n), generator=g)
-    scales = torch.rand(k // group, n, generator=g) * 0.05 + 0.01
-    g_idx = torch.arange(k) // group
-    if act_order:
-        g_idx = g_idx[torch.randperm(k, generator=g)]
+    k = 64
+    q, zeros, scales, g_idx, w, g = random_group_quantized(seed, k, 48, 16, bits, act_order)
     qweight = pack(q, bits, dim=0)
     x = torch.randn(m, k, generator=g)
-    expected = x @ ((q.float() - zeros[g_idx].float()) * scales[g_idx])
+    expected = x @ w
     got = triton_gemm.dequant_gemm(x, qweight, zeros.to(torch.int32), scales, g_idx.to(torch.int32), bits)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
