@@ -2,6 +2,7 @@
 
 from tokenmill.core.config import EngineConfig, load_config
 from tokenmill.core.llm import LLM
+from tokenmill.interfaces.adapters import LoRARequest
 from tokenmill.interfaces.hookspecs import HOOKSPEC_VERSION, hookimpl
 from tokenmill.interfaces.types import (
     CompletionOutput,
@@ -13,6 +14,7 @@ from tokenmill.interfaces.types import (
 
 __all__ = [
     "LLM",
+    "LoRARequest",
     "SamplingParams",
     "RequestOutput",
     "CompletionOutput",

@@ -99,8 +99,6 @@ def build_engine(config: EngineConfig, pm: Optional[PluginManager] = None) -> LL
     backend = _attention_backend(config, model_config, components, pm)
     policy = components.scheduling_policies.get(config.scheduler.policy)(config.scheduler)
     quantization = _quantization(config, model_config, components)
-    if config.adapters.enable_lora:
-        components.adapter_types.get("lora")
 
     model_cls = components.model_architectures.get(model_config.architecture)
     torch.manual_seed(config.seed)
@@ -118,6 +116,13 @@ def build_engine(config: EngineConfig, pm: Optional[PluginManager] = None) -> LL
         pm.hook.engine_started(engine=engine)
         return engine
 
+    adapters = None
+    if config.adapters.enable_lora:
+        adapters = components.adapter_types.get("lora")(config.adapters)
+        adapters.attach(model)
+        for name, path in config.adapters.lora_modules.items():
+            adapters.load(name, path)
+
     num_blocks, bytes_per_block = _num_kv_blocks(config, model_config, backend)
     caches = _bind_kv_caches(model, backend, num_blocks, config.cache.block_size, model_config.dtype)
     kv_cache = KVCacheManager(num_blocks, config.cache.block_size, config.cache.prefix_caching)
@@ -129,9 +134,10 @@ def build_engine(config: EngineConfig, pm: Optional[PluginManager] = None) -> LL
         swap_caches = SwapCaches(backend, caches, [torch.zeros(
             backend.kv_cache_shape(num_host_blocks, config.cache.block_size, c_spec.num_kv_heads, c_spec.head_dim),
             dtype=model_config.dtype) for c_spec in _attention_specs(model)])
-    scheduler = Scheduler(config.scheduler, kv_cache, policy, swap_space)
-    runner = ModelRunner(model, config.cache.block_size, config.seed, swap_caches)
-    engine = LLMEngine(config, model_config, tokenizer, scheduler, runner, pm)
+    scheduler = Scheduler(config.scheduler, kv_cache, policy, swap_space,
+                          max_adapters=adapters.max_active if adapters else None)
+    runner = ModelRunner(model, config.cache.block_size, config.seed, swap_caches, adapters)
+    engine = LLMEngine(config, model_config, tokenizer, scheduler, runner, pm, adapters)
     log.info("engine built", model=str(model_config.path), architecture=model_config.architecture,
              dtype=str(model_config.dtype).removeprefix("torch."), attention=backend.name,
              policy=config.scheduler.policy, kv_blocks=num_blocks,

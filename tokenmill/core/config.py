@@ -70,6 +70,17 @@ class AdaptersConfig(BaseModel):
     model_config = _STRICT
 
     enable_lora: bool = False
+    #: distinct adapters in one batch
+    max_loras: int = Field(1, ge=1)
+    max_lora_rank: int = Field(16, ge=1)
+    #: adapters kept loaded (LRU); None = max_loras
+    max_cpu_loras: Optional[int] = Field(None, ge=1)
+    #: adapters loaded at startup: name -> PEFT directory
+    lora_modules: dict[str, str] = {}
+    #: directories runtime loads may read from (paths outside are refused)
+    allowed_lora_dirs: list[str] = []
+    #: enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter
+    allow_runtime_lora_updating: bool = False
 
 
 class ServerConfig(BaseModel):
@@ -145,6 +156,9 @@ VLLM_NAMES: dict[str, str] = {
     "attention_backend": "attention.backend",
     "quantization": "quantization.method",
     "enable_lora": "adapters.enable_lora",
+    "max_loras": "adapters.max_loras",
+    "max_lora_rank": "adapters.max_lora_rank",
+    "max_cpu_loras": "adapters.max_cpu_loras",
 }
 
 #: `tokenmill serve` flags (vLLM's names where vLLM has one) -> dotted paths

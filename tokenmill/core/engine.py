@@ -15,6 +15,7 @@ from tokenmill.core.output_processor import OutputProcessor
 from tokenmill.core.plugins import PluginManager
 from tokenmill.core.request import Request
 from tokenmill.core.scheduler import Scheduler
+from tokenmill.interfaces.adapters import AdapterType
 from tokenmill.interfaces.batch import SchedulerStats
 from tokenmill.interfaces.errors import InvalidRequest
 from tokenmill.interfaces.types import FinishReason, RequestOutput, SamplingParams
@@ -36,6 +37,7 @@ class LLMEngine:
         scheduler: Scheduler,
         runner: ModelRunner,
         plugin_manager: PluginManager,
+        adapters: Optional[AdapterType] = None,
     ) -> None:
         self.config = config
         self.model_config = model_config
@@ -43,6 +45,9 @@ class LLMEngine:
         self.scheduler = scheduler
         self.runner = runner
         self.plugin_manager = plugin_manager
+        self.adapters = adapters
+        if adapters is not None:
+            adapters.in_use = lambda name: any(r.adapter_name == name for r in scheduler.requests.values())
         self.outputs = OutputProcessor(tokenizer)
         self._arrivals = itertools.count()
         self._warned_priority = False
@@ -116,6 +121,13 @@ class LLMEngine:
             self._warned_priority = True
             log.warning("request priorities are ignored by this scheduling policy; "
                         "use scheduling_policy='priority'", policy=self.config.scheduler.policy)
+        adapter_key = None
+        if adapter_name is not None:
+            loaded = self.adapters.loaded() if self.adapters is not None else {}
+            if adapter_name not in loaded:
+                raise InvalidRequest("model", f"adapter {adapter_name!r} is not loaded"
+                                              + ("" if self.adapters else " (the engine runs without enable_lora)"))
+            adapter_key = f"{adapter_name}\x00{loaded[adapter_name]}"
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
         self.outputs.add(request_id, text, token_ids, params, child_ids, arrival_time)
@@ -130,6 +142,7 @@ class LLMEngine:
                 priority=priority,
                 seed=seed,
                 adapter_name=adapter_name,
+                adapter_key=adapter_key,
                 user=user,
             ))
 

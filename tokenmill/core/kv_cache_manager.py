@@ -107,5 +107,5 @@ class KVCacheManager:
             index = len(hashes)
             parent = hashes[-1] if hashes else _ROOT_HASH
             hashes.append(
-                hash_block(parent, tokens[index * size:(index + 1) * size], request.adapter_name)
+                hash_block(parent, tokens[index * size:(index + 1) * size], request.adapter_key)
             )

@@ -13,6 +13,7 @@ from tokenmill.core.config import EngineConfig, load_config
 from tokenmill.core.embedding_engine import EmbeddingEngine
 from tokenmill.core.engine import LLMEngine, PromptType
 from tokenmill.core.plugins import PluginManager
+from tokenmill.interfaces.adapters import LoRARequest
 from tokenmill.interfaces.errors import InvalidRequest
 from tokenmill.interfaces.types import RequestOutput, SamplingParams
 
@@ -66,6 +67,7 @@ class LLM:
         *,
         use_tqdm: bool = True,
         priority: Optional[Sequence[int]] = None,
+        lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in the prompts' order.
 
@@ -77,7 +79,18 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         params = _per_prompt(sampling_params, len(prompt_list), "sampling_params") or [SamplingParams()] * len(prompt_list)
         priorities = _per_prompt(priority, len(prompt_list), "priority") or [0] * len(prompt_list)
-        return self._run(prompt_list, params, priorities, use_tqdm)
+        loras = _per_prompt(lora_request, len(prompt_list), "lora_request") or [None] * len(prompt_list)
+        return self._run(prompt_list, params, priorities, loras, use_tqdm)
+
+    def _ensure_adapter(self, lora: Optional[LoRARequest]) -> Optional[str]:
+        if lora is None:
+            return None
+        adapters = self.llm_engine.adapters
+        if adapters is None:
+            raise InvalidRequest("lora_request", "this engine was built without enable_lora=True")
+        if adapters.loaded().get(lora.lora_name) != str(lora.lora_path):
+            adapters.load(lora.lora_name, str(lora.lora_path))
+        return lora.lora_name
 
     def chat(
         self,
@@ -111,13 +124,14 @@ class LLM:
         )
         return tokenizer.encode(text, add_special_tokens=False)
 
-    def _run(self, prompts: list[PromptType], params: list[SamplingParams],
-             priorities: list[int], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list[PromptType], params: list[SamplingParams], priorities: list[int],
+             loras: list[Optional[LoRARequest]], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         order: dict[str, int] = {}
-        for index, (prompt, sp, prio) in enumerate(zip(prompts, params, priorities)):
+        for index, (prompt, sp, prio, lora) in enumerate(zip(prompts, params, priorities, loras)):
             request_id = str(next(self._ids))
-            engine.add_request(request_id, prompt, sp, priority=prio)
+            # load each adapter just before its request, so the cache never evicts one in use
+            engine.add_request(request_id, prompt, sp, priority=prio, adapter_name=self._ensure_adapter(lora))
             order[request_id] = index
         results: list[Optional[RequestOutput]] = [None] * len(prompts)
         start, in_tokens, out_tokens = time.perf_counter(), 0, 0

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from tokenmill.core.sampler import Sampler, SamplingRow, gather_logprobs
+from tokenmill.interfaces.adapters import AdapterType
 from tokenmill.interfaces.attention import AttentionBackend, AttentionMetadata
 from tokenmill.interfaces.batch import (
     ModelRunnerOutput,
@@ -57,11 +58,12 @@ class SwapCaches:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, block_size: int, seed: int,
-                 swap: Optional["SwapCaches"] = None) -> None:
+                 swap: Optional["SwapCaches"] = None, adapters: Optional[AdapterType] = None) -> None:
         self.model = model
         self.block_size = block_size
         self.sampler = Sampler(seed)
         self.swap = swap
+        self.adapters = adapters
         self._states: dict[str, _RequestState] = {}
 
     @torch.inference_mode()
@@ -81,6 +83,9 @@ class ModelRunner:
             return ModelRunnerOutput({}, {}, {})
 
         input_ids, positions, metadata = self._prepare_inputs(batch.scheduled)
+        if self.adapters is not None:
+            self.adapters.prepare_step([self._states[s.request_id].data.adapter_name for s in batch.scheduled],
+                                       [len(s.new_token_ids) for s in batch.scheduled])
         hidden = self.model.forward(input_ids, positions, metadata)
 
         # Rows to compute logits for: prompt-logprob positions, then sampling positions.

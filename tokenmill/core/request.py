@@ -38,6 +38,7 @@ class Request:
         priority: int = 0,
         seed: Optional[int] = None,
         adapter_name: Optional[str] = None,
+        adapter_key: Optional[str] = None,
         user: Optional[str] = None,
     ) -> None:
         self.request_id = request_id
@@ -48,6 +49,8 @@ class Request:
         self.priority = priority
         self.seed = seed
         self.adapter_name = adapter_name
+        #: the adapter's identity (name and path) for prefix-cache hashing
+        self.adapter_key = adapter_key or adapter_name
         self.user = user
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len

@@ -38,8 +38,11 @@ class Scheduler:
         kv_cache: KVCacheManager,
         policy: SchedulingPolicy,
         swap_space: Optional[SwapSpace] = None,
+        max_adapters: Optional[int] = None,
     ) -> None:
         self.config = config
+        #: distinct adapters allowed in the running batch (max_loras); None = no adapters
+        self.max_adapters = max_adapters
         self.kv_cache = kv_cache
         self.policy = policy
         self.swap_space = swap_space if config.preemption_mode == "swap" else None
@@ -149,6 +152,8 @@ class Scheduler:
                 return
             if request.request_id in step.preempted:
                 continue  # never re-admit a victim in the step that preempted it
+            if request.adapter_name is not None and not self._adapter_fits(request.adapter_name):
+                continue  # max_loras distinct adapters are running; a later request may fit
             swapped = request.status is RequestStatus.SWAPPED
             hits = [] if swapped else self.kv_cache.get_computed_blocks(request)
             num_computed = request.num_computed_tokens if swapped else len(hits) * block_size
@@ -171,6 +176,10 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             self._emit(request, num_new, step)
+
+    def _adapter_fits(self, adapter: str) -> bool:
+        running = {r.adapter_name for r in self.running if r.adapter_name is not None}
+        return adapter in running or len(running) < (self.max_adapters or 0)
 
     def _blocks_to_grow(self, request: Request) -> int:
         """New blocks a running request needs for its next token or chunk."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -70,6 +70,12 @@ class Linear(nn.Module):
             self.bias.weight_loader = shard_loader(self.output_sizes)  # type: ignore[attr-defined]
         else:
             self.register_parameter("bias", None)
+        self.prefix = prefix
+        #: adds a per-token delta to the output in place (adapters such as LoRA set it)
+        self.output_delta: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, x, self.bias)
+        y = self.method.apply(self, x, self.bias)
+        if self.output_delta is not None:
+            self.output_delta(x, y)
+        return y

@@ -1,0 +1,187 @@
+"""LoRA adapters from PEFT directories, many per batch.
+
+Each supported linear layer gets slot-stacked LoRA weights: ``A [slots,
+parts * max_rank, in]`` and ``B [slots, out, parts * max_rank]`` (block
+diagonal over the parts of a fused layer, such as q/k/v; the scaling
+``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA, is folded into B at load).
+Each step, tokens are grouped by adapter slot and each active adapter adds
+``(x @ A^T) @ B^T`` to its own tokens with two matmuls: a loop over the
+(at most ``max_loras``) adapters in the batch, never over requests.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from tokenmill.core.layers.linear import Linear
+from tokenmill.interfaces.errors import ConfigError, InvalidRequest
+from tokenmill.interfaces.hookspecs import hookimpl
+
+
+class _StepGroups:
+    """This step's (slot, token indices) pairs, shared by every LoRA layer."""
+
+    def __init__(self) -> None:
+        self.groups: list[tuple[int, torch.Tensor]] = []
+
+
+class LoRALayer:
+    def __init__(self, linear: Linear, slots: int, max_rank: int, step: _StepGroups) -> None:
+        self.sizes = linear.output_sizes
+        self.offsets = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
+        self.max_rank = max_rank
+        dtype = next(p.dtype for p in linear.parameters() if p.is_floating_point()) \
+            if any(p.is_floating_point() for p in linear.parameters()) else torch.float32
+        parts = len(self.sizes)
+        self.A = torch.zeros(slots, parts * max_rank, linear.input_size, dtype=dtype)
+        self.B = torch.zeros(slots, sum(self.sizes), parts * max_rank, dtype=dtype)
+        self.step = step
+
+    def set_slot(self, slot: int, weights: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.A[slot].zero_()
+        self.B[slot].zero_()
+        for part, (a, b) in weights.items():
+            rows = slice(part * self.max_rank, part * self.max_rank + a.shape[0])
+            self.A[slot, rows] = a
+            self.B[slot, self.offsets[part]:self.offsets[part] + self.sizes[part], rows] = b
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        for slot, tokens in self.step.groups:
+            xs = x.index_select(0, tokens)
+            y.index_add_(0, tokens, (xs @ self.A[slot].T.to(xs.dtype)) @ self.B[slot].T.to(xs.dtype))
+
+
+class LoRAAdapters:
+    """The ``lora`` adapter type."""
+
+    name = "lora"
+
+    def __init__(self, config: Any) -> None:
+        self.max_active = config.max_loras
+        self.max_rank = config.max_lora_rank
+        self.max_loaded = config.max_cpu_loras or config.max_loras
+        self._step = _StepGroups()
+        self._layers: dict[str, tuple[LoRALayer, int]] = {}  # checkpoint module name -> (layer, part)
+        self._all_layers: list[LoRALayer] = []
+        self._loaded: OrderedDict[str, tuple[str, dict[str, tuple[torch.Tensor, torch.Tensor]]]] = OrderedDict()
+        self._slots: OrderedDict[str, int] = OrderedDict()  # adapter -> slot, LRU order
+        #: set by the engine: whether a live request uses an adapter (those are never evicted)
+        self.in_use: Callable[[str], bool] = lambda name: False
+
+    def attach(self, model: nn.Module) -> None:
+        stacked = getattr(model, "stacked_params", ())
+        for prefix, module in model.named_modules():
+            if not isinstance(module, Linear) or prefix.endswith("lm_head"):
+                continue
+            head, _, leaf = prefix.rpartition(".")
+            parts = sorted((index, part) for fused, part, index in stacked if fused == leaf) or [(0, leaf)]
+            layer = LoRALayer(module, self.max_active, self.max_rank, self._step)
+            module.output_delta = layer
+            self._all_layers.append(layer)
+            for index, part in parts:
+                self._layers[f"{head}.{part}"] = (layer, index)
+
+    def loaded(self) -> dict[str, str]:
+        return {name: path for name, (path, _) in self._loaded.items()}
+
+    def load(self, name: str, path: str) -> None:
+        directory = Path(path)
+        config_file, weights_file = directory / "adapter_config.json", directory / "adapter_model.safetensors"
+        if not config_file.is_file() or not weights_file.is_file():
+            raise InvalidRequest("lora_path", f"{path} is not a PEFT adapter directory "
+                                              "(adapter_config.json + adapter_model.safetensors)")
+        config = json.loads(config_file.read_text())
+        problems = []
+        if config.get("peft_type", "LORA") != "LORA":
+            problems.append(f"peft_type {config.get('peft_type')!r} (only LORA)")
+        if config.get("use_dora"):
+            problems.append("use_dora (DoRA)")
+        if config.get("modules_to_save"):
+            problems.append(f"modules_to_save {config['modules_to_save']}")
+        if config.get("bias", "none") != "none":
+            problems.append(f"bias={config['bias']!r}")
+        if config.get("rank_pattern") or config.get("alpha_pattern"):
+            problems.append("rank_pattern/alpha_pattern")
+        rank, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
+        if rank > self.max_rank:
+            problems.append(f"r={rank} exceeds max_lora_rank={self.max_rank}")
+        tensors = load_file(weights_file)
+        if any("lora_embedding" in key for key in tensors):
+            problems.append("embedding LoRA")
+        scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+        weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for key, a in tensors.items():
+            if ".lora_A." not in key:
+                continue
+            module = key.removeprefix("base_model.model.").split(".lora_A.")[0]
+            b = tensors[key.replace(".lora_A.", ".lora_B.")]
+            if module not in self._layers:
+                problems.append(f"target module {module} (not a supported linear layer)")
+                continue
+            weights[module] = (a.float(), b.float() * scaling)
+        if problems:
+            raise InvalidRequest("lora_path", f"adapter {name!r} uses unsupported features: " + "; ".join(problems))
+        if name in self._loaded and self._loaded[name][0] != str(path):
+            raise InvalidRequest("lora_name", f"adapter {name!r} is already loaded from another path; unload it first")
+        self._loaded[name] = (str(path), weights)
+        self._loaded.move_to_end(name)
+        self._slots.pop(name, None)  # reloaded weights go to a slot afresh
+        # LRU beyond max_cpu_loras, never evicting an adapter a live request uses
+        # (so the cache may exceed the limit while that many adapters are in flight)
+        for evictable in [n for n in self._loaded if n != name and not self.in_use(n)]:
+            if len(self._loaded) <= self.max_loaded:
+                break
+            del self._loaded[evictable]
+            self._slots.pop(evictable, None)
+
+    def unload(self, name: str) -> None:
+        if name not in self._loaded:
+            raise InvalidRequest("lora_name", f"adapter {name!r} is not loaded")
+        del self._loaded[name]
+        self._slots.pop(name, None)
+
+    def prepare_step(self, adapters: Sequence[Optional[str]], query_lens: Sequence[int]) -> None:
+        starts = [0]
+        for length in query_lens:
+            starts.append(starts[-1] + length)
+        tokens: dict[str, list[int]] = {}
+        for i, name in enumerate(adapters):
+            if name is not None:
+                tokens.setdefault(name, []).extend(range(starts[i], starts[i + 1]))
+        if len(tokens) > self.max_active:
+            raise RuntimeError(f"{len(tokens)} adapters in one step, max_loras={self.max_active}")
+        self._step.groups = [(self._slot_for(name), torch.tensor(idx)) for name, idx in tokens.items()]
+
+    def _slot_for(self, name: str) -> int:
+        if name in self._slots:
+            self._slots.move_to_end(name)
+            return self._slots[name]
+        if name not in self._loaded:
+            raise RuntimeError(f"adapter {name!r} was unloaded while a request still used it")
+        used = set(self._slots.values())
+        free = [s for s in range(self.max_active) if s not in used]
+        if free:
+            slot = free[0]
+        else:  # reuse the least recently used adapter's slot (not in this step, by max_loras)
+            _, slot = self._slots.popitem(last=False)
+        parts: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+        for module, weights in self._loaded[name][1].items():
+            layer, part = self._layers[module]
+            parts.setdefault(id(layer), {})[part] = weights
+        for layer in self._all_layers:
+            layer.set_slot(slot, parts.get(id(layer), {}))
+        self._slots[name] = slot
+        return slot
+
+
+@hookimpl
+def register_adapter_types(register):
+    register("lora", LoRAAdapters)
