@@ -120,3 +120,24 @@ def test_lora_request_needs_enable_lora(model_dir, adapters):
     with pytest.raises(InvalidRequest, match="enable_lora"):
         make_llm(model_dir("llama")).generate("x", GREEDY, use_tqdm=False,
                                               lora_request=LoRARequest("qv-r4", 1, str(adapters["qv-r4"][0])))
+
+
+def test_triton_bgmv_kernel_matches_the_torch_path():
+    """The GPU LoRA kernel (interpreted here) adds each token's own adapter delta; -1 tokens are untouched."""
+    import torch
+
+    triton_lora = pytest.importorskip("tokenmill.plugins.adapters.triton_lora")
+    g = torch.Generator().manual_seed(0)
+    slots_count, tokens, k, rank, n = 3, 7, 40, 8, 24
+    a = torch.randn(slots_count, rank, k, generator=g)
+    b = torch.randn(slots_count, n, rank, generator=g)
+    x = torch.randn(tokens, k, generator=g)
+    slots = torch.tensor([0, 2, -1, 1, 2, -1, 0], dtype=torch.int32)
+    base = torch.randn(tokens, n, generator=g)
+    y = base.clone()
+    triton_lora.lora_delta(x, a, b, slots, y)
+    expected = base.clone()
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            expected[t] += (x[t] @ a[slot].T) @ b[slot].T
+    torch.testing.assert_close(y, expected, atol=1e-4, rtol=1e-4)

@@ -17,7 +17,7 @@ from typing import Any, Optional, Sequence
 import structlog
 from pydantic import BaseModel
 
-from tokenmill.interfaces.errors import TokenmillError
+from tokenmill.interfaces.errors import ConfigError, TokenmillError
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -99,13 +99,28 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-request-body-bytes", default=None, help="e.g. 4MiB")
     group.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default=None)
     group.add_argument("--log-format", choices=["auto", "json", "console"], default=None)
+    group.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                       help="LoRA adapters to serve; clients select one with the 'model' field")
+    group.add_argument("--allowed-lora-dirs", nargs="+", default=None,
+                       help="directories runtime adapter loads may read from")
+    group.add_argument("--allow-runtime-lora-updating", action="store_true", default=None,
+                       help="enable /v1/load_lora_adapter and /v1/unload_lora_adapter")
 
 
 def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
     from tokenmill.core.config import SERVER_NAMES, VLLM_NAMES
 
     names = list(VLLM_NAMES) + list(SERVER_NAMES)
-    return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+    overrides = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+    if "lora_modules" in overrides:
+        modules = {}
+        for item in overrides["lora_modules"]:
+            name, sep, path = item.partition("=")
+            if not sep or not name or not path:
+                raise ConfigError("lora_modules", f"expected NAME=PATH, got {item!r}")
+            modules[name] = path
+        overrides["lora_modules"] = modules
+    return overrides
 
 
 def resolve_config(args: argparse.Namespace):

@@ -45,6 +45,16 @@ class _Add:
     priority: int
     user: Optional[str]
     arrival_time: float
+    adapter_name: Optional[str]
+
+
+@dataclass(frozen=True)
+class _Call:
+    """Run ``fn(engine)`` on the engine thread between steps (adapter loads, ...)."""
+
+    fn: Callable[[LLMEngine], object]
+    future: "asyncio.Future"
+    loop: asyncio.AbstractEventLoop
 
 
 @dataclass(frozen=True)
@@ -90,6 +100,7 @@ class AsyncLLM:
         *,
         priority: int = 0,
         user: Optional[str] = None,
+        adapter_name: Optional[str] = None,
     ) -> AsyncIterator[RequestOutput]:
         """Admit a request now and return its stream of cumulative RequestOutputs.
 
@@ -110,8 +121,15 @@ class AsyncLLM:
                 raise InvalidRequest("request_id", f"request id {request_id!r} is already in use")
             self._streams[request_id] = (asyncio.get_running_loop(), stream)
             self._pending_adds += 1
-        self._send(_Add(request_id, prepared, params, priority, user, time.monotonic()))
+        self._send(_Add(request_id, prepared, params, priority, user, time.monotonic(), adapter_name))
         return self._iterate(request_id, stream)
+
+    async def run_on_engine(self, fn: Callable[[LLMEngine], object]) -> object:
+        """Run ``fn(engine)`` on the engine thread between two steps and return its result."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._send(_Call(fn, future, loop))
+        return await future
 
     async def _iterate(self, request_id: str, stream: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         finished = False
@@ -181,9 +199,15 @@ class AsyncLLM:
                 try:
                     self.engine.add_request(command.request_id, command.prompt, command.params,
                                             priority=command.priority, user=command.user,
-                                            arrival_time=command.arrival_time)
+                                            arrival_time=command.arrival_time, adapter_name=command.adapter_name)
                 except TokenmillError as exc:
                     self._deliver(command.request_id, exc, final=True)
+            elif isinstance(command, _Call):
+                try:
+                    result, error = command.fn(self.engine), None
+                except Exception as exc:  # handed to the awaiting caller
+                    result, error = None, exc
+                command.loop.call_soon_threadsafe(_settle, command.future, result, error)
             else:
                 outputs = self.engine.abort_request(command.request_id)
                 for observer in self.observers:
@@ -204,3 +228,12 @@ class AsyncLLM:
         for loop, stream in streams.values():
             if not loop.is_closed():
                 loop.call_soon_threadsafe(stream.put_nowait, exc)
+
+
+def _settle(future: asyncio.Future, result: object, error: Optional[BaseException]) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

@@ -171,6 +171,9 @@ SERVER_NAMES: dict[str, str] = {
     "max_request_body_bytes": "server.max_request_body_bytes",
     "log_level": "server.log_level",
     "log_format": "server.log_format",
+    "lora_modules": "adapters.lora_modules",
+    "allowed_lora_dirs": "adapters.allowed_lora_dirs",
+    "allow_runtime_lora_updating": "adapters.allow_runtime_lora_updating",
 }
 
 _yaml_data: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar(

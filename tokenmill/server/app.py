@@ -15,6 +15,7 @@ import tokenmill
 from tokenmill.core.async_engine import AsyncLLM
 from tokenmill.core.config import ServerConfig
 from tokenmill.core.embedding_engine import EmbeddingEngine
+from tokenmill.server.adapters import add_adapter_routes
 from tokenmill.server.chat import chat_prompt_ids, create_chat_completion
 from tokenmill.server.completions import create_completion
 from tokenmill.server.embeddings import EmbeddingService
@@ -78,10 +79,14 @@ def create_app(llm: AsyncLLM | EmbeddingEngine, config: Optional[ServerConfig] =
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": now(), "owned_by": "tokenmill",
-             "root": str(engine.config.model), "parent": None, "max_model_len": engine.max_model_len}
-            for name in names]}
+        created = now()
+        base = [{"id": name, "object": "model", "created": created, "owned_by": "tokenmill",
+                 "root": str(engine.config.model), "parent": None, "max_model_len": engine.max_model_len}
+                for name in names]
+        adapters = [{"id": name, "object": "model", "created": created, "owned_by": "tokenmill", "root": path,
+                     "parent": names[0], "max_model_len": engine.max_model_len}
+                    for name, path in sorted(ctx.adapters().items())]
+        return {"object": "list", "data": base + adapters}
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -119,6 +124,8 @@ def create_app(llm: AsyncLLM | EmbeddingEngine, config: Optional[ServerConfig] =
     async def prometheus():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    if generating and engine.config.adapters.allow_runtime_lora_updating:
+        add_adapter_routes(app, llm, engine.config.adapters.allowed_lora_dirs)
     engine.plugin_manager.hook.extend_server(app=app)
     # outermost first: size limit, then auth, then routing
     app.add_middleware(APIKeyAuth, api_key=resolve_api_key(config))

@@ -51,7 +51,7 @@ def _logprobs_content(token_ids: list[int], entries: list[PositionLogprobs], top
 
 async def create_chat_completion(request: Request, ctx: ServingContext):
     body = await parse_body(request, ChatCompletionRequest)
-    model = ctx.check_model(body.model)
+    model, adapter = ctx.resolve_model(body.model)
     if body.logit_bias:
         raise APIError(400, "logit_bias is not supported", "logit_bias")
     if body.tools:
@@ -66,7 +66,7 @@ async def create_chat_completion(request: Request, ctx: ServingContext):
     params = body.sampling_params(max_tokens, top if body.logprobs else None)
     request_id = body.request_id or new_id("chatcmpl")
     [stream] = ctx.start([(request_id, {"prompt": None, "prompt_token_ids": token_ids}, params)],
-                         priority=body.priority, user=body.user)
+                         priority=body.priority, user=body.user, adapter=adapter)
     created = now()
     if body.stream:
         return StreamingResponse(_stream(body, request_id, model, created, stream, params),

@@ -65,7 +65,7 @@ class _LogprobsBuilder:
 
 async def create_completion(request: Request, ctx: ServingContext):
     body = await parse_body(request, CompletionRequest)
-    model = ctx.check_model(body.model)
+    model, adapter = ctx.resolve_model(body.model)
     if body.suffix is not None:
         raise APIError(400, "suffix is not supported", "suffix")
     if body.best_of is not None and body.best_of != body.n:
@@ -85,7 +85,7 @@ async def create_completion(request: Request, ctx: ServingContext):
         params.append(body.sampling_params(max_tokens, body.logprobs, prompt_logprobs))
     request_id = body.request_id or new_id("cmpl")
     streams = ctx.start([(f"{request_id}-{i}", prompt, p) for i, (prompt, p) in enumerate(zip(prompts, params))],
-                        priority=body.priority, user=body.user)
+                        priority=body.priority, user=body.user, adapter=adapter)
     created = now()
     if body.stream:
         return StreamingResponse(_stream(body, ctx, request_id, model, created, prompts, streams),

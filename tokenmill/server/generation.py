@@ -30,24 +30,36 @@ class ServingContext:
     tokenizer: Any
     counter: dict = field(default_factory=lambda: {"next": 0})
 
-    def start(self, requests: list[tuple[str, dict, Any]], priority: int,
-              user: Optional[str]) -> list[AsyncIterator[RequestOutput]]:
+    def start(self, requests: list[tuple[str, dict, Any]], priority: int, user: Optional[str],
+              adapter: Optional[str] = None) -> list[AsyncIterator[RequestOutput]]:
         """Admit several engine requests at once: all of them, or (on an error) none."""
         streams: list[AsyncIterator[RequestOutput]] = []
         try:
             for request_id, prompt, params in requests:
-                streams.append(self.llm.generate(request_id, prompt, params, priority=priority, user=user))
+                streams.append(self.llm.generate(request_id, prompt, params, priority=priority, user=user,
+                                                 adapter_name=adapter))
         except Exception:
             for request_id, _, _ in requests[: len(streams)]:
                 self.llm.abort(request_id)
             raise
         return streams
 
+    def adapters(self) -> dict[str, str]:
+        """Served LoRA adapters: name -> path (empty without enable_lora)."""
+        engine_adapters = self.llm.engine.adapters if self.llm is not None else None
+        return dict(engine_adapters.loaded()) if engine_adapters is not None else {}
+
     def check_model(self, name: Optional[str]) -> str:
+        return self.resolve_model(name)[0]
+
+    def resolve_model(self, name: Optional[str]) -> tuple[str, Optional[str]]:
+        """(the model name to report, the adapter the 'model' field selects or None)."""
         if name is None or name in self.served_model_names:
-            return self.served_model_names[0]
-        raise APIError(404, f"the model `{name}` does not exist; served: {', '.join(self.served_model_names)}",
-                       "model")
+            return self.served_model_names[0], None
+        if name in self.adapters():
+            return name, name
+        served = self.served_model_names + sorted(self.adapters())
+        raise APIError(404, f"the model `{name}` does not exist; served: {', '.join(served)}", "model")
 
     def max_tokens_for(self, prompt_len: int, requested: Optional[int]) -> int:
         """Check the context window; a missing max_tokens means 'the rest of it'."""

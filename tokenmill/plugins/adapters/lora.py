@@ -27,10 +27,12 @@ from tokenmill.interfaces.hookspecs import hookimpl
 
 
 class _StepGroups:
-    """This step's (slot, token indices) pairs, shared by every LoRA layer."""
+    """This step's adapter layout, shared by every LoRA layer: (slot, token indices)
+    pairs for the CPU path, and each token's slot (-1 = none) for the GPU kernel."""
 
     def __init__(self) -> None:
         self.groups: list[tuple[int, torch.Tensor]] = []
+        self.token_slots = torch.empty(0, dtype=torch.int32)
 
 
 class LoRALayer:
@@ -54,6 +56,13 @@ class LoRALayer:
             self.B[slot, self.offsets[part]:self.offsets[part] + self.sizes[part], rows] = b
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        if not self.step.groups:
+            return
+        if x.device.type == "cuda":  # one gather kernel over the mixed batch
+            from tokenmill.plugins.adapters.triton_lora import lora_delta
+
+            lora_delta(x, self.A, self.B, self.step.token_slots.to(x.device), y)
+            return
         for slot, tokens in self.step.groups:
             xs = x.index_select(0, tokens)
             y.index_add_(0, tokens, (xs @ self.A[slot].T.to(xs.dtype)) @ self.B[slot].T.to(xs.dtype))
@@ -159,6 +168,10 @@ class LoRAAdapters:
         if len(tokens) > self.max_active:
             raise RuntimeError(f"{len(tokens)} adapters in one step, max_loras={self.max_active}")
         self._step.groups = [(self._slot_for(name), torch.tensor(idx)) for name, idx in tokens.items()]
+        slots = torch.full((starts[-1],), -1, dtype=torch.int32)
+        for slot, idx in self._step.groups:
+            slots[idx] = slot
+        self._step.token_slots = slots
 
     def _slot_for(self, name: str) -> int:
         if name in self._slots:

@@ -1,0 +1,69 @@
+"""Runtime LoRA management: POST /v1/load_lora_adapter and /v1/unload_lora_adapter.
+
+Off unless ``adapters.allow_runtime_lora_updating`` is set. A path must resolve
+(following symlinks and ``..``) to a place inside one of
+``adapters.allowed_lora_dirs``; anything else is refused before a file is read.
+Loads run on the engine thread between steps, so running requests are not disturbed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from pydantic import Field
+
+from tokenmill.core.async_engine import AsyncLLM
+from tokenmill.core.engine import LLMEngine
+from tokenmill.server.errors import APIError
+from tokenmill.server.generation import parse_body
+from tokenmill.server.protocol import OpenAIModel
+
+
+class LoadAdapterRequest(OpenAIModel):
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadAdapterRequest(OpenAIModel):
+    lora_name: str = Field(min_length=1, max_length=256)
+
+
+def confine(path: str, allowed_dirs: list[str]) -> Path:
+    """The real path of ``path`` if it lies inside an allowed directory; else a 400."""
+    if not allowed_dirs:
+        raise APIError(400, "no allowed_lora_dirs are configured: runtime loads are refused", "lora_path")
+    roots = [Path(d).resolve() for d in allowed_dirs]
+    candidates = [Path(path)] if Path(path).is_absolute() else [root / path for root in roots]
+    for candidate in candidates:
+        resolved = candidate.resolve()  # follows symlinks and '..'
+        if any(resolved.is_relative_to(root) for root in roots):
+            if not resolved.is_dir():
+                raise APIError(400, f"adapter directory {path!r} does not exist", "lora_path")
+            return resolved
+    raise APIError(400, f"adapter path {path!r} is outside the allowed directories", "lora_path")
+
+
+def add_adapter_routes(app: FastAPI, llm: AsyncLLM, allowed_dirs: list[str]) -> None:
+    @app.post("/v1/load_lora_adapter")
+    async def load_adapter(request: Request):
+        body = await parse_body(request, LoadAdapterRequest)
+        path = confine(body.lora_path, allowed_dirs)
+
+        def load(engine: LLMEngine) -> None:
+            engine.adapters.load(body.lora_name, str(path))
+
+        await llm.run_on_engine(load)
+        return {"status": "ok", "lora_name": body.lora_name}
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_adapter(request: Request):
+        body = await parse_body(request, UnloadAdapterRequest)
+
+        def unload(engine: LLMEngine) -> None:
+            if engine.adapters.in_use(body.lora_name):
+                raise APIError(400, f"adapter {body.lora_name!r} is in use by running requests", "lora_name")
+            engine.adapters.unload(body.lora_name)
+
+        await llm.run_on_engine(unload)
+        return {"status": "ok", "lora_name": body.lora_name}
