@@ -93,3 +93,29 @@ def test_runtime_updates_are_off_by_default(model_dir, adapter_root):
     with running_server(engine) as (url, _):
         response = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "qv"})
     assert response.status_code == 404
+
+
+def test_loading_an_adapter_does_not_disturb_running_requests(server):
+    """A long stream on the base model gives the same text while an adapter loads and unloads mid-way."""
+    import threading
+
+    prompt = PROMPTS[3][:20]
+    body = {"model": "base", "prompt": prompt, "max_tokens": 60, "temperature": 0, "ignore_eos": True}
+    expected = httpx.post(server + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    text, started = "", threading.Event()
+
+    def churn():
+        started.wait(30)
+        for _ in range(3):
+            assert httpx.post(server + "/v1/load_lora_adapter", json={"lora_name": "churn", "lora_path": "mlp"}).status_code == 200
+            assert httpx.post(server + "/v1/unload_lora_adapter", json={"lora_name": "churn"}).status_code == 200
+
+    worker = threading.Thread(target=churn)
+    worker.start()
+    with httpx.stream("POST", server + "/v1/completions", json={**body, "stream": True}, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                text += json.loads(line[6:])["choices"][0]["text"]
+                started.set()
+    worker.join(30)
+    assert text == expected
