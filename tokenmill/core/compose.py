@@ -176,6 +176,8 @@ def _attention_backend(
         problems.append(f"block size {config.cache.block_size} not in {caps.block_sizes}")
     if model_config.sliding_window is not None and not caps.sliding_window:
         problems.append("the model uses sliding-window attention, which it does not support")
+    if model_config.hf_config.get("attn_logit_softcapping") is not None and not caps.logits_soft_cap:
+        problems.append("the model soft-caps attention logits, which it does not support")
     if caps.requires_device is not None and caps.requires_device != "cpu":
         problems.append(f"it needs a {caps.requires_device} device")
     if problems:

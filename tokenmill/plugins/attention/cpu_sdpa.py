@@ -1,0 +1,95 @@
+"""The fast CPU backend: each sequence's blocks gathered into reusable buffers, then
+PyTorch's fused scaled_dot_product_attention.
+
+Measured on this project's CPU (1 thread, decode step, 8 kv heads x 64): 1.4x
+to 4x faster than the reference backend from 128 to 4096 tokens of context
+and batch 1 to 64 (benchmarks/attention.py). Two things matter: the fused
+SDPA kernel instead of einsum + mask + softmax, and gathering into buffers
+that persist across calls (fresh large tensors cost page faults here, which
+made a naive gather 8x slower). SDPA has no logit soft-capping, so models
+that use it are left to the reference backend ("auto" does that).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.interfaces.attention import AttentionCapabilities, AttentionLayerSpec, AttentionMetadata
+from tokenmill.interfaces.hookspecs import hookimpl
+from tokenmill.plugins.attention.torch_ref import TorchReferenceAttention, write_kv
+
+
+class CpuSdpaAttention(TorchReferenceAttention):
+    name = "cpu"
+    capabilities = AttentionCapabilities(
+        dtypes=(torch.float32, torch.bfloat16, torch.float16),
+        sliding_window=True,
+        logits_soft_cap=False,
+    )
+
+    def __init__(self) -> None:
+        self._buffers: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _scratch(self, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self._buffers.get(dtype, (torch.empty(0, dtype=dtype), torch.empty(0, dtype=dtype)))
+        if keys.numel() < numel:
+            keys, values = torch.empty(numel, dtype=dtype), torch.empty(numel, dtype=dtype)
+            self._buffers[dtype] = (keys, values)
+        return keys, values
+
+    def forward(
+        self,
+        layer: AttentionLayerSpec,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        write_kv(key_cache, value_cache, key, value, metadata.slot_mapping)
+        block_shape = key_cache.shape[1:]  # [block_size, num_kv_heads, head_dim]
+        block_numel = key_cache[0].numel()
+        output = torch.empty_like(query)
+        starts = metadata.query_start_loc_cpu
+        block_size = metadata.block_size
+        for i, seq_len in enumerate(metadata.seq_lens_cpu):
+            num_blocks = -(-seq_len // block_size)
+            key_buf, value_buf = self._scratch(num_blocks * block_numel, key_cache.dtype)
+            blocks = metadata.block_table[i, :num_blocks].long()
+            k = torch.index_select(key_cache, 0, blocks, out=key_buf[: num_blocks * block_numel].view(
+                num_blocks, *block_shape)).flatten(0, 1)[:seq_len]
+            v = torch.index_select(value_cache, 0, blocks, out=value_buf[: num_blocks * block_numel].view(
+                num_blocks, *block_shape)).flatten(0, 1)[:seq_len]
+            q = query[starts[i]:starts[i + 1]]  # [q_len, heads, head_dim]
+            q_len = q.shape[0]
+            mask = None
+            causal = False
+            if layer.sliding_window is not None and seq_len > 1:
+                q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
+                k_pos = torch.arange(seq_len)[None, :]
+                mask = (k_pos <= q_pos) & (q_pos - k_pos < layer.sliding_window)
+            elif q_len == seq_len:
+                causal = q_len > 1
+            elif q_len > 1:  # a chunk on top of a cached prefix
+                mask = torch.arange(seq_len)[None, :] <= torch.arange(seq_len - q_len, seq_len)[:, None]
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+                attn_mask=mask, is_causal=causal, scale=layer.scale, enable_gqa=layer.num_heads != layer.num_kv_heads,
+            )
+            output[starts[i]:starts[i + 1]] = out.squeeze(0).transpose(0, 1)
+        return output
+
+
+@hookimpl
+def register_attention_backends(register):
+    register("cpu", CpuSdpaAttention)
+
+
+@hookimpl
+def select_attention_backend(device, model_config):
+    """The fast backend on CPU, unless the model soft-caps attention logits (SDPA cannot)."""
+    if device == "cpu" and model_config.hf_config.get("attn_logit_softcapping") is None:
+        return "cpu"
+    return None

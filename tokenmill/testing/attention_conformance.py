@@ -1,0 +1,153 @@
+"""A conformance kit for attention backends: randomized paged-attention cases checked
+against the ``torch`` reference backend.
+
+Any backend package can use it::
+
+    from tokenmill.testing.attention_conformance import conformance_cases, check_backend
+
+    @pytest.mark.parametrize("case", conformance_cases(200), ids=str)
+    def test_my_backend(case):
+        check_backend(MyBackend(), case)
+
+Cases mix prefill chunks on top of cached prefixes with single-token decodes,
+GQA/MQA, sliding windows and soft-capping, and include the edge cases: only
+decodes, only prefills, one-token prompts and lengths on block boundaries.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from tokenmill.interfaces.attention import AttentionBackend, AttentionLayerSpec, AttentionMetadata
+from tokenmill.plugins.attention.torch_ref import TorchReferenceAttention
+
+TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-3}
+
+
+@dataclass(frozen=True)
+class AttentionCase:
+    seed: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+    #: per request: (tokens already cached, new tokens this step)
+    requests: tuple[tuple[int, int], ...]
+    sliding_window: Optional[int] = None
+    soft_cap: Optional[float] = None
+
+    def __str__(self) -> str:
+        kind = str(self.dtype).removeprefix("torch.")
+        extra = (f"-w{self.sliding_window}" if self.sliding_window else "") + (f"-cap{self.soft_cap}" if self.soft_cap else "")
+        return f"s{self.seed}-h{self.num_heads}kv{self.num_kv_heads}d{self.head_dim}-b{self.block_size}-{kind}{extra}"
+
+
+def conformance_cases(count: int = 200, seed: int = 0, dtypes=(torch.float32, torch.bfloat16)) -> list[AttentionCase]:
+    rng = random.Random(seed)
+    cases = []
+    for index in range(count):
+        heads, kv = rng.choice([(4, 4), (4, 2), (8, 2), (4, 1), (2, 1)])
+        block = rng.choice([4, 8, 16])
+        kind = index % 6
+        requests = []
+        for _ in range(rng.randint(1, 5)):
+            if kind == 0:  # only decodes
+                requests.append((rng.randint(1, 70), 1))
+            elif kind == 1:  # only fresh prefills
+                requests.append((0, rng.randint(1, 40)))
+            elif kind == 2:  # one-token prompts and block-boundary lengths
+                requests.append(rng.choice([(0, 1), (block, 1), (block - 1, 1), (0, block), (block, block), (2 * block - 1, 1)]))
+            else:  # mixed: chunks on cached prefixes and decodes
+                requests.append((rng.randint(0, 50), rng.choice([1, 1, rng.randint(1, 30)])))
+        cases.append(AttentionCase(
+            seed=seed * 100_000 + index, num_heads=heads, num_kv_heads=kv, head_dim=rng.choice([16, 32, 64]),
+            block_size=block, dtype=dtypes[index % len(dtypes)], requests=tuple(requests),
+            sliding_window=rng.choice([None, None, rng.randint(1, 24)]),
+            soft_cap=rng.choice([None, None, None, 20.0]),
+        ))
+    return cases
+
+
+def supports(backend: AttentionBackend, case: AttentionCase) -> bool:
+    caps = backend.capabilities
+    return (case.dtype in caps.dtypes
+            and (caps.head_sizes is None or case.head_dim in caps.head_sizes)
+            and (caps.block_sizes is None or case.block_size in caps.block_sizes)
+            and (case.sliding_window is None or caps.sliding_window)
+            and (case.soft_cap is None or caps.logits_soft_cap))
+
+
+def build_inputs(case: AttentionCase, shape_of: AttentionBackend, device: str = "cpu"):
+    """(spec, query, key, value, kv_cache, metadata) with the cached prefixes already in the cache."""
+    g = torch.Generator().manual_seed(case.seed)
+    spec = AttentionLayerSpec(case.num_heads, case.num_kv_heads, case.head_dim, case.head_dim**-0.5,
+                              case.sliding_window, case.soft_cap)
+    bs = case.block_size
+    needs = [-(-(cached + new) // bs) for cached, new in case.requests]
+    num_blocks = sum(needs) + 3
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    tables, cursor = [], 0
+    for count in needs:
+        tables.append(order[cursor:cursor + count])
+        cursor += count
+    cache = torch.randn(shape_of.kv_cache_shape(num_blocks, bs, case.num_kv_heads, case.head_dim),
+                        generator=g).to(case.dtype)
+    total = sum(new for _, new in case.requests)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(case.dtype)
+
+    query, key, value = rand(total, case.num_heads, case.head_dim), rand(total, case.num_kv_heads, case.head_dim), \
+        rand(total, case.num_kv_heads, case.head_dim)
+    starts, seq_lens, slots = [0], [], []
+    for (cached, new), table in zip(case.requests, tables):
+        starts.append(starts[-1] + new)
+        seq_lens.append(cached + new)
+        slots += [table[p // bs] * bs + p % bs for p in range(cached, cached + new)]
+    width = max(len(t) for t in tables)
+    block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    metadata = AttentionMetadata(
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_table=block_table.to(device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        max_query_len=max(new for _, new in case.requests),
+        max_seq_len=max(seq_lens),
+        query_start_loc_cpu=tuple(starts),
+        seq_lens_cpu=tuple(seq_lens),
+        block_size=bs,
+    )
+    return spec, query, key, value, cache, metadata
+
+
+def check_backend(backend: AttentionBackend, case: AttentionCase, device: str = "cpu") -> None:
+    """Assert ``backend`` matches the reference on ``case`` (output and written cache)."""
+    reference = TorchReferenceAttention()
+    if not supports(backend, case):
+        return
+    spec, q, k, v, cache, metadata = build_inputs(case, reference)
+    expected_cache = cache.clone()
+    expected = reference.forward(spec, q, k, v, expected_cache, metadata)
+    # the backend may lay its cache out differently: rebuild the same contents in its layout
+    got_cache = to_layout(cache, backend, case).to(device)
+    _, _, _, _, _, device_metadata = build_inputs(case, reference, device)
+    got = backend.forward(spec, q.to(device), k.to(device), v.to(device), got_cache, device_metadata).cpu()
+    tolerance = TOLERANCES[case.dtype]
+    torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(from_layout(got_cache.cpu(), backend, case), expected_cache, atol=0, rtol=0)
+
+
+def to_layout(reference_cache: torch.Tensor, backend: AttentionBackend, case: AttentionCase) -> torch.Tensor:
+    """The reference layout [2, blocks, block_size, kv_heads, head_dim] -> the backend's."""
+    convert = getattr(backend, "from_reference_layout", None)
+    return convert(reference_cache) if convert else reference_cache.clone()
+
+
+def from_layout(cache: torch.Tensor, backend: AttentionBackend, case: AttentionCase) -> torch.Tensor:
+    convert = getattr(backend, "to_reference_layout", None)
+    return convert(cache) if convert else cache
