@@ -179,7 +179,8 @@ def _attention_backend(
     if model_config.hf_config.get("attn_logit_softcapping") is not None and not caps.logits_soft_cap:
         problems.append("the model soft-caps attention logits, which it does not support")
     if caps.requires_device is not None and caps.requires_device != "cpu":
-        problems.append(f"it needs a {caps.requires_device} device")
+        problems.append(f"it needs a {caps.requires_device} device (this engine runs on cpu; "
+                        "TRITON_INTERPRET=1 runs Triton kernels in the interpreter, for tests)")
     if problems:
         raise ConfigError("attention.backend", f"backend {name!r} cannot run this model: " + "; ".join(problems))
     return backend

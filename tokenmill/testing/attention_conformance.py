@@ -47,25 +47,32 @@ class AttentionCase:
         return f"s{self.seed}-h{self.num_heads}kv{self.num_kv_heads}d{self.head_dim}-b{self.block_size}-{kind}{extra}"
 
 
-def conformance_cases(count: int = 200, seed: int = 0, dtypes=(torch.float32, torch.bfloat16)) -> list[AttentionCase]:
+def conformance_cases(count: int = 200, seed: int = 0, dtypes=(torch.float32, torch.bfloat16),
+                      scale: float = 1.0) -> list[AttentionCase]:
+    """``count`` cases; ``scale`` < 1 shrinks lengths and head counts (for interpreted kernels)."""
     rng = random.Random(seed)
     cases = []
+
+    def length(high: int) -> int:
+        return rng.randint(1, max(2, int(high * scale)))
+
     for index in range(count):
-        heads, kv = rng.choice([(4, 4), (4, 2), (8, 2), (4, 1), (2, 1)])
+        heads, kv = rng.choice([(4, 4), (4, 2), (8, 2), (4, 1), (2, 1)] if scale >= 1 else [(2, 2), (2, 1), (4, 2)])
         block = rng.choice([4, 8, 16])
         kind = index % 6
         requests = []
-        for _ in range(rng.randint(1, 5)):
+        for _ in range(rng.randint(1, 5 if scale >= 1 else 3)):
             if kind == 0:  # only decodes
-                requests.append((rng.randint(1, 70), 1))
+                requests.append((length(70), 1))
             elif kind == 1:  # only fresh prefills
-                requests.append((0, rng.randint(1, 40)))
+                requests.append((0, length(40)))
             elif kind == 2:  # one-token prompts and block-boundary lengths
                 requests.append(rng.choice([(0, 1), (block, 1), (block - 1, 1), (0, block), (block, block), (2 * block - 1, 1)]))
             else:  # mixed: chunks on cached prefixes and decodes
-                requests.append((rng.randint(0, 50), rng.choice([1, 1, rng.randint(1, 30)])))
+                requests.append((length(50) - 1, rng.choice([1, 1, length(30)])))
         cases.append(AttentionCase(
-            seed=seed * 100_000 + index, num_heads=heads, num_kv_heads=kv, head_dim=rng.choice([16, 32, 64]),
+            seed=seed * 100_000 + index, num_heads=heads, num_kv_heads=kv,
+            head_dim=rng.choice([16, 32, 64] if scale >= 1 else [16, 24]),
             block_size=block, dtype=dtypes[index % len(dtypes)], requests=tuple(requests),
             sliding_window=rng.choice([None, None, rng.randint(1, 24)]),
             soft_cap=rng.choice([None, None, None, 20.0]),

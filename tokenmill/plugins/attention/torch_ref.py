@@ -87,6 +87,8 @@ def write_kv(
 @hookimpl
 def register_attention_backends(register):
     register("torch", TorchReferenceAttention)
+    # lazy: listing plugins never imports triton
+    register("triton", "tokenmill.plugins.attention.triton_paged.backend:TritonPagedAttention")
 
 
 @hookimpl(trylast=True)

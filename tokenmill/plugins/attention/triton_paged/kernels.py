@@ -1,0 +1,151 @@
+"""Triton kernels: KV-cache write by slot mapping, and varlen paged attention with split-K.
+
+Cache layout (the reference's): ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
+
+``paged_attention`` runs one program per (query token, head, KV split). A
+token at absolute position ``p`` attends to positions ``[max(0, p - window + 1), p]``
+of its own request, read block by block through the block table with an
+online softmax, so prefill chunks over a cached prefix and decodes share one
+kernel. Long contexts are split across ``num_splits`` programs whose partial
+(max, sum, accumulator) triples a second kernel merges (flash-decoding).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _write_kv_kernel(key_ptr, value_ptr, cache_ptr, slot_ptr, stride_kt, stride_vt,
+                     stride_c_kv, stride_c_block, stride_c_off, BLOCK_SIZE: tl.constexpr,
+                     ROW: tl.constexpr, ROW_PAD: tl.constexpr):
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token)
+    if slot >= 0:
+        block = slot // BLOCK_SIZE
+        offset = slot % BLOCK_SIZE
+        cols = tl.arange(0, ROW_PAD)
+        mask = cols < ROW  # a token's row: num_kv_heads * head_dim contiguous values
+        base = cache_ptr + block * stride_c_block + offset * stride_c_off
+        tl.store(base + cols, tl.load(key_ptr + token * stride_kt + cols, mask=mask), mask=mask)
+        tl.store(base + stride_c_kv + cols, tl.load(value_ptr + token * stride_vt + cols, mask=mask), mask=mask)
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, cache_ptr, block_table_ptr, token_req_ptr, token_pos_ptr,
+    part_acc_ptr, part_m_ptr, part_l_ptr,
+    scale, soft_cap, window,
+    stride_qt, stride_qh, stride_c_kv, stride_c_block, stride_c_off, stride_c_head, stride_bt,
+    stride_pt, stride_ph, stride_ps,
+    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, USE_SOFT_CAP: tl.constexpr, USE_WINDOW: tl.constexpr,
+):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    split = tl.program_id(2)
+    kv_head = head // GROUP
+    req = tl.load(token_req_ptr + token)
+    pos = tl.load(token_pos_ptr + token)
+    dims = tl.arange(0, HEAD_PAD)
+    dim_mask = dims < HEAD_DIM
+    q = tl.load(q_ptr + token * stride_qt + head * stride_qh + dims, mask=dim_mask, other=0.0).to(tl.float32)
+
+    first = 0
+    if USE_WINDOW:
+        first = tl.maximum(pos - window + 1, 0)
+    first_block = first // BLOCK_SIZE
+    last_block = pos // BLOCK_SIZE
+    blocks = last_block - first_block + 1
+    per_split = (blocks + NUM_SPLITS - 1) // NUM_SPLITS
+    start = first_block + split * per_split
+    end = tl.minimum(start + per_split, last_block + 1)
+
+    offsets = tl.arange(0, BLOCK_SIZE)
+    m = -float("inf")
+    l = 0.0
+    acc = tl.zeros((HEAD_PAD,), dtype=tl.float32)
+    for b in range(start, end):
+        physical = tl.load(block_table_ptr + req * stride_bt + b)
+        base = cache_ptr + physical * stride_c_block + kv_head * stride_c_head
+        kv_mask = dim_mask[None, :]
+        k = tl.load(base + offsets[:, None] * stride_c_off + dims[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        scores = tl.sum(k * q[None, :], axis=1) * scale  # [BLOCK_SIZE]
+        if USE_SOFT_CAP:
+            scores = soft_cap * (2.0 / (1.0 + tl.exp(-2.0 * scores / soft_cap)) - 1.0)  # soft_cap * tanh(s / cap)
+        positions = b * BLOCK_SIZE + offsets
+        valid = (positions <= pos) & (positions >= first)
+        scores = tl.where(valid, scores, -float("inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=0))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(scores - m_new)
+        v = tl.load(base + stride_c_kv + offsets[:, None] * stride_c_off + dims[None, :], mask=kv_mask,
+                    other=0.0).to(tl.float32)
+        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        l = l * alpha + tl.sum(p, axis=0)
+        m = m_new
+    out = part_acc_ptr + token * stride_pt + head * stride_ph + split * stride_ps
+    tl.store(out + dims, acc, mask=dim_mask)
+    tl.store(part_m_ptr + (token * tl.num_programs(1) + head) * NUM_SPLITS + split, m)
+    tl.store(part_l_ptr + (token * tl.num_programs(1) + head) * NUM_SPLITS + split, l)
+
+
+@triton.jit
+def _merge_splits_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, stride_pt, stride_ph, stride_ps,
+                         stride_ot, stride_oh, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+                         NUM_SPLITS: tl.constexpr):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    dims = tl.arange(0, HEAD_PAD)
+    dim_mask = dims < HEAD_DIM
+    row = (token * tl.num_programs(1) + head) * NUM_SPLITS
+    m_all = -float("inf")
+    for s in range(NUM_SPLITS):
+        m_all = tl.maximum(m_all, tl.load(part_m_ptr + row + s))
+    total = 0.0
+    acc = tl.zeros((HEAD_PAD,), dtype=tl.float32)
+    for s in range(NUM_SPLITS):
+        m_s = tl.load(part_m_ptr + row + s)
+        weight = tl.where(m_s == -float("inf"), 0.0, tl.exp(m_s - m_all))
+        total += tl.load(part_l_ptr + row + s) * weight
+        acc += tl.load(part_acc_ptr + token * stride_pt + head * stride_ph + s * stride_ps + dims,
+                       mask=dim_mask, other=0.0) * weight
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, (acc / total).to(out_ptr.dtype.element_ty),
+             mask=dim_mask)
+
+
+def write_kv(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    tokens = key.shape[0]
+    if tokens == 0:
+        return
+    key, value = key.reshape(tokens, -1).contiguous(), value.reshape(tokens, -1).contiguous()
+    row = key.shape[1]
+    _write_kv_kernel[(tokens,)](key, value, cache, slot_mapping, key.stride(0), value.stride(0),
+                                cache.stride(0), cache.stride(1), cache.stride(2),
+                                BLOCK_SIZE=cache.shape[2], ROW=row, ROW_PAD=triton.next_power_of_2(row))
+
+
+def paged_attention(query: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, token_req: torch.Tensor,
+                    token_pos: torch.Tensor, scale: float, soft_cap, window, num_splits: int) -> torch.Tensor:
+    tokens, heads, head_dim = query.shape
+    kv_heads = cache.shape[3]
+    head_pad = triton.next_power_of_2(head_dim)
+    acc = torch.empty(tokens, heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
+    m = torch.empty(tokens, heads, num_splits, dtype=torch.float32, device=query.device)
+    l = torch.empty_like(m)
+    grid = (tokens, heads, num_splits)
+    _paged_attention_kernel[grid](
+        query, cache, block_table, token_req, token_pos, acc, m, l,
+        scale, soft_cap or 1.0, window or 0,
+        query.stride(0), query.stride(1), cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
+        block_table.stride(0), acc.stride(0), acc.stride(1), acc.stride(2),
+        GROUP=heads // kv_heads, BLOCK_SIZE=cache.shape[2], HEAD_DIM=head_dim, HEAD_PAD=head_pad,
+        NUM_SPLITS=num_splits, USE_SOFT_CAP=soft_cap is not None, USE_WINDOW=window is not None,
+    )
+    out = torch.empty_like(query)
+    _merge_splits_kernel[(tokens, heads)](acc, m, l, out, acc.stride(0), acc.stride(1), acc.stride(2),
+                                          out.stride(0), out.stride(1), HEAD_DIM=head_dim, HEAD_PAD=head_pad,
+                                          NUM_SPLITS=num_splits)
+    return out
