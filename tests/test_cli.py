@@ -85,3 +85,23 @@ def test_serve_runs_the_demo_model_with_vllm_flags(tmp_path):
     assert (tmp_path / "cache" / "demo-llama" / "model.safetensors").is_file()
     request_lines = [json.loads(line) for line in stderr.splitlines() if '"request finished"' in line]
     assert request_lines and request_lines[0]["generation_tokens"] == 3
+
+
+def test_compare_reports_identical_greedy_outputs_across_backends(tmp_path, model_dir):
+    """`tokenmill compare --attention-backend torch,cpu,triton` agrees exactly and writes its table as JSON."""
+    import os
+
+    out = tmp_path / "compare.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "tokenmill.cli", "compare", str(model_dir("llama")), "--attention-backend",
+         "torch,cpu,triton", "--num-prompts", "3", "--input-len", "10", "--output-len", "6",
+         "--kv-cache-memory-bytes", "16MiB", "--json", str(out)],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(out.read_text())["results"]
+    assert [r["variant"] for r in rows] == [f"attention_backend={b}" for b in ("torch", "cpu", "triton")]
+    for row in rows:
+        assert row["agreement"]["exact"] == 3 and row["agreement"]["first_divergence"] is None
+        assert row["agreement"]["max_logprob_diff"] < 1e-4
+        assert row["tokens_per_s"] > 0 and row["peak_rss_mib"] > 0
+    assert "attention_backend=triton" in result.stdout

@@ -12,6 +12,7 @@ import argparse
 import json
 import sys
 import typing
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import structlog
@@ -54,6 +55,25 @@ def _parser() -> argparse.ArgumentParser:
     add_engine_flags(serve)
     serve.set_defaults(handler=_serve)
 
+    compare = commands.add_parser("compare", help="run one workload through several engine variants")
+    compare.add_argument("model_or_config", nargs="?", help="model directory or engine YAML")
+    compare.add_argument("--config", action="append", default=[], help="engine YAML (repeat: one variant each)")
+    compare.add_argument("--set", action="append", default=[], metavar="KEY=V1,V2",
+                         help="vary any engine argument, e.g. --set enable_prefix_caching=true,false")
+    compare.add_argument("--num-prompts", type=int, default=8)
+    compare.add_argument("--input-len", type=int, default=64)
+    compare.add_argument("--output-len", type=int, default=32)
+    compare.add_argument("--temperature", type=float, default=0.0)
+    compare.add_argument("--prompt-seed", type=int, default=0, help="seed of the random prompts and sampling")
+    compare.add_argument("--threads", type=int, default=1)
+    compare.add_argument("--json", help="write the results to this JSON file")
+    compare.add_argument("--png", help="write a bar chart (needs matplotlib)")
+    add_engine_flags(compare, as_text=True)
+    compare.set_defaults(handler=_compare)
+
+    worker = commands.add_parser("_compare-worker")
+    worker.set_defaults(handler=lambda args: __import__("tokenmill.compare").compare.run_worker() or 0)
+
     generate = commands.add_parser("generate", help="generate completions offline")
     generate.add_argument("model_or_config", nargs="?", help="model directory or engine YAML")
     generate.add_argument("--config", help="engine YAML file")
@@ -68,8 +88,9 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per vLLM engine argument, typed from the config tree."""
+def add_engine_flags(parser: argparse.ArgumentParser, as_text: bool = False) -> None:
+    """One flag per vLLM engine argument, typed from the config tree (or plain text, for
+    comma-separated variant lists)."""
     from tokenmill.core.config import VLLM_NAMES, EngineConfig
 
     group = parser.add_argument_group("engine (vLLM names)")
@@ -79,7 +100,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
             continue
         annotation = _annotation(EngineConfig, dotted)
         flag = "--" + name.replace("_", "-")
-        if annotation is bool:
+        if as_text:
+            group.add_argument(flag, default=None, dest=name)
+        elif annotation is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, dest=name)
         elif annotation is int:
             group.add_argument(flag, type=int, default=None, dest=name)
@@ -179,6 +202,31 @@ def _plugins(args: argparse.Namespace) -> int:
         dist = f"{plugin['distribution']} {plugin['version']}"
         what = "; ".join(f"{kind}: {', '.join(names)}" for kind, names in plugin["registers"].items())
         print(f"{plugin['name']:<20} {dist:<28} {what or '(observers only)'}")
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from tokenmill import compare
+    from tokenmill.core.config import VLLM_NAMES
+
+    base: dict[str, Any] = {}
+    if args.model_or_config:
+        if args.model_or_config.endswith((".yaml", ".yml")):
+            args.config = [args.model_or_config, *args.config]
+        else:
+            base["model"] = args.model_or_config
+    flags = {name: getattr(args, name) for name in VLLM_NAMES if name != "model" and getattr(args, name, None)}
+    varied = {k: v for k, v in flags.items() if "," in v}
+    base.update({k: v for k, v in flags.items() if "," not in v})
+    spec = {"base": base, "num_prompts": args.num_prompts, "input_len": args.input_len,
+            "output_len": args.output_len, "temperature": args.temperature, "seed": args.prompt_seed,
+            "threads": args.threads}
+    rows = compare.compare(spec, compare.variants_from(varied, args.set, args.config))
+    compare.print_table(rows)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"spec": spec, "results": rows}, indent=2))
+    if args.png:
+        compare.write_png(rows, args.png)
     return 0
 
 

@@ -1,0 +1,70 @@
+"""Decode-step attention time per backend, against context length and batch size.
+
+One decode token per sequence over a paged cache (8 query / 8 KV heads of 64,
+blocks of 16, random block tables), each CPU-runnable registered backend in
+the same process; median of 5 runs, milliseconds per layer call.
+
+    python benchmarks/attention.py --contexts 128,512,1024,4096 --batches 1,8,64
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from common import write_json
+from tokenmill.core.compose import collect_components
+from tokenmill.core.plugins import make_plugin_manager
+from tokenmill.interfaces.attention import AttentionLayerSpec, AttentionMetadata
+
+
+def decode_inputs(batch: int, context: int, heads: int = 8, kv_heads: int = 8, head_dim: int = 64, block: int = 16):
+    blocks_per_seq = -(-context // block)
+    num_blocks = batch * blocks_per_seq + 1
+    g = torch.Generator().manual_seed(0)
+    cache = torch.randn(2, num_blocks, block, kv_heads, head_dim, generator=g)
+    table = torch.randperm(num_blocks, generator=g)[: batch * blocks_per_seq].view(batch, blocks_per_seq).int()
+    positions = [context - 1] * batch
+    slots = torch.tensor([int(table[i, p // block]) * block + p % block for i, p in enumerate(positions)])
+    metadata = AttentionMetadata(
+        query_start_loc=torch.arange(batch + 1, dtype=torch.int32), seq_lens=torch.full((batch,), context, dtype=torch.int32),
+        block_table=table, slot_mapping=slots, max_query_len=1, max_seq_len=context,
+        query_start_loc_cpu=tuple(range(batch + 1)), seq_lens_cpu=(context,) * batch, block_size=block)
+    q = torch.randn(batch, heads, head_dim, generator=g)
+    k = torch.randn(batch, kv_heads, head_dim, generator=g)
+    return AttentionLayerSpec(heads, kv_heads, head_dim, head_dim**-0.5), q, k, k.clone(), cache, metadata
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--contexts", default="128,512,1024,4096")
+    parser.add_argument("--batches", default="1,8,64")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    registry = collect_components(make_plugin_manager()).attention_backends
+    backends = {name: registry.get(name)() for name in registry.names() if name != "triton"}
+    results = []
+    print(f"{'batch':>5} {'context':>7} " + " ".join(f"{name:>10}" for name in backends) + "   (ms per call)")
+    for batch in map(int, args.batches.split(",")):
+        for context in map(int, args.contexts.split(",")):
+            spec, q, k, v, cache, metadata = decode_inputs(batch, context)
+            row = {"batch": batch, "context": context}
+            for name, backend in backends.items():
+                backend.forward(spec, q, k, v, cache, metadata)
+                times = []
+                for _ in range(5):
+                    start = time.perf_counter()
+                    backend.forward(spec, q, k, v, cache, metadata)
+                    times.append(time.perf_counter() - start)
+                row[name] = round(1000 * sorted(times)[2], 3)
+            results.append(row)
+            print(f"{batch:>5} {context:>7} " + " ".join(f"{row[name]:>10.2f}" for name in backends), flush=True)
+    write_json(args.json, {"threads": args.threads, "results": results})
+
+
+if __name__ == "__main__":
+    main()
