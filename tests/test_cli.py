@@ -105,3 +105,15 @@ def test_compare_reports_identical_greedy_outputs_across_backends(tmp_path, mode
         assert row["agreement"]["max_logprob_diff"] < 1e-4
         assert row["tokens_per_s"] > 0 and row["peak_rss_mib"] > 0
     assert "attention_backend=triton" in result.stdout
+
+
+def test_triton_without_a_gpu_fails_at_startup_with_the_reason(model_dir):
+    """Selecting the Triton backend on a CPU machine, without asking for the interpreter, is refused."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-m", "tokenmill.cli", "generate", str(model_dir("llama")),
+                             "--attention-backend", "triton", "--prompt", "hi"],
+                            capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 2
+    assert "needs a cuda device" in result.stderr and "TRITON_INTERPRET=1" in result.stderr
