@@ -162,6 +162,9 @@ def test_swap_resumes_without_recomputing_and_falls_back_when_full():
     assert b.status is RequestStatus.SWAPPED and b.num_computed_tokens == 9
     assert a.status is RequestStatus.PREEMPTED and a.num_computed_tokens == 0
     assert len(batch.blocks_to_swap_out) == 3
+    # per-step stats for observers and metrics
+    assert (batch.stats.num_preempted, batch.stats.num_swapped, batch.stats.num_running) == (2, 1, 2)
+    assert batch.stats.num_scheduled_tokens == batch.num_scheduled_tokens
     while b.status is not RequestStatus.RUNNING:
         batch = step(scheduler)
     resumed = next(s for s in batch.scheduled if s.request_id == "b")

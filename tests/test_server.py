@@ -243,5 +243,6 @@ def test_metrics_parse_and_move(server, client):
     assert after["tokenmill:e2e_request_latency_seconds_count"] > before["tokenmill:e2e_request_latency_seconds_count"]
     for name in ("tokenmill:num_requests_waiting", "tokenmill:num_preemptions_total",
                  "tokenmill:prefix_cache_queries_total", "tokenmill:prefix_cache_hits_total",
-                 "tokenmill:inter_token_latency_seconds_count", "tokenmill:request_queue_time_seconds_count"):
+                 "tokenmill:inter_token_latency_seconds_count", "tokenmill:request_queue_time_seconds_count",
+                 "tokenmill:num_requests_swapped", "tokenmill:iteration_tokens_total_count"):
         assert name in after
