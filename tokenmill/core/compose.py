@@ -28,7 +28,7 @@ from tokenmill.core.pooling import Pooler
 from tokenmill.core.registry import Registry
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.swap_space import SwapSpace
-from tokenmill.interfaces.attention import AttentionBackend
+from tokenmill.interfaces.attention import AttentionBackend, AttentionLayerSpec
 from tokenmill.interfaces.errors import ConfigError
 from tokenmill.interfaces.models import ModelContext
 
@@ -124,16 +124,16 @@ def build_engine(config: EngineConfig, pm: Optional[PluginManager] = None) -> LL
             adapters.load(name, path)
 
     num_blocks, bytes_per_block = _num_kv_blocks(config, model_config, backend)
-    caches = _bind_kv_caches(model, backend, num_blocks, config.cache.block_size, model_config.dtype)
+    layers = _bind_kv_caches(model, backend, num_blocks, config.cache.block_size, model_config.dtype)
     kv_cache = KVCacheManager(num_blocks, config.cache.block_size, config.cache.prefix_caching)
     swap_space, swap_caches = None, None
     if config.scheduler.preemption_mode == "swap":
         num_host_blocks = int(config.cache.swap_space) // bytes_per_block
         swap_space = SwapSpace(num_host_blocks)
         # on a GPU this would be pinned host memory; on CPU it is a second pool
-        swap_caches = SwapCaches(backend, caches, [torch.zeros(
-            backend.kv_cache_shape(num_host_blocks, config.cache.block_size, c_spec.num_kv_heads, c_spec.head_dim),
-            dtype=model_config.dtype) for c_spec in _attention_specs(model)])
+        swap_caches = SwapCaches(backend, [cache for _, cache in layers], [torch.zeros(
+            backend.kv_cache_shape(num_host_blocks, config.cache.block_size, spec.num_kv_heads, spec.head_dim),
+            dtype=model_config.dtype) for spec, _ in layers])
     scheduler = Scheduler(config.scheduler, kv_cache, policy, swap_space,
                           max_adapters=adapters.max_active if adapters else None)
     runner = ModelRunner(model, config.cache.block_size, config.seed, swap_caches, adapters)
@@ -233,17 +233,14 @@ def _num_kv_blocks(config: EngineConfig, model_config: ModelConfig, backend: Att
     return num_blocks, bytes_per_block
 
 
-def _attention_specs(model: torch.nn.Module) -> list:
-    return [module.spec for module in model.modules() if isinstance(module, Attention)]
-
-
 def _bind_kv_caches(model: torch.nn.Module, backend: AttentionBackend, num_blocks: int,
-                    block_size: int, dtype: torch.dtype) -> list[torch.Tensor]:
-    caches = []
+                    block_size: int, dtype: torch.dtype) -> list[tuple[AttentionLayerSpec, torch.Tensor]]:
+    """Allocate and attach each attention layer's cache; returns (spec, cache) per layer."""
+    layers = []
     for module in model.modules():
         if isinstance(module, Attention):
             spec = module.spec
             shape = backend.kv_cache_shape(num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
             module.kv_cache = torch.zeros(shape, dtype=dtype)
-            caches.append(module.kv_cache)
-    return caches
+            layers.append((spec, module.kv_cache))
+    return layers

@@ -133,11 +133,12 @@ def _response(body, ctx, request_id, model, created, prompts, finals) -> dict:
 async def _stream(body, ctx, request_id, model, created, prompts, streams) -> AsyncIterator[str]:
     sent_text: dict[tuple[int, int], int] = {}
     sent_tokens: dict[tuple[int, int], int] = {}
+    counted_prompts: set[int] = set()
     prompt_tokens = completion_tokens = 0
     try:
         async for p_index, output in merge_streams(streams):
-            if (p_index, -1) not in sent_text:  # first output of this prompt
-                sent_text[(p_index, -1)] = 0
+            if p_index not in counted_prompts:
+                counted_prompts.add(p_index)
                 prompt_tokens += len(output.prompt_token_ids)
             for completion in output.outputs:
                 key = (p_index, completion.index)

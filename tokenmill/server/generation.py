@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Optional, TypeVar
 
 from fastapi import Request
@@ -12,7 +12,7 @@ from pydantic import BaseModel, ValidationError
 
 from tokenmill.core.async_engine import AsyncLLM
 from tokenmill.interfaces.types import RequestOutput
-from tokenmill.server.errors import APIError
+from tokenmill.server.errors import APIError, validation_message
 
 T = TypeVar("T", bound=BaseModel)
 
@@ -28,7 +28,6 @@ class ServingContext:
     served_model_names: list[str]
     max_model_len: int
     tokenizer: Any
-    counter: dict = field(default_factory=lambda: {"next": 0})
 
     def start(self, requests: list[tuple[str, dict, Any]], priority: int, user: Optional[str],
               adapter: Optional[str] = None) -> list[AsyncIterator[RequestOutput]]:
@@ -90,9 +89,7 @@ async def parse_body(request: Request, model: type[T]) -> T:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
-        raise APIError(400, f"{param}: {first['msg']}" if param else first["msg"], param) from None
+        raise APIError(400, *validation_message(exc)) from None
 
 
 async def merge_streams(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:

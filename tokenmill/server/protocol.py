@@ -130,10 +130,6 @@ class EmbeddingRequest(OpenAIModel):
     user: Optional[str] = None
 
 
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int = 0
-    total_tokens: int
 
 
 def new_id(prefix: str) -> str:

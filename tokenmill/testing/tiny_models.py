@@ -133,7 +133,8 @@ def make_tiny_model(arch: str, path: str | Path, *, seed: int = 0, **overrides: 
     model_type = fields.pop("model_type")
     config = AutoConfig.for_model(model_type, **fields)
     auto = AutoModel if arch in _ENCODERS else AutoModelForCausalLM
-    with _seeded(seed):
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
         model = auto.from_config(config, dtype=torch.float32)
     if arch in _ENCODERS:
         _write_sentence_transformers_config(path, config.hidden_size)
@@ -152,18 +153,3 @@ def _write_sentence_transformers_config(path: Path, hidden: int) -> None:
         "word_embedding_dimension": hidden, "pooling_mode_cls_token": False,
         "pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": False,
         "pooling_mode_mean_sqrt_len_tokens": False}, indent=2))
-
-
-class _seeded:
-    """Seed torch's global RNG for the block, restoring its state afterwards."""
-
-    def __init__(self, seed: int) -> None:
-        self.seed = seed
-
-    def __enter__(self) -> None:
-        self.state = torch.random.get_rng_state()
-        torch.manual_seed(self.seed)
-
-    def __exit__(self, *exc: object) -> None:
-        torch.random.set_rng_state(self.state)
-
