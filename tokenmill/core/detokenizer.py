@@ -22,7 +22,8 @@ class IncrementalDetokenizer:
         self._stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
         self._stop = params.stop
         self._include_stop = params.include_stop_str_in_output
-        self._holdback = 0 if self._include_stop or not self._stop else max(map(len, self._stop)) - 1
+        self._longest_stop = max(map(len, self._stop), default=0)
+        self._holdback = 0 if self._include_stop or not self._stop else self._longest_stop - 1
         self.text = ""
 
     def update(self, token_ids: list[int]) -> Optional[str]:
@@ -34,7 +35,7 @@ class IncrementalDetokenizer:
                 self.text += chunk
         if not self._stop or len(self.text) == previous:
             return None
-        search_from = max(0, previous - max(map(len, self._stop)) + 1)
+        search_from = max(0, previous - self._longest_stop + 1)
         best: Optional[tuple[int, str]] = None
         for stop in self._stop:
             index = self.text.find(stop, search_from)

@@ -55,9 +55,12 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.prefix_queries += request.num_tokens
-        self.prefix_hits += len(hits) * self.block_size
         return hits
+
+    def record_lookup(self, num_tokens: int, num_hit_blocks: int) -> None:
+        """Count one admitted request's prefix lookup (vLLM's queries/hits, in tokens)."""
+        self.prefix_queries += num_tokens
+        self.prefix_hits += num_hit_blocks * self.block_size
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, computed: Sequence[KVBlock] = ()

@@ -147,6 +147,7 @@ class Scheduler:
 
     def _schedule_waiting(self, step: "_Step") -> None:
         block_size = self.kv_cache.block_size
+        self.waiting.sort(key=self.policy.sort_key)  # victims of this step joined the queue
         for request in list(self.waiting):
             if step.budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 return
@@ -166,6 +167,8 @@ class Scheduler:
             if not self.kv_cache.allocate_slots(request, num_new, hits):
                 return
             request.num_computed_tokens = num_computed
+            if not swapped and self.kv_cache.enable_caching:
+                self.kv_cache.record_lookup(request.num_tokens, len(hits))
             if swapped:
                 host = self.swap_space.release(request.request_id)
                 step.swap_in.extend(zip(self.kv_cache.block_ids(request.request_id), host))
@@ -248,7 +251,6 @@ class Scheduler:
         self.num_preemptions_total += 1
         step.preempted.append(request.request_id)
         self.waiting.append(request)
-        self.waiting.sort(key=self.policy.sort_key)
         return self.kv_cache.pool.num_free_blocks - free_before
 
     def _free(self, request: Request) -> None:
