@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from tokenmill.core.model_config import load_model_config
 from tokenmill.testing.tiny_models import make_tiny_model
 
 #: shapes of the issue tracker's reference workloads (random weights, Llama family)
@@ -23,13 +25,13 @@ PRESETS: dict[str, dict[str, Any]] = {
                  initializer_range=0.02),
     "350m": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=8,
                  intermediate_size=2816, vocab_size=32000, max_position_embeddings=2048,
-                 initializer_range=0.02),
+                 initializer_range=0.02, dtype=torch.bfloat16),
 }
 
 
-def add_common_args(parser: argparse.ArgumentParser) -> None:
+def add_common_args(parser: argparse.ArgumentParser, default_preset: str = "52m") -> None:
     parser.add_argument("--model", help="model directory (default: a preset made on first use)")
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="52m")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=default_preset)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 is stable on a shared box)")
     parser.add_argument("--json", help="also write the results to this JSON file")
     parser.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/tokenmill/bench-models"))
@@ -39,12 +41,23 @@ def prepare(args: argparse.Namespace) -> Path:
     torch.set_num_threads(args.threads)
     if args.model:
         return Path(args.model)
-    path = Path(args.cache_dir) / args.preset
+    preset = PRESETS[args.preset]
+    path = Path(args.cache_dir) / f"{args.preset}-{str(preset.get('dtype', torch.float32)).removeprefix('torch.')}"
     if not (path / "model.safetensors").is_file():
-        make_tiny_model("llama", path, seed=0, **PRESETS[args.preset])
+        make_tiny_model("llama", path, seed=0, **preset)
     return path
 
 
+def random_prompts(count: int, length: int, model: Path, seed: int) -> list[list[int]]:
+    """Token-id prompts drawn uniformly from the model's vocabulary (ids below 10 are specials)."""
+    vocab = load_model_config(model).vocab_size
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(count)]
+
+
 def write_json(path: str | None, results: dict[str, Any]) -> None:
+    """Also records the machine's state: on a shared box the load average explains outliers."""
     if path:
+        results = {**results, "machine": {"load_average": os.getloadavg(), "cpus": os.cpu_count(),
+                                          "torch": torch.__version__}}
         Path(path).write_text(json.dumps(results, indent=2))

@@ -128,7 +128,8 @@ def launch(engine: str, model_path: str, port: int, threads: int, max_num_seqs: 
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     if engine == "tokenmill":
         command = [sys.executable, "-m", "tokenmill.cli", "serve", model_path, "--port", str(port),
-                   "--served-model-name", "bench", "--max-num-seqs", str(max_num_seqs), "--log-level", "warning"]
+                   "--served-model-name", "bench", "--max-num-seqs", str(max_num_seqs), "--num-threads", str(threads),
+                   "--log-level", "warning"]
     elif engine == "transformers":
         command = ["transformers", "serve", model_path, "--port", str(port), "--continuous-batching"]
     else:

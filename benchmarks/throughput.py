@@ -12,24 +12,19 @@ weights, in the same process, and their ratio.
 from __future__ import annotations
 
 import argparse
-import random
 import time
 
 import torch
 from transformers import AutoModelForCausalLM
 
-from common import add_common_args, prepare, write_json
+from common import add_common_args, prepare, random_prompts, write_json
 from tokenmill import LLM, SamplingParams
-
-
-def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(count)]
 
 
 def run_tokenmill(path, prompts, output_len, args) -> float:
     llm = LLM(str(path), dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend)
+              max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
+              enforce_eager=args.enforce_eager, num_threads=args.threads)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], params, use_tqdm=False)  # warm-up
     start = time.perf_counter()
@@ -60,7 +55,9 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=128)
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"])
+    parser.add_argument("--dtype", default="auto", choices=["float32", "bfloat16", "auto"],
+                        help="auto: the checkpoint's (presets: 52m fp32, 350m bf16)")
+    parser.add_argument("--enforce-eager", action="store_true", help="tokenmill without prepacked/fused ops")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
     parser.add_argument("--attention-backend", default="auto")
@@ -70,9 +67,7 @@ def main() -> None:
     args = parser.parse_args()
 
     path = prepare(args)
-    from tokenmill.core.model_config import load_model_config
-    vocab = load_model_config(path).vocab_size
-    prompts = random_prompts(args.num_prompts, args.input_len, vocab, args.seed)
+    prompts = random_prompts(args.num_prompts, args.input_len, path, args.seed)
     total_in, total_out = args.num_prompts * args.input_len, args.num_prompts * args.output_len
 
     results = {"config": {k: v for k, v in vars(args).items() if k != "json"}, "engines": {}}

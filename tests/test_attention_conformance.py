@@ -81,3 +81,18 @@ def test_engine_with_interpreted_triton_matches_hf(model_dir):
     tokens = [o.outputs[0].token_ids for o in outputs]
     logprobs = [[e[t].logprob for e, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outputs]
     assert_matches_reference(hf_greedy(model_dir("mistral"), prompts, 16), tokens, logprobs)
+
+
+def test_cpu_backend_builds_its_decode_kernel():
+    """The fast path is really in use here (a silent fallback would hide a slow engine)."""
+    from tokenmill.plugins.attention.cpu_sdpa import CpuSdpaAttention
+
+    assert CpuSdpaAttention()._kernels is not None
+
+
+@pytest.mark.parametrize("case", conformance_cases(60, seed=1), ids=str)
+def test_cpu_backend_without_kernels_matches_reference(case):
+    """The PyTorch fallback (no compiler on the machine) is as correct as the kernel path."""
+    from tokenmill.plugins.attention.cpu_sdpa import CpuSdpaAttention
+
+    check_backend(CpuSdpaAttention(use_kernels=False), case)

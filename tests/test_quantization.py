@@ -103,7 +103,9 @@ def test_modules_to_not_convert_stay_unquantized(tmp_path):
     save_file(tensors, target / "model.safetensors")
     llm = make_llm(target, dtype="float32")
     model = llm.llm_engine.runner.model
-    assert model.model.layers[0].mlp.down_proj.weight.dtype == torch.float32
+    down = model.model.layers[0].mlp.down_proj
+    weight = down.packed_weight if hasattr(down, "packed_weight") else down.weight  # prepacked unless eager
+    assert weight.dtype == torch.float32 and not hasattr(down, "int4_weight")
     assert hasattr(model.model.layers[0].mlp.gate_up_proj, "int4_weight")
 
 

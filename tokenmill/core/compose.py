@@ -20,6 +20,8 @@ from tokenmill.core.embedding_engine import EmbeddingEngine
 from tokenmill.core.engine import LLMEngine
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.layers.attention import Attention
+from tokenmill.core.layers.fused import enable_fused_ops
+from tokenmill.core.layers.linear import prepack_linear_weights
 from tokenmill.core.loader import iterate_weights
 from tokenmill.core.model_config import ModelConfig, load_model_config
 from tokenmill.core.model_runner import ModelRunner, SwapCaches
@@ -91,6 +93,8 @@ def build_engine(config: EngineConfig, pm: Optional[PluginManager] = None) -> LL
     """A generation engine, or an embedding engine when the architecture is an encoder."""
     if config.model is None:
         raise ConfigError("model", "no model given: pass a model directory or set 'model' in the YAML")
+    if config.num_threads is not None:
+        torch.set_num_threads(config.num_threads)
     pm = pm or make_plugin_manager()
     components = collect_components(pm)
     model_config = load_model_config(config.model, config.dtype, config.max_model_len)
@@ -104,6 +108,9 @@ def build_engine(config: EngineConfig, pm: Optional[PluginManager] = None) -> LL
     torch.manual_seed(config.seed)
     model = model_cls(ModelContext(model_config.hf_config, model_config.dtype, backend, quantization))
     _load_checkpoint(model, model_config)
+    if not config.enforce_eager:
+        prepack_linear_weights(model)
+        enable_fused_ops(model)
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(
         config.tokenizer or config.model, trust_remote_code=config.trust_remote_code

@@ -116,6 +116,11 @@ class EngineConfig(BaseSettings):
     seed: int = 0
     max_model_len: Optional[int] = Field(None, ge=1)
     trust_remote_code: bool = False
+    #: torch intra-op threads; None = torch's default (all cores)
+    num_threads: Optional[int] = Field(None, ge=1)
+    #: plain eager PyTorch everywhere: no prepacked GEMM weights, no compiled or fused
+    #: ops. The reference to compare the fast paths against (vLLM: enforce_eager)
+    enforce_eager: bool = False
     scheduler: SchedulerConfig = SchedulerConfig()
     cache: CacheConfig = CacheConfig()
     attention: AttentionConfig = AttentionConfig()
@@ -143,6 +148,8 @@ VLLM_NAMES: dict[str, str] = {
     "seed": "seed",
     "max_model_len": "max_model_len",
     "trust_remote_code": "trust_remote_code",
+    "num_threads": "num_threads",
+    "enforce_eager": "enforce_eager",
     "block_size": "cache.block_size",
     "enable_prefix_caching": "cache.prefix_caching",
     "num_gpu_blocks_override": "cache.num_blocks",

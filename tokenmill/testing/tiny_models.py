@@ -116,8 +116,13 @@ def train_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
     )
 
 
-def make_tiny_model(arch: str, path: str | Path, *, seed: int = 0, **overrides: Any) -> Path:
-    """Write a random-weight model of family ``arch`` (see ARCHITECTURES) to ``path``."""
+def make_tiny_model(arch: str, path: str | Path, *, seed: int = 0, dtype: torch.dtype = torch.float32,
+                    **overrides: Any) -> Path:
+    """Write a random-weight model of family ``arch`` (see ARCHITECTURES) to ``path``.
+
+    Weights are drawn in fp32 (the same values whatever ``dtype``) and saved in ``dtype``,
+    which config.json then records, so ``dtype="auto"`` loads them as such.
+    """
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown tiny architecture {arch!r}; known: {', '.join(sorted(ARCHITECTURES))}")
     path = Path(path)
@@ -136,6 +141,7 @@ def make_tiny_model(arch: str, path: str | Path, *, seed: int = 0, **overrides: 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = auto.from_config(config, dtype=torch.float32)
+    model.to(dtype)
     if arch in _ENCODERS:
         _write_sentence_transformers_config(path, config.hidden_size)
     else:

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+from typing import Optional
+
 import torch
+from torch import nn
 from torch.nn import functional as F
 
+from tokenmill.core.layers.norm import FUSED_DTYPES
 from tokenmill.interfaces.errors import ConfigError
 
 _ACTIVATIONS = {
@@ -25,12 +30,20 @@ def activation(name: str):
                           f"supported: {', '.join(sorted(_ACTIVATIONS))}") from None
 
 
-def gated_activation(name: str):
+class GatedActivation(nn.Module):
     """``act(gate) * up`` for a ``[..., 2 * d]`` tensor holding gate then up."""
-    act = activation(name)
 
-    def apply(x: torch.Tensor) -> torch.Tensor:
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+        self.act = activation(name)
+        #: the C++ kernels module when fused ops are on (layers.fused); SiLU only
+        self.kernels: Optional[ModuleType] = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None and x.dtype in FUSED_DTYPES:
+            out = x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
+            self.kernels.silu_and_mul(out, x.contiguous())
+            return out
         gate, up = x.chunk(2, dim=-1)
-        return act(gate) * up
-
-    return apply
+        return self.act(gate) * up

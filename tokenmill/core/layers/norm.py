@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+from typing import Optional
+
 import torch
 from torch import nn
+
+#: dtypes the fused C++ layer ops implement
+FUSED_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class RMSNorm(nn.Module):
@@ -11,8 +17,14 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+        #: the C++ kernels module when fused ops are on (layers.fused); None = eager ops
+        self.kernels: Optional[ModuleType] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None and x.dtype in FUSED_DTYPES and x.dtype == self.weight.dtype:
+            out = torch.empty_like(x)
+            self.kernels.rms_norm(out, x.contiguous(), self.weight, self.eps)
+            return out
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)

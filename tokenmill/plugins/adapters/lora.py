@@ -40,8 +40,7 @@ class LoRALayer:
         self.sizes = linear.output_sizes
         self.offsets = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
         self.max_rank = max_rank
-        dtype = next(p.dtype for p in linear.parameters() if p.is_floating_point()) \
-            if any(p.is_floating_point() for p in linear.parameters()) else torch.float32
+        dtype = linear.dtype
         parts = len(self.sizes)
         self.A = torch.zeros(slots, parts * max_rank, linear.input_size, dtype=dtype)
         self.B = torch.zeros(slots, sum(self.sizes), parts * max_rank, dtype=dtype)

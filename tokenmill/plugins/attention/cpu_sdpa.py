@@ -1,5 +1,10 @@
-"""The fast CPU backend: each sequence's blocks gathered into reusable buffers, then
-PyTorch's fused scaled_dot_product_attention.
+"""The fast CPU backend: decode rows in one C++ kernel call over the paged cache,
+prompt chunks through PyTorch's fused scaled_dot_product_attention.
+
+Decode tokens (one query row per sequence) go to ``paged_decode.cpp``
+(tokenmill.core.kernels), which reads each sequence's blocks in place: no gather, one call for the
+whole batch. Prompt chunks are compute-bound and already efficient in SDPA,
+so they keep the per-sequence path below.
 
 Measured on this project's CPU (1 thread, decode step, 8 kv heads x 64): 1.4x
 to 4x faster than the reference backend from 128 to 4096 tokens of context
@@ -15,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tokenmill.core.kernels import cpu_kernels
 from tokenmill.interfaces.attention import AttentionCapabilities, AttentionLayerSpec, AttentionMetadata
 from tokenmill.interfaces.hookspecs import hookimpl
 from tokenmill.plugins.attention.torch_ref import TorchReferenceAttention, write_kv
@@ -28,8 +34,35 @@ class CpuSdpaAttention(TorchReferenceAttention):
         logits_soft_cap=False,
     )
 
-    def __init__(self) -> None:
+    def __init__(self, use_kernels: bool = True) -> None:
         self._buffers: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._kernels = cpu_kernels() if use_kernels else None
+        #: the step whose decode/prefill split is in _plan (every layer of a step shares it)
+        self._planned: AttentionMetadata | None = None
+        self._plan: tuple[list[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = ([], None)
+
+    def _split(self, metadata: AttentionMetadata):
+        """(sequences for the SDPA path, decode batch for the kernel or None), once per step."""
+        if self._planned is not metadata:
+            starts = metadata.query_start_loc_cpu
+            num_seqs = len(starts) - 1
+            if self._kernels is None:
+                self._plan = (list(range(num_seqs)), None)
+            else:
+                decode = [i for i in range(num_seqs) if starts[i + 1] - starts[i] == 1]
+                others = [i for i in range(num_seqs) if starts[i + 1] - starts[i] != 1]
+                batch = None
+                if decode:
+                    index = torch.tensor(decode)
+                    whole = len(decode) == num_seqs
+                    batch = (
+                        metadata.block_table if whole else metadata.block_table[index].contiguous(),
+                        metadata.seq_lens if whole else metadata.seq_lens[index],
+                        torch.tensor([starts[i] for i in decode], dtype=torch.long),
+                    )
+                self._plan = (others, batch)
+            self._planned = metadata
+        return self._plan
 
     def _scratch(self, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = self._buffers.get(dtype, (torch.empty(0, dtype=dtype), torch.empty(0, dtype=dtype)))
@@ -54,7 +87,14 @@ class CpuSdpaAttention(TorchReferenceAttention):
         output = torch.empty_like(query)
         starts = metadata.query_start_loc_cpu
         block_size = metadata.block_size
-        for i, seq_len in enumerate(metadata.seq_lens_cpu):
+        others, decode = self._split(metadata)
+        if decode is not None:
+            block_table, seq_lens, rows = decode
+            self._kernels.paged_decode_attention(
+                output, query.contiguous(), key_cache, value_cache, block_table, seq_lens, rows,
+                layer.scale, layer.sliding_window or 0, 0.0)
+        for i in others:
+            seq_len = metadata.seq_lens_cpu[i]
             num_blocks = -(-seq_len // block_size)
             key_buf, value_buf = self._scratch(num_blocks * block_numel, key_cache.dtype)
             blocks = metadata.block_table[i, :num_blocks].long()

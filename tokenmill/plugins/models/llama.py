@@ -15,7 +15,7 @@ from typing import Any, Iterable, Mapping, Optional
 import torch
 from torch import nn
 
-from tokenmill.core.layers.activation import gated_activation
+from tokenmill.core.layers.activation import GatedActivation
 from tokenmill.core.layers.attention import Attention
 from tokenmill.core.layers.linear import Linear
 from tokenmill.core.layers.norm import RMSNorm
@@ -78,7 +78,7 @@ class LlamaMLP(nn.Module):
                                    quantization=ctx.quantization, prefix=f"{prefix}.gate_up_proj")
         self.down_proj = Linear(inter, [hidden], bias=bias, dtype=ctx.dtype,
                                 quantization=ctx.quantization, prefix=f"{prefix}.down_proj")
-        self.act = gated_activation(cfg.get("hidden_activation") or cfg.get("hidden_act", "silu"))
+        self.act = GatedActivation(cfg.get("hidden_activation") or cfg.get("hidden_act", "silu"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))

@@ -1,0 +1,100 @@
+"""The CPU fast paths (prepacked GEMM weights, fused C++ layer ops) equal the eager modules,
+and ``enforce_eager`` turns them all off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import NEW_TOKENS, PROMPTS, make_llm
+from tokenmill import SamplingParams
+from tokenmill.core.kernels import cpu_kernels
+from tokenmill.core.layers.activation import GatedActivation
+from tokenmill.core.layers.linear import Linear, PrepackedLinearMethod, prepack_linear_weights
+from tokenmill.core.layers.norm import RMSNorm
+from tokenmill.testing.hf_reference import assert_matches_reference
+
+KERNELS = cpu_kernels()
+
+
+def test_kernels_build_here():
+    """CI machines have a compiler: a silent fallback would hide a slow engine."""
+    assert KERNELS is not None
+
+
+def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Largest distance in bf16 representable steps (same-sign values)."""
+    return int((a.view(torch.int16).int() - b.view(torch.int16).int()).abs().max())
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 40), hidden=st.sampled_from([8, 16, 48, 64, 100, 512]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16))
+def test_fused_rms_norm_equals_eager(rows, hidden, dtype, seed):
+    """fp32: equal to 1e-6 (summation order); bf16: at most one rounding step apart."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, hidden, generator=g) * 3).to(dtype)
+    eager = RMSNorm(hidden, 1e-6, dtype)
+    eager.weight.copy_(torch.randn(hidden, generator=g))
+    fused = RMSNorm(hidden, 1e-6, dtype)
+    fused.weight.copy_(eager.weight)
+    fused.kernels = KERNELS
+    expected, got = eager(x), fused(x)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    else:
+        assert _bf16_ulps(got, expected) <= 1
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 40), d=st.sampled_from([4, 16, 24, 64, 1408]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16))
+def test_fused_silu_and_mul_equals_eager(rows, d, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, 2 * d, generator=g) * 4).to(dtype)
+    eager, fused = GatedActivation("silu"), GatedActivation("silu")
+    fused.kernels = KERNELS
+    expected, got = eager(x), fused(x)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
+    else:
+        assert _bf16_ulps(got, expected) <= 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+def test_prepacked_linear_equals_f_linear(dtype, rows):
+    torch.manual_seed(rows)
+    layer = Linear(96, [64, 32], bias=True, dtype=dtype)
+    layer.weight.copy_(torch.randn(96, 96))
+    layer.bias.copy_(torch.randn(96))
+    x = torch.randn(rows, 96).to(dtype)
+    expected = layer(x)
+    assert prepack_linear_weights(layer) == 1
+    assert isinstance(layer.method, PrepackedLinearMethod) and not hasattr(layer, "weight")
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(layer(x), expected, **tolerance)
+
+
+def test_enforce_eager_keeps_plain_modules(model_dir):
+    """enforce_eager: no packed weights, no fused kernels anywhere in the model."""
+    model = make_llm(model_dir("llama"), enforce_eager=True).llm_engine.runner.model
+    assert all(not hasattr(m, "packed_weight") for m in model.modules())
+    assert all(getattr(m, "kernels", None) is None for m in model.modules())
+    fast = make_llm(model_dir("llama")).llm_engine.runner.model
+    assert any(hasattr(m, "packed_weight") for m in fast.modules())
+    assert any(isinstance(m, RMSNorm) and m.kernels is not None for m in fast.modules())
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_fast_and_eager_engines_match_hf_alike(arch, model_dir, hf_reference):
+    """Both engines meet the fp32 parity standard, so every fast path is proven against HF."""
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+    for eager in (False, True):
+        outputs = make_llm(model_dir(arch), enforce_eager=eager).generate(
+            [{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        tokens = [o.outputs[0].token_ids for o in outputs]
+        logprobs = [[e[t].logprob for e, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outputs]
+        assert_matches_reference(hf_reference(arch), tokens, logprobs)

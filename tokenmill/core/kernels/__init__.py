@@ -1,0 +1,55 @@
+"""tokenmill's C++ CPU kernels (paged decode attention, fused layer ops), built at first use.
+
+Compiled by torch's extension builder rather than at install time, so that
+installing tokenmill never needs torch inside a build environment (which
+would pull a CUDA build from PyPI). Builds are cached per source and CPU
+feature set (``-march=native``). Where no compiler is available, or with
+``TOKENMILL_CPU_KERNELS=0``, callers fall back to PyTorch ops; the reason is
+logged once.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+from pathlib import Path
+from types import ModuleType
+from typing import Optional
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = ("bindings.cpp", "paged_decode.cpp", "layer_ops.cpp")
+#: -fassociative-math lets the compiler vectorize the scalar tails' reductions
+_CFLAGS = ["-O3", "-march=native", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
+
+
+def _build_digest() -> str:
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = ""
+    text = flags + "".join(path.read_text() for path in sorted(_CSRC.iterdir()))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@functools.cache
+def cpu_kernels() -> Optional[ModuleType]:
+    """The compiled module, or None (logged) when it cannot be built here."""
+    if os.environ.get("TOKENMILL_CPU_KERNELS", "1") == "0":
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tokenmill" / "kernels"
+        build_dir = cache / f"cpu-{_build_digest()}"
+        build_dir.mkdir(parents=True, exist_ok=True)
+        return load(name="tokenmill_cpu_kernels", sources=[str(_CSRC / name) for name in _SOURCES],
+                    extra_cflags=_CFLAGS, extra_include_paths=[str(_CSRC)], build_directory=str(build_dir),
+                    verbose=False)
+    except Exception as exc:  # no compiler or ninja, unsupported platform: PyTorch ops still work
+        log.warning("C++ CPU kernels unavailable, using PyTorch ops", error=str(exc)[-2000:])
+        return None

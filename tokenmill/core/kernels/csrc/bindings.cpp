@@ -1,0 +1,16 @@
+#include <torch/extension.h>
+
+namespace tokenmill {
+void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
+                            torch::Tensor value_cache, torch::Tensor block_table, torch::Tensor seq_lens,
+                            torch::Tensor query_rows, double scale, int64_t window, double soft_cap);
+void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps);
+void silu_and_mul(torch::Tensor out, torch::Tensor x);
+}  // namespace tokenmill
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &tokenmill::paged_decode_attention,
+        "decode attention (one query row per sequence) over a paged KV cache");
+  m.def("rms_norm", &tokenmill::rms_norm, "out = weight * x / rms(x), fp32 math");
+  m.def("silu_and_mul", &tokenmill::silu_and_mul, "out = silu(gate) * up for x = [gate | up]");
+}

@@ -1,0 +1,112 @@
+// Fused elementwise ops of the decoder block: one pass over memory instead of the
+// five to seven PyTorch ops (each a full read and write of the activations) that
+// the eager code runs. Rounding follows the Hugging Face modules step by step
+// (fp32 math, a cast to the model dtype where they cast), so bf16 results equal
+// the eager path's wherever fp32 evaluation order does not flip a rounding.
+#include <ATen/Parallel.h>
+
+#include "vec.h"
+
+namespace tokenmill {
+namespace {
+
+template <typename T>
+inline T round_to(float x) { return static_cast<T>(x); }
+
+// out = weight * (x * rsqrt(mean(x^2) + eps)).to(dtype), as LlamaRMSNorm
+template <typename T>
+void rms_norm_kernel(T* out, const T* x, const T* weight, int64_t rows, int64_t hidden, double eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * hidden;
+      T* outr = out + r * hidden;
+      float sum = 0.f;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      __m512 acc = _mm512_setzero_ps();
+      for (; i + 16 <= hidden; i += 16) {
+        const __m512 v = load16(xr + i);
+        acc = _mm512_fmadd_ps(v, v, acc);
+      }
+      sum = _mm512_reduce_add_ps(acc);
+#endif
+      for (; i < hidden; ++i) sum += to_float(xr[i]) * to_float(xr[i]);
+      const float inv = 1.f / std::sqrt(sum / static_cast<float>(hidden) + static_cast<float>(eps));
+      int64_t j = 0;
+#if defined(__AVX512F__)
+      if constexpr (kVectorized<T>) {
+        const __m512 vinv = _mm512_set1_ps(inv);
+        for (; j + 16 <= hidden; j += 16) {
+          const __m512 normed = round16(_mm512_mul_ps(load16(xr + j), vinv), xr);
+          store16(outr + j, _mm512_mul_ps(load16(weight + j), normed));
+        }
+      }
+#endif
+      for (; j < hidden; ++j) {
+        const T normed = round_to<T>(to_float(xr[j]) * inv);
+        outr[j] = round_to<T>(to_float(weight[j]) * to_float(normed));
+      }
+    }
+  });
+}
+
+// out = silu(gate).to(dtype) * up for x = [gate | up] per row, as LlamaMLP
+template <typename T>
+void silu_and_mul_kernel(T* out, const T* x, int64_t rows, int64_t d) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = x + r * 2 * d;
+      const T* up = gate + d;
+      T* outr = out + r * d;
+      int64_t j = 0;
+#if defined(__AVX512F__)
+      if constexpr (kVectorized<T>) {
+        const __m512 one = _mm512_set1_ps(1.f);
+        for (; j + 16 <= d; j += 16) {
+          const __m512 g = load16(gate + j);
+          const __m512 act = round16(_mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)))), gate);
+          store16(outr + j, _mm512_mul_ps(act, load16(up + j)));
+        }
+      }
+#endif
+      for (; j < d; ++j) {
+        const float g = to_float(gate[j]);
+        const T act = round_to<T>(g / (1.f + std::exp(-g)));
+        outr[j] = round_to<T>(to_float(act) * to_float(up[j]));
+      }
+    }
+  });
+}
+
+template <typename F>
+void dispatch(const torch::Tensor& t, const char* name, F&& run) {
+  switch (t.scalar_type()) {
+    case torch::kFloat: run(static_cast<float*>(nullptr)); break;
+    case torch::kBFloat16: run(static_cast<c10::BFloat16*>(nullptr)); break;
+    default: TORCH_CHECK(false, name, ": float32 or bfloat16 only");
+  }
+}
+
+}  // namespace
+
+void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.is_contiguous() && out.is_contiguous() && weight.is_contiguous(), "rms_norm: contiguous tensors");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type() && out.scalar_type() == x.scalar_type(), "rms_norm: one dtype");
+  const int64_t hidden = x.size(-1);
+  dispatch(x, "rms_norm", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    rms_norm_kernel<T>(out.data_ptr<T>(), x.data_ptr<T>(), weight.data_ptr<T>(), x.numel() / hidden, hidden, eps);
+  });
+}
+
+void silu_and_mul(torch::Tensor out, torch::Tensor x) {
+  TORCH_CHECK(x.is_contiguous() && out.is_contiguous(), "silu_and_mul: contiguous tensors");
+  TORCH_CHECK(out.scalar_type() == x.scalar_type(), "silu_and_mul: one dtype");
+  const int64_t d = x.size(-1) / 2;
+  dispatch(x, "silu_and_mul", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    silu_and_mul_kernel<T>(out.data_ptr<T>(), x.data_ptr<T>(), x.numel() / (2 * d), d);
+  });
+}
+
+}  // namespace tokenmill

@@ -1,0 +1,156 @@
+// Decode attention (one query token per sequence) read in place from the paged KV cache.
+//
+// Why a kernel: in PyTorch ops each sequence needs its blocks gathered into a
+// contiguous buffer and its own SDPA call; at decode batch sizes that is a
+// copy of the whole context plus ~100 us of call overhead per sequence and
+// layer. This walks each sequence's block table directly, reading every key and
+// value row once for all heads (GQA groups share it).
+//
+// Cache layout: [num_blocks, block_size, num_kv_heads, head_dim] (the cpu and
+// torch backends' layout). Scores and softmax are fp32 whatever the cache dtype.
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "vec.h"
+
+namespace tokenmill {
+namespace {
+
+// s[t] = exp(s[t] - max); returns the sum
+inline float exp_shifted(float* s, int64_t n, float max) {
+  float sum = 0.f;
+  int64_t t = 0;
+#if defined(__AVX512F__)
+  const __m512 m = _mm512_set1_ps(max);
+  __m512 acc = _mm512_setzero_ps();
+  for (; t + 16 <= n; t += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), m));
+    _mm512_storeu_ps(s + t, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  sum = _mm512_reduce_add_ps(acc);
+#endif
+  for (; t < n; ++t) {
+    s[t] = std::exp(s[t] - max);
+    sum += s[t];
+  }
+  return sum;
+}
+
+template <typename T>
+inline float dot(const float* q, const T* k, int64_t n) {
+#if defined(__AVX512F__)
+  if (n % 16 == 0) {
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t d = 0; d < n; d += 16) sum = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(k + d), sum);
+    return _mm512_reduce_add_ps(sum);
+  }
+#endif
+  float sum = 0.f;
+  for (int64_t d = 0; d < n; ++d) sum += q[d] * to_float(k[d]);
+  return sum;
+}
+
+template <typename T>
+inline void axpy(float p, const T* v, float* acc, int64_t n) {
+#if defined(__AVX512F__)
+  if (n % 16 == 0) {
+    const __m512 pv = _mm512_set1_ps(p);
+    for (int64_t d = 0; d < n; d += 16)
+      _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(pv, load16(v + d), _mm512_loadu_ps(acc + d)));
+    return;
+  }
+#endif
+  for (int64_t d = 0; d < n; ++d) acc[d] += p * to_float(v[d]);
+}
+
+template <typename T>
+void decode_kernel(const T* query, const T* key_cache, const T* value_cache, const int32_t* block_table,
+                   const int32_t* seq_lens, const int64_t* query_rows, T* out, int64_t num_seqs,
+                   int64_t max_blocks, int64_t block_size, int64_t num_heads, int64_t num_kv_heads,
+                   int64_t head_dim, double scale, int64_t window, double soft_cap) {
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t q_row_stride = num_heads * head_dim;
+  const int64_t token_stride = num_kv_heads * head_dim;
+  const int64_t block_stride = block_size * token_stride;
+  // One task per sequence: a token's keys for all KV heads are one contiguous row,
+  // so the cache is read as whole rows, in block order (prefetcher-friendly).
+  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(num_heads * head_dim), acc(num_heads * head_dim), scores, inv_sum(num_heads);
+    for (int64_t seq = begin; seq < end; ++seq) {
+      const int64_t len = seq_lens[seq];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t n = len - first;
+      const T* q_src = query + query_rows[seq] * q_row_stride;
+      for (int64_t i = 0; i < num_heads * head_dim; ++i) q[i] = to_float(q_src[i]) * static_cast<float>(scale);
+      scores.resize(num_heads * n);
+      const int32_t* table = block_table + seq * max_blocks;
+      // scores[h][t] = q_h . k_t (head h reads KV head h / group)
+      for (int64_t t = 0; t < n; ++t) {
+        const int64_t pos = first + t;
+        const T* k_row = key_cache + table[pos / block_size] * block_stride + (pos % block_size) * token_stride;
+        for (int64_t kv = 0, h = 0; kv < num_kv_heads; ++kv)
+          for (int64_t g = 0; g < group; ++g, ++h)
+            scores[h * n + t] = dot(q.data() + h * head_dim, k_row + kv * head_dim, head_dim);
+      }
+      for (int64_t h = 0; h < num_heads; ++h) {
+        float* s = scores.data() + h * n;
+        if (soft_cap > 0) {
+          const float cap = static_cast<float>(soft_cap);
+          for (int64_t t = 0; t < n; ++t) s[t] = std::tanh(s[t] / cap) * cap;
+        }
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
+        inv_sum[h] = 1.f / exp_shifted(s, n, mx);
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < n; ++t) {
+        const int64_t pos = first + t;
+        const T* v_row = value_cache + table[pos / block_size] * block_stride + (pos % block_size) * token_stride;
+        for (int64_t kv = 0, h = 0; kv < num_kv_heads; ++kv)
+          for (int64_t g = 0; g < group; ++g, ++h)
+            axpy(scores[h * n + t], v_row + kv * head_dim, acc.data() + h * head_dim, head_dim);
+      }
+      T* o = out + query_rows[seq] * q_row_stride;
+      for (int64_t h = 0; h < num_heads; ++h)
+        for (int64_t d = 0; d < head_dim; ++d) o[h * head_dim + d] = static_cast<T>(acc[h * head_dim + d] * inv_sum[h]);
+    }
+  });
+}
+
+}  // namespace
+
+// query/out: [num_tokens, num_heads, head_dim]; rows of out not in query_rows are left untouched.
+void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
+                            torch::Tensor value_cache, torch::Tensor block_table, torch::Tensor seq_lens,
+                            torch::Tensor query_rows, double scale, int64_t window, double soft_cap) {
+  TORCH_CHECK(query.is_contiguous() && out.is_contiguous(), "query and out must be contiguous");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && block_table.is_contiguous(), "block_table: int32");
+  TORCH_CHECK(seq_lens.scalar_type() == torch::kInt32, "seq_lens: int32");
+  TORCH_CHECK(query_rows.scalar_type() == torch::kInt64, "query_rows: int64");
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
+              "query, out and cache dtypes differ");
+  const int64_t num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+  auto run = [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    decode_kernel<T>(query.data_ptr<T>(), key_cache.data_ptr<T>(), value_cache.data_ptr<T>(),
+                     block_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), query_rows.data_ptr<int64_t>(),
+                     out.data_ptr<T>(), seq_lens.size(0), block_table.size(1), block_size, num_heads, num_kv_heads,
+                     head_dim, scale, window, soft_cap);
+  };
+  switch (query.scalar_type()) {
+    case torch::kFloat: run(static_cast<float*>(nullptr)); break;
+    case torch::kBFloat16: run(static_cast<c10::BFloat16*>(nullptr)); break;
+    case torch::kHalf: run(static_cast<c10::Half*>(nullptr)); break;
+    default: TORCH_CHECK(false, "paged_decode_attention: float32, bfloat16 or float16 only");
+  }
+}
+
+}  // namespace tokenmill
