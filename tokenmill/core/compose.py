@@ -18,6 +18,7 @@ from transformers import AutoTokenizer
 from tokenmill.core.config import EngineConfig
 from tokenmill.core.embedding_engine import EmbeddingEngine
 from tokenmill.core.engine import LLMEngine
+from tokenmill.core.kernels import cpu_kernels
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.layers.attention import Attention
 from tokenmill.core.layers.fused import enable_fused_ops
@@ -109,8 +110,9 @@ def build_engine(config: EngineConfig, pm: Optional[PluginManager] = None) -> LL
     model = model_cls(ModelContext(model_config.hf_config, model_config.dtype, backend, quantization))
     _load_checkpoint(model, model_config)
     if not config.enforce_eager:
-        prepack_linear_weights(model)
+        prepack_linear_weights(model, cpu_kernels() if config.small_batch_gemv else None)
         enable_fused_ops(model)
+    _log_weight_memory(model, model_config)
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(
         config.tokenizer or config.model, trust_remote_code=config.trust_remote_code
@@ -211,6 +213,10 @@ def _load_checkpoint(model: torch.nn.Module, model_config: ModelConfig) -> None:
         method = getattr(module, "method", None)
         if method is not None and hasattr(method, "process_weights_after_loading"):
             method.process_weights_after_loading(module)
+
+
+def _log_weight_memory(model: torch.nn.Module, model_config: ModelConfig) -> None:
+    """After the fast paths, so a packed copy kept beside a plain weight is counted."""
     weight_bytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     log.info("weights loaded", weight_memory_mib=round(weight_bytes / 2**20, 2),
              quantization=(model_config.quantization_config or {}).get("quant_method"))

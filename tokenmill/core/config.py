@@ -121,6 +121,9 @@ class EngineConfig(BaseSettings):
     #: plain eager PyTorch everywhere: no prepacked GEMM weights, no compiled or fused
     #: ops. The reference to compare the fast paths against (vLLM: enforce_eager)
     enforce_eager: bool = False
+    #: keep plain weights beside the prepacked ones for a streaming GEMV kernel at
+    #: batch 1-2 (about 1.5x faster batch-1 decode on CPU, twice the weight memory)
+    small_batch_gemv: bool = True
     scheduler: SchedulerConfig = SchedulerConfig()
     cache: CacheConfig = CacheConfig()
     attention: AttentionConfig = AttentionConfig()
@@ -150,6 +153,7 @@ VLLM_NAMES: dict[str, str] = {
     "trust_remote_code": "trust_remote_code",
     "num_threads": "num_threads",
     "enforce_eager": "enforce_eager",
+    "small_batch_gemv": "small_batch_gemv",
     "block_size": "cache.block_size",
     "enable_prefix_caching": "cache.prefix_caching",
     "num_gpu_blocks_override": "cache.num_blocks",

@@ -22,7 +22,7 @@ import structlog
 log = structlog.get_logger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("bindings.cpp", "paged_decode.cpp", "layer_ops.cpp")
+_SOURCES = ("bindings.cpp", "paged_decode.cpp", "layer_ops.cpp", "gemv.cpp")
 #: -fassociative-math lets the compiler vectorize the scalar tails' reductions
 _CFLAGS = ["-O3", "-march=native", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Callable, Optional
 
 import torch
@@ -35,9 +36,20 @@ class PrepackedLinearMethod:
     on every call; a prepacked weight skips that. Measured here (1 thread, the
     Llama shapes of benchmarks/, batch 1 to 2048): fp32 1.2x to 2.3x and bf16
     1.05x to 3x faster than ``F.linear``, the largest gains at decode batch
-    sizes. The packed tensor is opaque (``torch._mkldnn`` layout) and replaces
-    the weight, so memory does not double.
+    sizes. The packed tensor is opaque (``torch._mkldnn`` layout).
+
+    With ``gemv`` (the C++ kernels module), the plain weight is kept as well and
+    inputs of 1 or 2 rows go to the streaming GEMV kernel, which reads weights
+    at the memory's bandwidth where oneDNN reaches about two thirds of it
+    (batch-1 decode is bound by that read). That costs a second copy of the
+    weights; ``small_batch_gemv: false`` keeps only the packed one.
     """
+
+    #: inputs with at most this many rows use the GEMV kernel (measured crossover: 3 rows)
+    GEMV_MAX_ROWS = 2
+
+    def __init__(self, gemv: Optional[ModuleType] = None) -> None:
+        self.gemv = gemv
 
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
                        dtype: torch.dtype) -> None:
@@ -47,6 +59,8 @@ class PrepackedLinearMethod:
         pass
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if self.gemv is not None and x.numel() <= self.GEMV_MAX_ROWS * x.shape[-1]:
+            return self.gemv.gemv(x.contiguous(), layer.weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, bias, "none", [], "")
 
 
@@ -58,10 +72,12 @@ def _can_prepack(weight: torch.Tensor) -> bool:
     return weight.dtype == torch.float32
 
 
-def prepack_linear_weights(model: nn.Module) -> int:
+def prepack_linear_weights(model: nn.Module, gemv: Optional[ModuleType] = None) -> int:
     """Give every unquantized CPU ``Linear`` of ``model`` a prepacked weight; returns how many.
 
-    Quantized layers keep their own kernels; other dtypes (fp16) stay on ``F.linear``.
+    ``gemv``: the C++ kernels module, to keep plain weights for 1-2 row inputs (see
+    PrepackedLinearMethod). Quantized layers keep their own kernels; other dtypes
+    (fp16) stay on ``F.linear``.
     """
     count = 0
     for module in model.modules():
@@ -70,9 +86,10 @@ def prepack_linear_weights(model: nn.Module) -> int:
         if not _can_prepack(module.weight):
             continue
         packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach())
-        del module.weight
+        if gemv is None:
+            del module.weight
         module.register_buffer("packed_weight", packed, persistent=False)
-        module.method = PrepackedLinearMethod()
+        module.method = PrepackedLinearMethod(gemv)
         count += 1
     return count
 

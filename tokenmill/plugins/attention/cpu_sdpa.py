@@ -17,13 +17,27 @@ that use it are left to the reference backend ("auto" does that).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
 from tokenmill.core.kernels import cpu_kernels
 from tokenmill.interfaces.attention import AttentionCapabilities, AttentionLayerSpec, AttentionMetadata
 from tokenmill.interfaces.hookspecs import hookimpl
-from tokenmill.plugins.attention.torch_ref import TorchReferenceAttention, write_kv
+from tokenmill.plugins.attention.torch_ref import TorchReferenceAttention
+
+
+@dataclass(frozen=True)
+class _StepPlan:
+    #: sequences for the per-sequence SDPA path (prompt chunks; all of them without kernels)
+    others: list[int]
+    #: (block table, seq lens, query rows) of the decode rows for the C++ kernel, or None
+    decode: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    #: KV slots of the new tokens that have one, and which tokens those are (None: all)
+    slots: torch.Tensor
+    kept: Optional[torch.Tensor]
 
 
 class CpuSdpaAttention(TorchReferenceAttention):
@@ -37,17 +51,20 @@ class CpuSdpaAttention(TorchReferenceAttention):
     def __init__(self, use_kernels: bool = True) -> None:
         self._buffers: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
         self._kernels = cpu_kernels() if use_kernels else None
-        #: the step whose decode/prefill split is in _plan (every layer of a step shares it)
+        #: the step whose plan is in _plan (every layer of a step shares it)
         self._planned: AttentionMetadata | None = None
-        self._plan: tuple[list[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = ([], None)
+        self._plan = _StepPlan([], None, torch.empty(0, dtype=torch.long), None)
 
-    def _split(self, metadata: AttentionMetadata):
-        """(sequences for the SDPA path, decode batch for the kernel or None), once per step."""
+    def _step_plan(self, metadata: AttentionMetadata) -> "_StepPlan":
+        """What every layer of this step shares, worked out by the first one."""
         if self._planned is not metadata:
             starts = metadata.query_start_loc_cpu
             num_seqs = len(starts) - 1
+            keep = metadata.slot_mapping >= 0
+            kept = None if bool(keep.all()) else keep.nonzero().flatten()
+            slots = metadata.slot_mapping if kept is None else metadata.slot_mapping[kept]
             if self._kernels is None:
-                self._plan = (list(range(num_seqs)), None)
+                self._plan = _StepPlan(list(range(num_seqs)), None, slots, kept)
             else:
                 decode = [i for i in range(num_seqs) if starts[i + 1] - starts[i] == 1]
                 others = [i for i in range(num_seqs) if starts[i + 1] - starts[i] != 1]
@@ -60,7 +77,7 @@ class CpuSdpaAttention(TorchReferenceAttention):
                         metadata.seq_lens if whole else metadata.seq_lens[index],
                         torch.tensor([starts[i] for i in decode], dtype=torch.long),
                     )
-                self._plan = (others, batch)
+                self._plan = _StepPlan(others, batch, slots, kept)
             self._planned = metadata
         return self._plan
 
@@ -81,19 +98,22 @@ class CpuSdpaAttention(TorchReferenceAttention):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        write_kv(key_cache, value_cache, key, value, metadata.slot_mapping)
+        plan = self._step_plan(metadata)
+        if plan.kept is not None:
+            key, value = key[plan.kept], value[plan.kept]
+        key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, plan.slots, key)
+        value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, plan.slots, value)
         block_shape = key_cache.shape[1:]  # [block_size, num_kv_heads, head_dim]
         block_numel = key_cache[0].numel()
         output = torch.empty_like(query)
         starts = metadata.query_start_loc_cpu
         block_size = metadata.block_size
-        others, decode = self._split(metadata)
-        if decode is not None:
-            block_table, seq_lens, rows = decode
+        if plan.decode is not None:
+            block_table, seq_lens, rows = plan.decode
             self._kernels.paged_decode_attention(
                 output, query.contiguous(), key_cache, value_cache, block_table, seq_lens, rows,
                 layer.scale, layer.sliding_window or 0, 0.0)
-        for i in others:
+        for i in plan.others:
             seq_len = metadata.seq_lens_cpu[i]
             num_blocks = -(-seq_len // block_size)
             key_buf, value_buf = self._scratch(num_blocks * block_numel, key_cache.dtype)

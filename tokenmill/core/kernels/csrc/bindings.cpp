@@ -6,11 +6,16 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
                             torch::Tensor query_rows, double scale, int64_t window, double soft_cap);
 void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps);
 void silu_and_mul(torch::Tensor out, torch::Tensor x);
+void rotary_embedding(torch::Tensor query, torch::Tensor key, torch::Tensor cos, torch::Tensor sin);
+torch::Tensor gemv(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
 }  // namespace tokenmill
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &tokenmill::paged_decode_attention,
         "decode attention (one query row per sequence) over a paged KV cache");
   m.def("rms_norm", &tokenmill::rms_norm, "out = weight * x / rms(x), fp32 math");
+  m.def("gemv", &tokenmill::gemv, "x W^T (+ bias) for 1 to 4 rows of x, plain [N, K] weight",
+        py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
+  m.def("rotary_embedding", &tokenmill::rotary_embedding, "NeoX rotary in place on query and key");
   m.def("silu_and_mul", &tokenmill::silu_and_mul, "out = silu(gate) * up for x = [gate | up]");
 }

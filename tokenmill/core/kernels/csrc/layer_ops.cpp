@@ -78,6 +78,31 @@ void silu_and_mul_kernel(T* out, const T* x, int64_t rows, int64_t d) {
   });
 }
 
+// NeoX rotary in place on the first `rot` features of each head:
+// x = x * cos + rotate_half(x) * sin, each product and the sum rounded to T as the
+// eager code (and HF's apply_rotary_pos_emb) rounds them. cos/sin: [tokens, rot], already in T.
+template <typename T>
+void rotary_kernel(T* x, int64_t tokens, int64_t heads, int64_t token_stride, int64_t head_stride,
+                   const T* cos, const T* sin, int64_t rot) {
+  const int64_t half = rot / 2;
+  at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* c = cos + t * rot;
+      const T* s = sin + t * rot;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* v = x + t * token_stride + h * head_stride;
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = to_float(v[i]), x2 = to_float(v[i + half]);
+          const T a1 = round_to<T>(x1 * to_float(c[i])), b1 = round_to<T>(-x2 * to_float(s[i]));
+          const T a2 = round_to<T>(x2 * to_float(c[i + half])), b2 = round_to<T>(x1 * to_float(s[i + half]));
+          v[i] = round_to<T>(to_float(a1) + to_float(b1));
+          v[i + half] = round_to<T>(to_float(a2) + to_float(b2));
+        }
+      }
+    }
+  });
+}
+
 template <typename F>
 void dispatch(const torch::Tensor& t, const char* name, F&& run) {
   switch (t.scalar_type()) {
@@ -107,6 +132,21 @@ void silu_and_mul(torch::Tensor out, torch::Tensor x) {
     using T = std::remove_pointer_t<decltype(tag)>;
     silu_and_mul_kernel<T>(out.data_ptr<T>(), x.data_ptr<T>(), x.numel() / (2 * d), d);
   });
+}
+
+void rotary_embedding(torch::Tensor query, torch::Tensor key, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes(), "rotary: cos/sin [tokens, rot]");
+  const int64_t rot = cos.size(1);
+  for (const torch::Tensor& x : {query, key}) {
+    TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(0) == cos.size(0) && x.size(2) >= rot,
+                "rotary: [tokens, heads, head_dim] with contiguous heads");
+    TORCH_CHECK(x.scalar_type() == cos.scalar_type(), "rotary: one dtype");
+    dispatch(x, "rotary_embedding", [&](auto* tag) {
+      using T = std::remove_pointer_t<decltype(tag)>;
+      rotary_kernel<T>(x.data_ptr<T>(), x.size(0), x.size(1), x.stride(0), x.stride(1), cos.data_ptr<T>(),
+                       sin.data_ptr<T>(), rot);
+    });
+  }
 }
 
 }  // namespace tokenmill
