@@ -1,0 +1,72 @@
+"""Where a step's time goes: one offline workload under cProfile, its time in buckets.
+
+C++ kernels and torch ops appear in cProfile as built-in calls with exact
+self time; everything else (engine loop, scheduler, runner bookkeeping,
+detokenizer, module dispatch) is Python, slightly inflated by the profiler.
+
+    python benchmarks/profile_step.py --preset 52m --num-prompts 64 --output-len 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import time
+
+from common import add_common_args, prepare, random_prompts, write_json
+from tokenmill import LLM, SamplingParams
+
+#: bucket -> substrings of cProfile function names (first match wins)
+BUCKETS = {
+    "GEMM (oneDNN prepacked / GEMV kernel)": ("_linear_pointwise", "gemv", "int4pack", "linear"),
+    "attention: decode kernel": ("paged_decode_attention",),
+    "attention: prefill SDPA + gathers": ("scaled_dot_product_attention", "index_select"),
+    "KV-cache writes": ("index_copy_",),
+    "fused norm / activation / rotary": ("rms_norm", "silu_and_mul", "rotary_embedding"),
+    "logits sampling (argmax, log-softmax)": ("argmax", "log_softmax", "topk"),
+}
+
+
+def bucket_of(name: str, builtin: bool) -> str:
+    for bucket, needles in BUCKETS.items():
+        if builtin and any(needle in name for needle in needles):
+            return bucket
+    return "other torch ops" if builtin else "Python: engine, scheduler, runner, detokenizer, modules"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_common_args(parser)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--enforce-eager", action="store_true")
+    args = parser.parse_args()
+    path = prepare(args)
+    llm = LLM(str(path), enforce_eager=args.enforce_eager, num_threads=args.threads)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(args.num_prompts, args.input_len, path, seed=0)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate(prompts[:2], params, use_tqdm=False)
+
+    profiler = cProfile.Profile()
+    start = time.perf_counter()
+    profiler.enable()
+    llm.generate(prompts, params, use_tqdm=False)
+    profiler.disable()
+    wall = time.perf_counter() - start
+
+    totals: dict[str, float] = {}
+    for (filename, _, name), (_, _, tottime, _, _) in pstats.Stats(profiler).stats.items():
+        builtin = filename == "~"
+        totals[bucket_of(name, builtin)] = totals.get(bucket_of(name, builtin), 0.0) + tottime
+    print(f"{args.num_prompts} x {args.input_len} in / {args.output_len} out, preset {args.preset}: "
+          f"{wall:.1f} s under the profiler")
+    for bucket, seconds in sorted(totals.items(), key=lambda item: -item[1]):
+        print(f"  {bucket:<58} {seconds:7.2f} s  {100 * seconds / wall:5.1f}%")
+    write_json(args.json, {"config": {k: v for k, v in vars(args).items() if k != "json"},
+                           "wall_s": round(wall, 2), "buckets_s": {k: round(v, 3) for k, v in totals.items()}})
+
+
+if __name__ == "__main__":
+    main()
