@@ -123,3 +123,13 @@ def test_fast_and_eager_engines_match_hf_alike(arch, model_dir, hf_reference):
         tokens = [o.outputs[0].token_ids for o in outputs]
         logprobs = [[e[t].logprob for e, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outputs]
         assert_matches_reference(hf_reference(arch), tokens, logprobs)
+
+
+def test_num_threads_sets_torch_threads(model_dir):
+    """num_threads is applied when the engine is built (benchmarks pin 1 thread this way)."""
+    before = torch.get_num_threads()
+    try:
+        make_llm(model_dir("llama"), num_threads=1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
