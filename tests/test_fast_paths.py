@@ -86,7 +86,7 @@ def test_fused_rotary_equals_eager(tokens, rope, partial, dtype, seed):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 2, 3, 7, 64, 300])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 7, 64, 300])
 def test_prepacked_linear_equals_f_linear(dtype, rows):
     torch.manual_seed(rows)
     # sums of 200 products of N(0, 1) values (|y| ~ 14): summation order moves the last fp32 bits

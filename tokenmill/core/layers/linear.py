@@ -59,7 +59,7 @@ class PrepackedLinearMethod:
         pass
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        if self.gemv is not None and x.numel() <= self.GEMV_MAX_ROWS * x.shape[-1]:
+        if self.gemv is not None and 0 < x.numel() <= self.GEMV_MAX_ROWS * x.shape[-1]:
             return self.gemv.gemv(x.contiguous(), layer.weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, bias, "none", [], "")
 
