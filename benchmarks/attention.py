@@ -18,6 +18,7 @@ from common import write_json
 from tokenmill.core.compose import collect_components
 from tokenmill.core.plugins import make_plugin_manager
 from tokenmill.interfaces.attention import AttentionLayerSpec, AttentionMetadata
+from tokenmill.plugins.attention.cpu_sdpa import CpuSdpaAttention
 
 
 def decode_inputs(batch: int, context: int, heads: int = 8, kv_heads: int = 8, head_dim: int = 64, block: int = 16):
@@ -42,11 +43,15 @@ def main() -> None:
     parser.add_argument("--contexts", default="128,512,1024,4096")
     parser.add_argument("--batches", default="1,8,64")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--backends", help="comma-separated registered names (default: all CPU-runnable); "
+                                           "'cpu-sdpa' is the cpu backend without its C++ decode kernel")
     parser.add_argument("--json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     registry = collect_components(make_plugin_manager()).attention_backends
-    backends = {name: registry.get(name)() for name in registry.names() if name != "triton"}
+    names = args.backends.split(",") if args.backends else [n for n in registry.names() if n != "triton"]
+    backends = {name: CpuSdpaAttention(use_kernels=False) if name == "cpu-sdpa" else registry.get(name)()
+                for name in names}
     results = []
     print(f"{'batch':>5} {'context':>7} " + " ".join(f"{name:>10}" for name in backends) + "   (ms per call)")
     for batch in map(int, args.batches.split(",")):
