@@ -48,6 +48,11 @@ def prepare(args: argparse.Namespace) -> Path:
     return path
 
 
+def hf_dtype(name: str) -> torch.dtype | str:
+    """``--dtype`` as transformers' ``from_pretrained`` takes it ("auto": the checkpoint's)."""
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "auto": "auto"}[name]
+
+
 def random_prompts(count: int, length: int, model: Path, seed: int) -> list[list[int]]:
     """Token-id prompts drawn uniformly from the model's vocabulary (ids below 10 are specials)."""
     vocab = load_model_config(model).vocab_size

@@ -17,7 +17,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM
 
-from common import add_common_args, prepare, random_prompts, write_json
+from common import add_common_args, hf_dtype, prepare, random_prompts, write_json
 from tokenmill import LLM, SamplingParams
 
 
@@ -40,8 +40,7 @@ def run_tokenmill(path, prompt, args) -> tuple[list[float], list[float]]:
 
 
 def run_hf(path, prompt, args) -> tuple[list[float], list[float]]:
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "auto": "auto"}[args.dtype]
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=hf_dtype(args.dtype)).eval()
     ids = torch.tensor([prompt])
 
     def timed(new_tokens: int) -> float:

@@ -11,11 +11,10 @@ on one adapter, then requests spread round-robin over four adapters
 from __future__ import annotations
 
 import argparse
-import random
 import time
 from pathlib import Path
 
-from common import add_common_args, prepare, write_json
+from common import add_common_args, prepare, random_prompts, write_json
 from tokenmill import LLM, LoRARequest, SamplingParams
 from tokenmill.testing.tiny_adapters import make_lora_adapter
 
@@ -38,9 +37,7 @@ def main() -> None:
         if not (directory / "adapter_model.safetensors").is_file():
             make_lora_adapter(path, directory, rank=args.rank, targets=TARGETS, seed=i)
         adapters.append(LoRARequest(f"a{i}", i + 1, str(directory)))
-    rng = random.Random(0)
-    prompts = [{"prompt_token_ids": [rng.randrange(10, 30000) for _ in range(args.input_len)]}
-               for _ in range(args.num_prompts)]
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(args.num_prompts, args.input_len, path, seed=0)]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     cases = {
         "base model, LoRA off": (dict(), None),

@@ -17,7 +17,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM
 
-from common import add_common_args, prepare, random_prompts, write_json
+from common import add_common_args, hf_dtype, prepare, random_prompts, write_json
 from tokenmill import LLM, SamplingParams
 
 
@@ -35,8 +35,7 @@ def run_tokenmill(path, prompts, output_len, args) -> float:
 
 
 def run_hf(path, prompts, output_len, args) -> float:
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "auto": "auto"}[args.dtype]
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=hf_dtype(args.dtype))
     model.eval()
     kwargs = dict(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
                   pad_token_id=0)

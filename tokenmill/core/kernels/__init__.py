@@ -18,8 +18,12 @@ from types import ModuleType
 from typing import Optional
 
 import structlog
+import torch
 
 log = structlog.get_logger(__name__)
+
+#: dtypes the fused layer kernels (rms_norm, silu_and_mul, rotary_embedding) implement
+FUSED_DTYPES = (torch.float32, torch.bfloat16)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ("bindings.cpp", "paged_decode.cpp", "layer_ops.cpp", "gemv.cpp")

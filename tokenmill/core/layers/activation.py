@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from tokenmill.core.layers.norm import FUSED_DTYPES
+from tokenmill.core.kernels import FUSED_DTYPES
 from tokenmill.interfaces.errors import ConfigError
 
 _ACTIVATIONS = {

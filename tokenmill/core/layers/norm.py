@@ -8,8 +8,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-#: dtypes the fused C++ layer ops implement
-FUSED_DTYPES = (torch.float32, torch.bfloat16)
+from tokenmill.core.kernels import FUSED_DTYPES
 
 
 class RMSNorm(nn.Module):

@@ -13,7 +13,7 @@ from typing import Any, Mapping, Optional
 import torch
 from torch import nn
 
-from tokenmill.core.layers.norm import FUSED_DTYPES
+from tokenmill.core.kernels import FUSED_DTYPES
 from tokenmill.interfaces.errors import ConfigError
 
 
