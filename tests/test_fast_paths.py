@@ -24,6 +24,24 @@ def test_kernels_build_here():
     assert KERNELS is not None
 
 
+def test_kernel_sources_ship_in_the_wheel():
+    """The kernels build from their sources at first use, so an installed (non-editable)
+    tokenmill must carry every file under csrc/: the package-data globs must match them all."""
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+
+    import tokenmill.core.kernels as kernels
+
+    root = Path(__file__).parent.parent
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    patterns = globs.get(kernels.__name__, [])
+    package_dir = Path(kernels.__file__).parent
+    for source in (package_dir / "csrc").iterdir():
+        relative = source.relative_to(package_dir).as_posix()
+        assert any(fnmatch.fnmatch(relative, pattern) for pattern in patterns), relative
+
+
 def assert_equals_eager(got: torch.Tensor, expected: torch.Tensor, atol: float) -> None:
     """fp32: equal up to evaluation order; bf16: at most one rounding step apart."""
     if got.dtype == torch.float32:
