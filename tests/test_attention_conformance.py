@@ -96,3 +96,23 @@ def test_cpu_backend_without_kernels_matches_reference(case):
     from tokenmill.plugins.attention.cpu_sdpa import CpuSdpaAttention
 
     check_backend(CpuSdpaAttention(use_kernels=False), case)
+
+
+@pytest.mark.parametrize("head_dim", [96, 128, 160, 192, 256])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_cpu_decode_kernel_at_large_head_dims(head_dim, seed):
+    """The bf16 decode kernel is specialised per head_dim / 32 (1..8); the random cases above
+    cover 32 and 64, these the rest, with contexts across tile edges, GQA, windows and caps."""
+    import random
+
+    import torch
+
+    from tokenmill.plugins.attention.cpu_sdpa import CpuSdpaAttention
+    from tokenmill.testing.attention_conformance import AttentionCase
+
+    rng = random.Random(seed)
+    case = AttentionCase(
+        seed=seed, num_heads=rng.choice([4, 8]), num_kv_heads=2, head_dim=head_dim, block_size=rng.choice([8, 16]),
+        dtype=torch.bfloat16, requests=tuple((rng.randint(0, 80), 1) for _ in range(4)),
+        sliding_window=rng.choice([None, 20]), soft_cap=rng.choice([None, 30.0]))
+    check_backend(CpuSdpaAttention(), case)
