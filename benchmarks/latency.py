@@ -3,7 +3,9 @@
 tokenmill's engine is stepped directly (each step's wall time is one token);
 HF transformers runs ``generate`` for 1 and for N new tokens on the same
 prompt, TTFT = T(1) and TPOT = (T(N) - T(1)) / (N - 1). Medians over
-``--iters`` runs, after a warm-up; same weights, same process.
+``--iters`` runs, after a warm-up; same weights, same process. With
+``--llama-cpp``, also llama.cpp's ``llama-batched-bench`` with one sequence
+(TTFT = its prompt time, TPOT = its decode time per token; see llama_cpp.py).
 
     python benchmarks/latency.py --preset 350m --input-len 128 --output-len 128
 """
@@ -18,6 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from common import add_common_args, hf_dtype, prepare, random_prompts, write_json
+from llama_cpp import add_llama_cpp_args, batched_bench
 from tokenmill import LLM, SamplingParams
 
 
@@ -61,6 +64,12 @@ def run_hf(path, prompt, args) -> tuple[list[float], list[float]]:
     return ttfts, tpots
 
 
+def run_llama_cpp(path, prompt, args) -> tuple[list[float], list[float]]:
+    runs = [batched_bench(path, args.llama_cpp, len(prompt), args.output_len, 1, args.threads)
+            for _ in range(args.iters)]
+    return [r["t_pp"] for r in runs], [r["t_tg"] / args.output_len for r in runs]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common_args(parser, default_preset="350m")
@@ -70,12 +79,14 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", choices=["float32", "bfloat16", "auto"])
     parser.add_argument("--enforce-eager", action="store_true", help="tokenmill without prepacked/fused ops")
     parser.add_argument("--skip-hf", action="store_true")
+    add_llama_cpp_args(parser)
     args = parser.parse_args()
 
     path = prepare(args)
     prompt = random_prompts(1, args.input_len, path, seed=0)[0]
     results = {"config": {k: v for k, v in vars(args).items() if k != "json"}, "engines": {}}
     engines = [("tokenmill", run_tokenmill)] + ([] if args.skip_hf else [("hf-generate", run_hf)])
+    engines += [("llama.cpp", run_llama_cpp)] if args.llama_cpp else []
     for name, runner in engines:
         ttfts, tpots = runner(path, prompt, args)
         results["engines"][name] = {
@@ -90,6 +101,10 @@ def main() -> None:
         ratio = results["engines"]["hf-generate"]["tpot_ms_median"] / results["engines"]["tokenmill"]["tpot_ms_median"]
         results["tpot_speedup_vs_hf"] = round(ratio, 3)
         print(f"HF TPOT / tokenmill TPOT: {ratio:.2f}x")
+    if "llama.cpp" in results["engines"]:
+        ratio = results["engines"]["llama.cpp"]["tpot_ms_median"] / results["engines"]["tokenmill"]["tpot_ms_median"]
+        results["tpot_speedup_vs_llama_cpp"] = round(ratio, 3)
+        print(f"llama.cpp TPOT / tokenmill TPOT: {ratio:.2f}x")
     write_json(args.json, results)
 
 

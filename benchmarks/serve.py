@@ -6,7 +6,9 @@ in flight, then reports request and output-token throughput and
 TTFT / TPOT / ITL / E2EL (mean, median, p99; TPOT = (e2e - ttft) / (n - 1)).
 
 Point it at a running server (``--base-url``), or let it launch one per
-engine in turn on the same model: ``--launch tokenmill,transformers``.
+engine in turn on the same model: ``--launch tokenmill,transformers,llama.cpp``
+(llama.cpp: ``llama-server`` with one slot per concurrent request on the same
+weights as GGUF; needs ``--llama-cpp``, see llama_cpp.py).
 
     python benchmarks/serve.py --launch tokenmill,transformers --preset 52m --num-prompts 64 \\
         --input-len 256 --output-len 128 --max-concurrency 32
@@ -24,11 +26,13 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 import numpy as np
 
 from common import add_common_args, prepare, write_json
+from llama_cpp import add_llama_cpp_args, server_command
 
 
 @dataclass
@@ -42,7 +46,8 @@ class Result:
 
 
 #: per engine, the fields it accepts beyond OpenAI's (transformers serve rejects unknown ones)
-EXTRA_FIELDS = {"tokenmill": {"ignore_eos": True}, "external": {"ignore_eos": True}, "transformers": {}}
+EXTRA_FIELDS = {"tokenmill": {"ignore_eos": True}, "external": {"ignore_eos": True}, "llama.cpp": {"ignore_eos": True},
+                "transformers": {}}
 
 
 async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, output_len: int,
@@ -63,7 +68,10 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: s
                 chunk = json.loads(line[6:])
                 if chunk.get("usage"):
                     result.output_tokens = chunk["usage"]["completion_tokens"]
-                if not chunk.get("choices") or not chunk["choices"][0].get("text"):
+                choice = (chunk.get("choices") or [{}])[0]
+                # a token event; not a bare end-of-stream marker (llama.cpp streams special
+                # tokens as empty text, so empty text alone does not mean "no token")
+                if not choice or (not choice.get("text") and choice.get("finish_reason")):
                     continue
                 now = time.perf_counter()
                 if chunks == 0:
@@ -124,7 +132,8 @@ def summarize(results: list[Result], duration: float) -> dict:
     }
 
 
-def launch(engine: str, model_path: str, port: int, threads: int, max_num_seqs: int) -> subprocess.Popen:
+def launch(engine: str, model_path: str, port: int, threads: int, max_num_seqs: int,
+           args: argparse.Namespace) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     if engine == "tokenmill":
         command = [sys.executable, "-m", "tokenmill.cli", "serve", model_path, "--port", str(port),
@@ -132,6 +141,12 @@ def launch(engine: str, model_path: str, port: int, threads: int, max_num_seqs: 
                    "--log-level", "warning"]
     elif engine == "transformers":
         command = ["transformers", "serve", model_path, "--port", str(port), "--continuous-batching"]
+    elif engine == "llama.cpp":
+        if args.llama_cpp is None:
+            raise SystemExit("--launch llama.cpp needs --llama-cpp (a built llama.cpp source tree)")
+        # text prompts of input_len ids may re-tokenize a little longer: room for that per slot
+        command = server_command(Path(model_path), args.llama_cpp, port, threads, args.max_concurrency,
+                                 args.input_len + args.output_len + 64)
     else:
         raise SystemExit(f"unknown engine to launch: {engine}")
     return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -156,7 +171,7 @@ def main() -> None:
     add_common_args(parser)
     parser.add_argument("--base-url", help="an already running server (skips --launch)")
     parser.add_argument("--served-model", default="bench", help="the 'model' field to send")
-    parser.add_argument("--launch", default="tokenmill", help="comma-separated: tokenmill,transformers")
+    parser.add_argument("--launch", default="tokenmill", help="comma-separated: tokenmill,transformers,llama.cpp")
     parser.add_argument("--port", type=int, default=8321)
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=256)
@@ -165,6 +180,7 @@ def main() -> None:
     parser.add_argument("--max-concurrency", type=int, default=32)
     parser.add_argument("--max-num-seqs", type=int, default=256, help="tokenmill's batch limit when launched")
     parser.add_argument("--seed", type=int, default=0)
+    add_llama_cpp_args(parser)
     args = parser.parse_args()
 
     path = prepare(args)
@@ -181,8 +197,8 @@ def main() -> None:
         model = args.served_model
         if url is None:
             url = f"http://127.0.0.1:{args.port}"
-            process = launch(name, str(path), args.port, args.threads, args.max_num_seqs)
-            model = "bench" if name == "tokenmill" else str(path)
+            process = launch(name, str(path), args.port, args.threads, args.max_num_seqs, args)
+            model = str(path) if name == "transformers" else "bench"
         try:
             if process is not None:
                 wait_ready(url, process)
@@ -209,6 +225,10 @@ def main() -> None:
         ratio = engines["tokenmill"]["output_throughput"] / engines["transformers"]["output_throughput"]
         report["ratio_tokenmill_vs_transformers"] = round(ratio, 3)
         print(f"tokenmill / transformers serve (output tok/s): {ratio:.2f}x")
+    if "tokenmill" in engines and "llama.cpp" in engines and engines["llama.cpp"]["output_throughput"]:
+        ratio = engines["tokenmill"]["output_throughput"] / engines["llama.cpp"]["output_throughput"]
+        report["ratio_tokenmill_vs_llama_cpp"] = round(ratio, 3)
+        print(f"tokenmill / llama.cpp server (output tok/s): {ratio:.2f}x")
     write_json(args.json, report)
 
 

@@ -4,7 +4,8 @@ N requests with random prompts of a fixed input length (fixed seed), a fixed
 number of output tokens each (EOS ignored), all submitted at once. Prints
 requests/s, output tokens/s and total tokens/s for tokenmill and for
 ``transformers`` ``generate`` (static batches, KV cache on) on the same
-weights, in the same process, and their ratio.
+weights, in the same process, and their ratio; with ``--llama-cpp``, also
+llama.cpp's ``llama-batched-bench`` on the same weights (see llama_cpp.py).
 
     python benchmarks/throughput.py --preset 52m --num-prompts 128 --input-len 256 --output-len 128
 """
@@ -18,6 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from common import add_common_args, hf_dtype, prepare, random_prompts, write_json
+from llama_cpp import add_llama_cpp_args, batched_bench
 from tokenmill import LLM, SamplingParams
 
 
@@ -48,6 +50,10 @@ def run_hf(path, prompts, output_len, args) -> float:
         return time.perf_counter() - start
 
 
+def run_llama_cpp(path, prompts, output_len, args) -> float:
+    return batched_bench(path, args.llama_cpp, len(prompts[0]), output_len, len(prompts), args.threads)["t"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common_args(parser)
@@ -63,6 +69,7 @@ def main() -> None:
     parser.add_argument("--hf-batch-size", type=int, default=32)
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
+    add_llama_cpp_args(parser)
     args = parser.parse_args()
 
     path = prepare(args)
@@ -71,6 +78,7 @@ def main() -> None:
 
     results = {"config": {k: v for k, v in vars(args).items() if k != "json"}, "engines": {}}
     engines = [("tokenmill", run_tokenmill)] + ([] if args.skip_hf else [("hf-generate", run_hf)])
+    engines += [("llama.cpp", run_llama_cpp)] if args.llama_cpp else []
     for name, runner in engines:
         elapsed = runner(path, prompts, args.output_len, args)
         results["engines"][name] = {
@@ -88,6 +96,11 @@ def main() -> None:
                  / results["engines"]["hf-generate"]["output_tokens_per_s"])
         results["ratio_tokenmill_vs_hf"] = round(ratio, 3)
         print(f"tokenmill / HF generate (output tok/s): {ratio:.2f}x")
+    if "llama.cpp" in results["engines"]:
+        ratio = (results["engines"]["tokenmill"]["output_tokens_per_s"]
+                 / results["engines"]["llama.cpp"]["output_tokens_per_s"])
+        results["ratio_tokenmill_vs_llama_cpp"] = round(ratio, 3)
+        print(f"tokenmill / llama.cpp (output tok/s): {ratio:.2f}x")
     write_json(args.json, results)
 
 
