@@ -1,5 +1,6 @@
-"""The README's chart: tokenmill and HF transformers from results/*.json (one run, this
-machine), beside the peers' figures quoted in the CPU-performance issue (another run).
+"""The README's chart: tokenmill, HF transformers and llama.cpp from results/*.json (one
+run each, this machine), beside the peers' figures quoted in the CPU-performance issue
+(measured elsewhere).
 
     python benchmarks/chart.py --out benchmarks/results/cpu-performance.png
 """
@@ -38,9 +39,9 @@ def main() -> None:
         path = RESULTS / name
         measured = json.loads(path.read_text())["engines"] if path.exists() else {}
         labels, values, colors, hatches = [], [], [], []
-        for engine, color in (("tokenmill", "tab:blue"), (hf_key, "tab:orange")):
+        for engine, color in (("tokenmill", "tab:blue"), (hf_key, "tab:orange"), ("llama.cpp", "tab:green")):
             if engine in measured:
-                labels.append("HF" if engine == hf_key else engine)
+                labels.append({hf_key: "HF", "llama.cpp": "llama.cpp\n(here)"}.get(engine, engine))
                 values.append(measured[engine][metric])
                 colors.append(color)
                 hatches.append("")
@@ -53,7 +54,7 @@ def main() -> None:
         ax.bar_label(bars, fmt="%.0f" if max(values, default=0) > 50 else "%.1f", fontsize=8)
         ax.set_title(title, fontsize=9)
         ax.tick_params(axis="x", labelsize=8, rotation=20)
-    fig.suptitle("tokenmill vs HF transformers on this machine, 1 thread "
+    fig.suptitle("tokenmill vs HF transformers and llama.cpp on this machine, 1 thread "
                  "(* = figure quoted in the issue, measured elsewhere)", fontsize=9)
     fig.tight_layout()
     fig.savefig(args.out, dpi=110)

@@ -65,4 +65,4 @@ def write_json(path: str | None, results: dict[str, Any]) -> None:
     if path:
         results = {**results, "machine": {"load_average": os.getloadavg(), "cpus": os.cpu_count(),
                                           "torch": torch.__version__}}
-        Path(path).write_text(json.dumps(results, indent=2))
+        Path(path).write_text(json.dumps(results, indent=2, default=str))

@@ -92,7 +92,9 @@ async def run_load(url: str, model: str, prompts: list[str], output_len: int, ra
                    concurrency: int, seed: int, extra: dict) -> tuple[list[Result], float]:
     rng = np.random.default_rng(seed)
     semaphore = asyncio.Semaphore(concurrency)
-    limits = httpx.Limits(max_connections=concurrency + 8)
+    # a connection per request: llama.cpp's HTTP server closes kept-alive connections after a few
+    # requests, and a request sent on one it has just closed fails without reaching the engine
+    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         async def limited(prompt: str) -> Result:
             async with semaphore:
