@@ -109,7 +109,8 @@ def test_full_waiting_queue_answers_503(model_dir):
     """With one running and one waiting request, a third gets 503 until room frees up."""
     engine = make_llm(model_dir("llama"), max_num_seqs=1).llm_engine
     with running_server(engine, served_model_name=[MODEL], max_queued_requests=1) as (base, llm):
-        long = {"model": MODEL, "prompt": "x", "max_tokens": 300, "ignore_eos": True}
+        # as long as the context allows, so the second request is still queued when the third comes
+        long = {"model": MODEL, "prompt": "x", "max_tokens": 500, "ignore_eos": True}
         threads = [threading.Thread(target=httpx.post, args=(base + C,), kwargs={"json": long, "timeout": 120})
                    for _ in range(2)]
         for thread in threads:
@@ -117,6 +118,7 @@ def test_full_waiting_queue_answers_503(model_dir):
         deadline = time.monotonic() + 10
         while not (llm.num_running == 1 and llm.num_waiting >= 1) and time.monotonic() < deadline:
             time.sleep(0.01)
+        assert llm.num_running == 1 and llm.num_waiting >= 1, "the queue never filled: the premise failed"
         response = httpx.post(base + C, json=completion(), timeout=60)
         assert response.status_code == 503
         assert response.json()["error"]["type"] == "server_overloaded"
