@@ -41,6 +41,18 @@ inline float exp_shifted(float* s, int64_t n, float max) {
   return sum;
 }
 
+// softmax numerator of one head's scores in place (after the optional tanh soft cap);
+// returns 1 / the denominator
+inline float softmax_unnormalized(float* s, int64_t n, double soft_cap) {
+  if (soft_cap > 0) {
+    const float cap = static_cast<float>(soft_cap);
+    for (int64_t t = 0; t < n; ++t) s[t] = std::tanh(s[t] / cap) * cap;
+  }
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
+  return 1.f / exp_shifted(s, n, mx);
+}
+
 template <typename T>
 inline float dot(const float* q, const T* k, int64_t n) {
 #if defined(__AVX512F__)
@@ -143,13 +155,7 @@ void decode_seq_bf16_tiled(const c10::BFloat16* q, const c10::BFloat16* const* k
   }
   for (int64_t h = 0; h < num_heads; ++h) {
     float* s = scores + h * n;
-    if (soft_cap > 0) {
-      const float cap = static_cast<float>(soft_cap);
-      for (int64_t t = 0; t < n; ++t) s[t] = std::tanh(s[t] / cap) * cap;
-    }
-    float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
-    const float inv_sum = 1.f / exp_shifted(s, n, mx);
+    const float inv_sum = softmax_unnormalized(s, n, soft_cap);
     for (int64_t t = 0; t < n; ++t) s[t] *= inv_sum;
   }
   std::fill(acc, acc + num_heads * head_dim, 0.f);
@@ -264,16 +270,7 @@ void decode_kernel(const T* query, const T* key_cache, const T* value_cache, con
           for (int64_t g = 0; g < group; ++g, ++h)
             scores[h * n + t] = dot(q.data() + h * head_dim, k_row + kv * head_dim, head_dim);
       }
-      for (int64_t h = 0; h < num_heads; ++h) {
-        float* s = scores.data() + h * n;
-        if (soft_cap > 0) {
-          const float cap = static_cast<float>(soft_cap);
-          for (int64_t t = 0; t < n; ++t) s[t] = std::tanh(s[t] / cap) * cap;
-        }
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
-        inv_sum[h] = 1.f / exp_shifted(s, n, mx);
-      }
+      for (int64_t h = 0; h < num_heads; ++h) inv_sum[h] = softmax_unnormalized(scores.data() + h * n, n, soft_cap);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < n; ++t) {
         const int64_t pos = first + t;
