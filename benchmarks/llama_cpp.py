@@ -49,13 +49,25 @@ def _binary(source: Path, name: str) -> str:
     return str(path)
 
 
+def _run(command: list[str], what: str) -> str:
+    """stdout of ``command``; on failure, exits with the tail of its stderr."""
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{what} failed:\n{done.stderr[-2000:]}")
+    return done.stdout
+
+
 def gguf_for(model: Path, source: Path) -> Path:
     """The checkpoint as GGUF in its own dtype, converted on first use."""
     outtype = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[str(load_model_config(model).dtype).removeprefix("torch.")]
     out = model / f"model-{outtype}.gguf"
     if not out.is_file():
         code = _CONVERT.format(source=str(source), model=str(model), out=str(out), outtype=outtype)
-        subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+        try:
+            _run([sys.executable, "-c", code], "GGUF conversion")
+        except SystemExit:
+            out.unlink(missing_ok=True)
+            raise
     return out
 
 
@@ -66,7 +78,7 @@ def batched_bench(model: Path, source: Path, prompt_len: int, output_len: int, s
                "-c", str(sequences * (prompt_len + output_len)), "-b", "2048", "-ub", "512",
                "-npp", str(prompt_len), "-ntg", str(output_len), "-npl", str(sequences),
                "-t", str(threads), "-tb", str(threads), "--output-format", "jsonl"]
-    out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+    out = _run(command, "llama-batched-bench")
     return json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
 
 
