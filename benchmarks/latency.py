@@ -97,14 +97,11 @@ def main() -> None:
     print(f"{'engine':<12} {'TTFT ms':>9} {'TPOT ms':>9} {'decode tok/s':>13}")
     for name, r in results["engines"].items():
         print(f"{name:<12} {r['ttft_ms_median']:>9.1f} {r['tpot_ms_median']:>9.2f} {r['decode_tokens_per_s']:>13.1f}")
-    if "hf-generate" in results["engines"]:
-        ratio = results["engines"]["hf-generate"]["tpot_ms_median"] / results["engines"]["tokenmill"]["tpot_ms_median"]
-        results["tpot_speedup_vs_hf"] = round(ratio, 3)
-        print(f"HF TPOT / tokenmill TPOT: {ratio:.2f}x")
-    if "llama.cpp" in results["engines"]:
-        ratio = results["engines"]["llama.cpp"]["tpot_ms_median"] / results["engines"]["tokenmill"]["tpot_ms_median"]
-        results["tpot_speedup_vs_llama_cpp"] = round(ratio, 3)
-        print(f"llama.cpp TPOT / tokenmill TPOT: {ratio:.2f}x")
+    for peer, key, label in (("hf-generate", "hf", "HF"), ("llama.cpp", "llama_cpp", "llama.cpp")):
+        if peer in results["engines"]:
+            ratio = results["engines"][peer]["tpot_ms_median"] / results["engines"]["tokenmill"]["tpot_ms_median"]
+            results[f"tpot_speedup_vs_{key}"] = round(ratio, 3)
+            print(f"{label} TPOT / tokenmill TPOT: {ratio:.2f}x")
     write_json(args.json, results)
 
 

@@ -223,14 +223,11 @@ def main() -> None:
               f"TPOT p50 {r['tpot']['median_ms']} ms  ITL p50 {r['itl']['median_ms']} ms  "
               f"E2EL p50 {r['e2el']['median_ms']} ms" + (f"  errors: {r['errors']}" if r["errors"] else ""))
     engines = report["engines"]
-    if "tokenmill" in engines and "transformers" in engines and engines["transformers"]["output_throughput"]:
-        ratio = engines["tokenmill"]["output_throughput"] / engines["transformers"]["output_throughput"]
-        report["ratio_tokenmill_vs_transformers"] = round(ratio, 3)
-        print(f"tokenmill / transformers serve (output tok/s): {ratio:.2f}x")
-    if "tokenmill" in engines and "llama.cpp" in engines and engines["llama.cpp"]["output_throughput"]:
-        ratio = engines["tokenmill"]["output_throughput"] / engines["llama.cpp"]["output_throughput"]
-        report["ratio_tokenmill_vs_llama_cpp"] = round(ratio, 3)
-        print(f"tokenmill / llama.cpp server (output tok/s): {ratio:.2f}x")
+    for peer, key in (("transformers", "transformers"), ("llama.cpp", "llama_cpp")):
+        if "tokenmill" in engines and peer in engines and engines[peer]["output_throughput"]:
+            ratio = engines["tokenmill"]["output_throughput"] / engines[peer]["output_throughput"]
+            report[f"ratio_tokenmill_vs_{key}"] = round(ratio, 3)
+            print(f"tokenmill / {peer} serve (output tok/s): {ratio:.2f}x")
     write_json(args.json, report)
 
 

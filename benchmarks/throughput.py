@@ -91,16 +91,12 @@ def main() -> None:
     for name, r in results["engines"].items():
         print(f"{name:<12} {r['requests_per_s']:>8.2f} {r['output_tokens_per_s']:>10.1f} "
               f"{r['total_tokens_per_s']:>12.1f} {r['seconds']:>8.1f}")
-    if "hf-generate" in results["engines"]:
-        ratio = (results["engines"]["tokenmill"]["output_tokens_per_s"]
-                 / results["engines"]["hf-generate"]["output_tokens_per_s"])
-        results["ratio_tokenmill_vs_hf"] = round(ratio, 3)
-        print(f"tokenmill / HF generate (output tok/s): {ratio:.2f}x")
-    if "llama.cpp" in results["engines"]:
-        ratio = (results["engines"]["tokenmill"]["output_tokens_per_s"]
-                 / results["engines"]["llama.cpp"]["output_tokens_per_s"])
-        results["ratio_tokenmill_vs_llama_cpp"] = round(ratio, 3)
-        print(f"tokenmill / llama.cpp (output tok/s): {ratio:.2f}x")
+    for peer, key, label in (("hf-generate", "hf", "HF generate"), ("llama.cpp", "llama_cpp", "llama.cpp")):
+        if peer in results["engines"]:
+            ratio = (results["engines"]["tokenmill"]["output_tokens_per_s"]
+                     / results["engines"][peer]["output_tokens_per_s"])
+            results[f"ratio_tokenmill_vs_{key}"] = round(ratio, 3)
+            print(f"tokenmill / {label} (output tok/s): {ratio:.2f}x")
     write_json(args.json, results)
 
 

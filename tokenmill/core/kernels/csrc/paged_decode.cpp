@@ -208,8 +208,7 @@ void decode_kernel(const T* query, const T* key_cache, const T* value_cache, con
   const int64_t token_stride = num_kv_heads * head_dim;
   const int64_t block_stride = block_size * token_stride;
   // Rows are prefetched ~4 KB ahead through the block table: the hardware prefetcher
-  // stops at page and block boundaries (64 sequences x 290 tokens: 13-19 -> 14-22 GB/s fp32,
-  // 7.7 -> 12 GB/s bf16).
+  // stops at page and block boundaries (64 sequences x 290 tokens, fp32: 13-19 -> 14-22 GB/s).
   // bf16 with AVX512-BF16: the tiled path (head_dim a multiple of 32, up to 256)
   const bool tiled = kBf16Dot<T> && head_dim % 32 == 0 && head_dim <= 256;
   const int64_t row_bytes = token_stride * static_cast<int64_t>(sizeof(T));
