@@ -148,6 +148,21 @@ def test_abort_frees_blocks_and_reports_abort(llama):
     assert not engine.has_unfinished_requests()
 
 
+def test_a_request_id_can_be_reused_once_its_request_finished(llama):
+    """The id of a finished request is free at once: the same id decodes the same tokens again
+    (the runner drops the finished request's state before it adds the new one)."""
+    engine = llama.llm_engine
+    params = SamplingParams(max_tokens=5, **GREEDY)
+    runs = []
+    for _ in range(2):
+        engine.add_request("reused", ids(PROMPTS[1]), params)
+        outputs = []
+        while engine.has_unfinished_requests():
+            outputs.extend(o for o in engine.step() if o.finished)
+        runs.append([o.outputs[0].token_ids for o in outputs])
+    assert len(runs[0][0]) == 5 and runs[0] == runs[1]
+
+
 def test_prompt_forms_and_output_fields(llama):
     """Strings, token-id dicts and token lists are all prompts; outputs keep the input order."""
     params = SamplingParams(max_tokens=3, **GREEDY)

@@ -68,13 +68,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> ModelRunnerOutput:
+        # Finished first: a request id may be reused as soon as its request finished.
+        for request_id in batch.finished_request_ids:
+            self._states.pop(request_id, None)
         for data in batch.new_requests:
             generator = None
             if data.seed is not None:
                 generator = torch.Generator().manual_seed(data.seed)
             self._states[data.request_id] = _RequestState(data, generator)
-        for request_id in batch.finished_request_ids:
-            self._states.pop(request_id, None)
         if batch.blocks_to_swap_out or batch.blocks_to_swap_in:
             assert self.swap is not None, "swap requested but no swap space was allocated"
             self.swap.copy(batch.blocks_to_swap_out, to_host=True)
