@@ -12,9 +12,10 @@ from conftest import NEW_TOKENS, PROMPTS, make_llm
 from tokenmill import SamplingParams
 from tokenmill.core.kernels import cpu_kernels
 from tokenmill.core.layers.activation import GatedActivation
+from tokenmill.core.layers.decode_stack import DecodeStack
 from tokenmill.core.layers.linear import Linear, PrepackedLinearMethod, prepack_linear_weights
 from tokenmill.core.layers.norm import RMSNorm
-from tokenmill.testing.hf_reference import assert_matches_reference
+from tokenmill.testing.hf_reference import assert_matches_reference, hf_greedy
 
 KERNELS = cpu_kernels()
 
@@ -151,3 +152,70 @@ def test_num_threads_sets_torch_threads(model_dir):
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def _greedy(llm, prompts, batch):
+    """Token ids and their logprobs, ``batch`` prompts at a time."""
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+    tokens, logprobs = [], []
+    for i in range(0, len(prompts), batch):
+        for o in llm.generate([{"prompt_token_ids": p} for p in prompts[i:i + batch]], params, use_tqdm=False):
+            tokens.append(o.outputs[0].token_ids)
+            logprobs.append([e[t].logprob for e, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+    return tokens, logprobs
+
+
+def _count_stack_calls(llm, monkeypatch) -> list[int]:
+    """A counter of the decode stack's calls (the engine's model must have a stack)."""
+    assert llm.llm_engine.runner.model.model.decode_stack is not None
+    calls = [0]
+    forward = DecodeStack.__call__
+
+    def counted(self, *args):
+        calls[0] += 1
+        return forward(self, *args)
+
+    monkeypatch.setattr(DecodeStack, "__call__", counted)
+    return calls
+
+
+# plain Llama, q/k/v biases with MQA and a head_dim of its own, a sliding window, partial rotary
+@pytest.mark.parametrize("arch", ["llama", "llama-mqa-bias", "mistral", "phi3-partial-rotary"])
+def test_decode_stack_at_batch_1_and_2_matches_hf(arch, model_dir, monkeypatch):
+    """Decode steps of 1 and 2 rows run all layers in one C++ call (counted), and meet the
+    fp32 parity standard against HF; the window of 24 is passed by the longer prompts."""
+    llm = make_llm(model_dir(arch))
+    calls = _count_stack_calls(llm, monkeypatch)
+    prompts = PROMPTS[:4]
+    reference = hf_greedy(model_dir(arch), prompts, NEW_TOKENS)
+    for batch in (1, 2):
+        before = calls[0]
+        assert_matches_reference(reference, *_greedy(llm, prompts, batch))
+        assert calls[0] - before == len(prompts) // batch * (NEW_TOKENS - 1)
+
+
+def test_decode_stack_is_bit_identical_to_the_layers_in_bf16(model_dir, monkeypatch):
+    """bf16 rounds at every step, so equal outputs show the stack runs the layers' kernels
+    in the layers' order (the layer path is taken by removing the stack)."""
+    llm = make_llm(model_dir("llama"), dtype="bfloat16")
+    calls = _count_stack_calls(llm, monkeypatch)
+    fused = _greedy(llm, PROMPTS[:4], 2)
+    assert calls[0] == 2 * (NEW_TOKENS - 1)
+    llm.llm_engine.runner.model.model.__dict__["decode_stack"] = None
+    assert _greedy(llm, PROMPTS[:4], 2) == fused
+
+
+@pytest.mark.parametrize("arch,engine_args,fused", [
+    ("llama", {}, True),
+    ("qwen2", {}, True),
+    ("llama", {"enforce_eager": True}, False),  # no fused kernels at all
+    ("llama", {"small_batch_gemv": False}, False),  # no plain weights for the GEMV kernel
+    ("llama", {"enable_lora": True}, False),  # adapters add deltas to the projections
+    ("qwen3", {}, False),  # q/k norms
+    ("gemma", {}, False),  # Gemma's RMSNorm
+    ("mixtral", {}, False),  # experts
+])
+def test_decode_stack_only_where_every_part_is_on_the_kernels(arch, engine_args, fused, model_dir):
+    llm = make_llm(model_dir(arch), **engine_args)
+    llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert (llm.llm_engine.runner.model.model.decode_stack is not None) == fused

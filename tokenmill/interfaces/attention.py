@@ -27,6 +27,10 @@ class AttentionCapabilities:
     logits_soft_cap: bool = False
     #: a device type ("cpu", "cuda") the backend needs; None runs anywhere
     requires_device: Optional[str] = None
+    #: the cache is ``[2, num_blocks, block_size, num_kv_heads, head_dim]``, new K/V
+    #: go to ``slot_mapping``, and decode rows are computed by tokenmill.core.kernels'
+    #: ``paged_decode_attention``: a fused decode stack may then do both itself
+    fused_decode: bool = False
 
 
 @dataclass(frozen=True, slots=True)

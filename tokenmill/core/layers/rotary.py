@@ -124,14 +124,18 @@ class RotaryEmbedding(nn.Module):
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self._cos_sin(positions, query.dtype)
+        cos, sin = self.cos_sin(positions, query.dtype)
         if self.kernels is not None and query.dtype in FUSED_DTYPES:
             self.kernels.rotary_embedding(query, key, cos, sin)  # in place
             return query, key
         cos, sin = cos[:, None, :], sin[:, None, :]
         return _rotate(query, cos, sin, self.rotary_dim), _rotate(key, cos, sin, self.rotary_dim)
 
-    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def shares_cos_sin(self, other: "RotaryEmbedding") -> bool:
+        """Whether the two compute the same cos/sin (and so share each step's)."""
+        return self._step is other._step
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """[num_tokens, rotary_dim] each, in ``dtype`` (the eager code's rounding)."""
         entry = self._step.get(dtype)  # one tuple, replaced whole: safe across engine threads
         if entry is None or entry[0] is not positions:

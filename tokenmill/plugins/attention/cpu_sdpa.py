@@ -15,7 +15,7 @@ left to the reference backend ("auto" does that).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -49,6 +49,7 @@ class CpuSdpaAttention(TorchReferenceAttention):
     def __init__(self, use_kernels: bool = True) -> None:
         self._buffers: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
         self._kernels = cpu_kernels() if use_kernels else None
+        self.capabilities = replace(self.capabilities, fused_decode=self._kernels is not None)
         #: the step whose plan is in _plan (every layer of a step shares it)
         self._planned: AttentionMetadata | None = None
         self._plan = _StepPlan([], None, torch.empty(0, dtype=torch.long), None)

@@ -10,6 +10,7 @@ class-level switches below instead of copying the block.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Iterable, Mapping, Optional
 
 import torch
@@ -17,6 +18,7 @@ from torch import nn
 
 from tokenmill.core.layers.activation import GatedActivation
 from tokenmill.core.layers.attention import Attention
+from tokenmill.core.layers.decode_stack import DecodeLayerParts, DecodeStack
 from tokenmill.core.layers.linear import Linear
 from tokenmill.core.layers.norm import RMSNorm
 from tokenmill.core.layers.rotary import RotaryEmbedding
@@ -120,10 +122,26 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(model, ctx, f"model.layers.{i}", i) for i in range(cfg["num_hidden_layers"]))
         self.norm = model.norm_class(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6), ctx.dtype)
 
+    @functools.cached_property
+    def decode_stack(self) -> Optional[DecodeStack]:
+        """The layers as one C++ call for 1-2 decode rows, where all of them are plain Llama
+        blocks on the fused kernels (built at the first forward: the KV caches are bound by then)."""
+        if not all(type(layer) is LlamaDecoderLayer and not layer.sandwich and type(layer.mlp) is LlamaMLP
+                   and type(layer.self_attn) is LlamaAttention and not hasattr(layer.self_attn, "q_norm")
+                   for layer in self.layers):
+            return None
+        return DecodeStack.build([
+            DecodeLayerParts(layer.input_layernorm, layer.self_attn.qkv_proj, layer.self_attn.rotary_emb,
+                             layer.self_attn.attn, layer.self_attn.o_proj, layer.post_attention_layernorm,
+                             layer.mlp.gate_up_proj, layer.mlp.act, layer.mlp.down_proj)
+            for layer in self.layers])
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        if self.decode_stack is not None and self.decode_stack.accepts(x, metadata):
+            return self.norm(self.decode_stack(x, positions, metadata))
         for layer in self.layers:
             x = layer(positions, x, metadata)
         return self.norm(x)

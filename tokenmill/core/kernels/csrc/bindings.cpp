@@ -8,6 +8,7 @@ void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double e
 void silu_and_mul(torch::Tensor out, torch::Tensor x);
 void rotary_embedding(torch::Tensor query, torch::Tensor key, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor gemv(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
+void bind_decode_stack(pybind11::module& m);
 }  // namespace tokenmill
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -18,4 +19,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
   m.def("rotary_embedding", &tokenmill::rotary_embedding, "NeoX rotary in place on query and key");
   m.def("silu_and_mul", &tokenmill::silu_and_mul, "out = silu(gate) * up for x = [gate | up]");
+  tokenmill::bind_decode_stack(m);
 }
