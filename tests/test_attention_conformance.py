@@ -116,3 +116,26 @@ def test_cpu_decode_kernel_at_large_head_dims(head_dim, seed):
         dtype=torch.bfloat16, requests=tuple((rng.randint(0, 80), 1) for _ in range(4)),
         sliding_window=rng.choice([None, 20]), soft_cap=rng.choice([None, 30.0]))
     check_backend(CpuSdpaAttention(), case)
+
+
+@pytest.mark.parametrize("head_dim", [32, 96, 128, 256])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_cpu_prefill_kernel_at_head_dims_and_groups(head_dim, seed):
+    """The bf16 prompt-chunk kernel is specialised per head_dim / 32 and works on blocks of up to
+    8 (token, head) rows of one KV head: fresh prompts and chunks on cached prefixes, across tile
+    and block edges, GQA groups of 1 to 8 (one token per block at 8), with and without a window."""
+    import random
+
+    import torch
+
+    from tokenmill.plugins.attention.cpu_sdpa import CpuSdpaAttention
+    from tokenmill.testing.attention_conformance import AttentionCase
+
+    rng = random.Random(seed)
+    for heads, kv in ((2, 2), (6, 2), (8, 1)):
+        case = AttentionCase(
+            seed=seed, num_heads=heads, num_kv_heads=kv, head_dim=head_dim, block_size=rng.choice([8, 16]),
+            dtype=torch.bfloat16,
+            requests=((0, rng.randint(2, 40)), (rng.randint(1, 40), rng.randint(2, 40)), (17, 1), (0, 33)),
+            sliding_window=rng.choice([None, 12]))
+        check_backend(CpuSdpaAttention(), case)

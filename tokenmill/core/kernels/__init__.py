@@ -27,7 +27,8 @@ log = structlog.get_logger(__name__)
 FUSED_DTYPES = (torch.float32, torch.bfloat16)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("bindings.cpp", "paged_decode.cpp", "layer_ops.cpp", "gemv.cpp", "decode_stack.cpp")
+_SOURCES = ("bindings.cpp", "paged_decode.cpp", "layer_ops.cpp", "gemv.cpp", "decode_stack.cpp",
+            "paged_prefill.cpp")
 #: -fassociative-math lets the compiler vectorize the scalar tails' reductions
 _CFLAGS = ["-O3", "-march=native", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
 

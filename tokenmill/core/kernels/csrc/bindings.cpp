@@ -8,6 +8,10 @@ void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double e
 void silu_and_mul(torch::Tensor out, torch::Tensor x);
 void rotary_embedding(torch::Tensor query, torch::Tensor key, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor gemv(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
+void paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
+                             torch::Tensor value_cache, torch::Tensor block_table, torch::Tensor seq_lens,
+                             torch::Tensor query_start, torch::Tensor seqs, double scale, int64_t window);
+bool bf16_prefill_available();
 void bind_decode_stack(pybind11::module& m);
 }  // namespace tokenmill
 
@@ -19,5 +23,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
   m.def("rotary_embedding", &tokenmill::rotary_embedding, "NeoX rotary in place on query and key");
   m.def("silu_and_mul", &tokenmill::silu_and_mul, "out = silu(gate) * up for x = [gate | up]");
+  m.def("paged_prefill_attention", &tokenmill::paged_prefill_attention,
+        "prompt-chunk attention (bf16) over a paged KV cache, causal to each sequence's positions");
+  m.def("bf16_prefill_available", &tokenmill::bf16_prefill_available,
+        "whether paged_prefill_attention was built (AVX512-BF16)");
   tokenmill::bind_decode_stack(m);
 }

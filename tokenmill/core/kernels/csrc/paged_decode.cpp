@@ -15,43 +15,10 @@
 #include <type_traits>
 #include <vector>
 
-#include "vec.h"
+#include "attention_math.h"
 
 namespace tokenmill {
 namespace {
-
-// s[t] = exp(s[t] - max); returns the sum
-inline float exp_shifted(float* s, int64_t n, float max) {
-  float sum = 0.f;
-  int64_t t = 0;
-#if defined(__AVX512F__)
-  const __m512 m = _mm512_set1_ps(max);
-  __m512 acc = _mm512_setzero_ps();
-  for (; t + 16 <= n; t += 16) {
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), m));
-    _mm512_storeu_ps(s + t, e);
-    acc = _mm512_add_ps(acc, e);
-  }
-  sum = _mm512_reduce_add_ps(acc);
-#endif
-  for (; t < n; ++t) {
-    s[t] = std::exp(s[t] - max);
-    sum += s[t];
-  }
-  return sum;
-}
-
-// softmax numerator of one head's scores in place (after the optional tanh soft cap);
-// returns 1 / the denominator
-inline float softmax_unnormalized(float* s, int64_t n, double soft_cap) {
-  if (soft_cap > 0) {
-    const float cap = static_cast<float>(soft_cap);
-    for (int64_t t = 0; t < n; ++t) s[t] = std::tanh(s[t] / cap) * cap;
-  }
-  float mx = -std::numeric_limits<float>::infinity();
-  for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
-  return 1.f / exp_shifted(s, n, mx);
-}
 
 template <typename T>
 inline float dot(const float* q, const T* k, int64_t n) {
@@ -91,31 +58,6 @@ inline void axpy(float p, const T* v, float* acc, int64_t n) {
 }
 
 #if defined(__AVX512BF16__)
-// bf16 sequences with head_dim % 32 == 0, in tiles of up to 16 tokens (one cache block at the
-// usual block size). Per token the generic loops (decode_kernel) spend most of their time on a horizontal
-// sum per head (q.k) and on loading, widening and storing the fp32 accumulator per head (p.v):
-// here 16 partial dot products are reduced together by one transpose-and-add, and each head's
-// accumulator stays in registers for a whole tile, widening v with one shift (even lanes) or
-// mask (odd lanes) per 16 values: 7-22% less time per call than session 2's loops here (16/8 heads of
-// 64, 1-64 sequences of 200-2000 tokens); what remains is mostly memory stalls on scattered blocks.
-constexpr int64_t kTile = 16;
-
-// lane i of the result = the sum of v[i]'s lanes
-inline __m512 reduce16_transposed(__m512 v[16]) {
-  __m512 pair[8];
-  for (int i = 0; i < 8; ++i)  // 128-bit lane j: [a0+a2, b0+b2, a1+a3, b1+b3]
-    pair[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  __m512 quad[4];
-  for (int i = 0; i < 4; ++i)  // 128-bit lane j: the four vectors' sums over lane j
-    quad[i] = _mm512_add_ps(_mm512_shuffle_ps(pair[2 * i], pair[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                            _mm512_shuffle_ps(pair[2 * i], pair[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  __m512 half[2];
-  for (int i = 0; i < 2; ++i)  // lanes 0+2 and 1+3 of two quads
-    half[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quad[2 * i], quad[2 * i + 1], 0x44),
-                            _mm512_shuffle_f32x4(quad[2 * i], quad[2 * i + 1], 0xEE));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(half[0], half[1], 0x88), _mm512_shuffle_f32x4(half[0], half[1], 0xDD));
-}
-
 // Prefetches part `part` of `parts` of the cache lines of `count` rows: spread over a tile's
 // head loop, since issuing a whole tile's lines at once stalls on the fill buffers.
 inline void prefetch_rows(const c10::BFloat16* const* rows, int64_t count, int64_t row_bytes, int64_t part,
@@ -125,6 +67,14 @@ inline void prefetch_rows(const c10::BFloat16* const* rows, int64_t count, int64
     __builtin_prefetch(reinterpret_cast<const char*>(rows[i / lines]) + (i % lines) * 64, 0, 3);
 }
 
+// bf16 sequences with head_dim % 32 == 0, in tiles of up to 16 tokens (one cache block at the
+// usual block size). Per token the generic loops (decode_kernel) spend most of their time on a horizontal
+// sum per head (q.k) and on loading, widening and storing the fp32 accumulator per head (p.v):
+// here 16 partial dot products are reduced together by one transpose-and-add, and each head's
+// accumulator stays in registers for a whole tile, widening v with one shift (even lanes) or
+// mask (odd lanes) per 16 values: 7-22% less time per call than session 2's loops here (16/8 heads of
+// 64, 1-64 sequences of 200-2000 tokens); what remains is mostly memory stalls on scattered blocks.
+//
 // Tiles outermost, so that each tile's rows (all KV heads) are read from memory once, while
 // the next tile's are prefetched; acc: [num_heads][kChunks][even 16 | odd 16] fp32.
 template <int64_t kChunks>  // head_dim / 32
@@ -189,12 +139,9 @@ void decode_seq_bf16_tiled(const c10::BFloat16* q, const c10::BFloat16* const* k
     }
   }
   for (int64_t h = 0; h < num_heads; ++h)
-    for (int64_t c = 0; c < kChunks; ++c) {
-      // interleave back, rounding like static_cast<c10::BFloat16>: element 2i from even, 2i+1 from odd
-      const __m512i even = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(acc + h * head_dim + c * 32)));
-      const __m512i odd = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(acc + h * head_dim + c * 32 + 16)));
-      _mm512_storeu_si512(out + h * head_dim + c * 32, _mm512_or_si512(even, _mm512_slli_epi32(odd, 16)));
-    }
+    for (int64_t c = 0; c < kChunks; ++c)
+      store_bf16_interleaved(out + h * head_dim + c * 32, _mm512_loadu_ps(acc + h * head_dim + c * 32),
+                             _mm512_loadu_ps(acc + h * head_dim + c * 32 + 16));
 }
 #endif
 

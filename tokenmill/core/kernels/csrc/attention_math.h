@@ -1,0 +1,82 @@
+// Softmax and tile reductions shared by the decode and prefill attention kernels.
+#pragma once
+
+#include <algorithm>
+#include <limits>
+
+#include "vec.h"
+
+namespace tokenmill {
+
+// s[t] = exp(s[t] - max); returns the sum
+inline float exp_shifted(float* s, int64_t n, float max) {
+  float sum = 0.f;
+  int64_t t = 0;
+#if defined(__AVX512F__)
+  const __m512 m = _mm512_set1_ps(max);
+  __m512 acc = _mm512_setzero_ps();
+  for (; t + 16 <= n; t += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), m));
+    _mm512_storeu_ps(s + t, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  sum = _mm512_reduce_add_ps(acc);
+#endif
+  for (; t < n; ++t) {
+    s[t] = std::exp(s[t] - max);
+    sum += s[t];
+  }
+  return sum;
+}
+
+// softmax numerator of one head's scores in place (after the optional tanh soft cap);
+// returns 1 / the denominator
+inline float softmax_unnormalized(float* s, int64_t n, double soft_cap) {
+  if (soft_cap > 0) {
+    const float cap = static_cast<float>(soft_cap);
+    for (int64_t t = 0; t < n; ++t) s[t] = std::tanh(s[t] / cap) * cap;
+  }
+  float mx = -std::numeric_limits<float>::infinity();
+  int64_t t = 0;
+#if defined(__AVX512F__)
+  __m512 vmax = _mm512_set1_ps(mx);
+  for (; t + 16 <= n; t += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + t));
+  mx = _mm512_reduce_max_ps(vmax);
+#endif
+  for (; t < n; ++t) mx = std::max(mx, s[t]);
+  return 1.f / exp_shifted(s, n, mx);
+}
+
+#if defined(__AVX512F__)
+// Keys per tile of the bf16 kernels (one cache block at the usual block size).
+constexpr int64_t kTile = 16;
+
+// lane i of the result = the sum of v[i]'s lanes
+inline __m512 reduce16_transposed(__m512 v[16]) {
+  __m512 pair[8];
+  for (int i = 0; i < 8; ++i)  // 128-bit lane j: [a0+a2, b0+b2, a1+a3, b1+b3]
+    pair[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  __m512 quad[4];
+  for (int i = 0; i < 4; ++i)  // 128-bit lane j: the four vectors' sums over lane j
+    quad[i] = _mm512_add_ps(_mm512_shuffle_ps(pair[2 * i], pair[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                            _mm512_shuffle_ps(pair[2 * i], pair[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  __m512 half[2];
+  for (int i = 0; i < 2; ++i)  // lanes 0+2 and 1+3 of two quads
+    half[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quad[2 * i], quad[2 * i + 1], 0x44),
+                            _mm512_shuffle_f32x4(quad[2 * i], quad[2 * i + 1], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(half[0], half[1], 0x88), _mm512_shuffle_f32x4(half[0], half[1], 0xDD));
+}
+
+#endif
+
+#if defined(__AVX512BF16__)
+// out[0..32) = bf16 of an fp32 chunk held as its even and odd elements (the layout that
+// widening bf16 pairs by a shift and a mask gives), rounded like static_cast<c10::BFloat16>
+inline void store_bf16_interleaved(c10::BFloat16* out, __m512 even, __m512 odd) {
+  const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(even));
+  const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(odd));
+  _mm512_storeu_si512(out, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+}
+#endif
+
+}  // namespace tokenmill
