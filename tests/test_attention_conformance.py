@@ -8,6 +8,7 @@ import pytest
 from conftest import make_llm
 from tokenmill.core.compose import collect_components
 from tokenmill.core.plugins import make_plugin_manager
+from tokenmill.interfaces.attention import AttentionLayerSpec
 from tokenmill.testing.attention_conformance import check_backend, conformance_cases
 from tokenmill.testing.hf_reference import assert_matches_reference
 
@@ -119,9 +120,10 @@ def test_cpu_decode_kernel_at_large_head_dims(head_dim, seed):
 
 
 @pytest.mark.parametrize("head_dim", [32, 96, 128, 256])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_cpu_prefill_kernel_at_head_dims_and_groups(head_dim, seed):
-    """The bf16 prompt-chunk kernel is specialised per head_dim / 32 and works on blocks of up to
+def test_cpu_prefill_kernel_at_head_dims_and_groups(head_dim, dtype, seed):
+    """The prompt-chunk kernel is specialised per head_dim / 32 and works on blocks of up to
     8 (token, head) rows of one KV head: fresh prompts and chunks on cached prefixes, across tile
     and block edges, GQA groups of 1 to 8 (one token per block at 8), with and without a window."""
     import random
@@ -135,7 +137,9 @@ def test_cpu_prefill_kernel_at_head_dims_and_groups(head_dim, seed):
     for heads, kv in ((2, 2), (6, 2), (8, 1)):
         case = AttentionCase(
             seed=seed, num_heads=heads, num_kv_heads=kv, head_dim=head_dim, block_size=rng.choice([8, 16]),
-            dtype=torch.bfloat16,
+            dtype=getattr(torch, dtype),
             requests=((0, rng.randint(2, 40)), (rng.randint(1, 40), rng.randint(2, 40)), (17, 1), (0, 33)),
             sliding_window=rng.choice([None, 12]))
-        check_backend(CpuSdpaAttention(), case)
+        backend = CpuSdpaAttention()
+        assert backend._prefill_kernel(AttentionLayerSpec(heads, kv, head_dim, 1.0), case.dtype), "kernel path"
+        check_backend(backend, case)

@@ -1,18 +1,17 @@
 """The fast CPU backend: decode rows in one C++ kernel call over the paged cache,
-bf16 prompt chunks in another, other prompt chunks through PyTorch's fused
-scaled_dot_product_attention.
+prompt chunks in another.
 
 Decode tokens (one query row per sequence) go to ``paged_decode.cpp``
 (tokenmill.core.kernels), which reads each sequence's blocks in place: no
 gather, one call for the whole batch (64 sequences x 290 tokens, 8 kv heads x
 64, fp32: 5.7 ms per layer with the per-sequence path below, ~2 ms with the
-kernel). bf16 prompt chunks go to ``paged_prefill.cpp`` (2-2.8x faster than
-SDPA here at 64-1024 tokens, same error against an fp32 reference). fp32 ones
-keep the per-sequence path, which is also the fallback where the kernels
+kernel). Prompt chunks go to ``paged_prefill.cpp`` (fp32 and bf16, head_dim a
+multiple of 32: about 2x faster than SDPA here at 64-1024 tokens). Other head
+sizes keep the per-sequence path, which is also the fallback where the kernels
 cannot be built: the fused SDPA kernel over gathers into buffers that persist
 across calls (fresh large tensors cost page faults here, which made a naive
-gather 8x slower). SDPA has no logit soft-capping, so models that use it are
-left to the reference backend ("auto" does that).
+gather 8x slower). Neither path has logit soft-capping, so models that use it
+are left to the reference backend ("auto" does that).
 """
 
 from __future__ import annotations
@@ -54,6 +53,7 @@ class CpuSdpaAttention(TorchReferenceAttention):
         self._buffers: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
         self._kernels = cpu_kernels() if use_kernels else None
         self.capabilities = replace(self.capabilities, fused_decode=self._kernels is not None)
+        self._prefill_dtypes = set(self._kernels.prefill_dtypes()) if self._kernels is not None else set()
         #: the step whose plan is in _plan (every layer of a step shares it)
         self._planned: AttentionMetadata | None = None
         self._plan = _StepPlan([], torch.empty(0, dtype=torch.long), None, torch.empty(0, dtype=torch.long), None)
@@ -86,9 +86,9 @@ class CpuSdpaAttention(TorchReferenceAttention):
         return self._plan
 
     def _prefill_kernel(self, layer: AttentionLayerSpec, dtype: torch.dtype) -> bool:
-        """Whether prompt chunks go to the bf16 kernel (paged_prefill.cpp: ~2x SDPA's speed
-        here, and no gathers) rather than to per-sequence SDPA."""
-        return (self._kernels is not None and dtype == torch.bfloat16 and self._kernels.bf16_prefill_available()
+        """Whether prompt chunks go to the kernel (paged_prefill.cpp: ~2x SDPA's speed here,
+        and no gathers) rather than to per-sequence SDPA."""
+        return (str(dtype).removeprefix("torch.") in self._prefill_dtypes
                 and layer.head_dim % 32 == 0 and layer.head_dim <= 256
                 and layer.num_heads // layer.num_kv_heads <= 8)
 

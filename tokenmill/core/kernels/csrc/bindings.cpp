@@ -11,7 +11,7 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor weight, c10::optional<torch::T
 void paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
                              torch::Tensor value_cache, torch::Tensor block_table, torch::Tensor seq_lens,
                              torch::Tensor query_start, torch::Tensor seqs, double scale, int64_t window);
-bool bf16_prefill_available();
+std::vector<std::string> prefill_dtypes();
 void bind_decode_stack(pybind11::module& m);
 }  // namespace tokenmill
 
@@ -24,8 +24,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_embedding", &tokenmill::rotary_embedding, "NeoX rotary in place on query and key");
   m.def("silu_and_mul", &tokenmill::silu_and_mul, "out = silu(gate) * up for x = [gate | up]");
   m.def("paged_prefill_attention", &tokenmill::paged_prefill_attention,
-        "prompt-chunk attention (bf16) over a paged KV cache, causal to each sequence's positions");
-  m.def("bf16_prefill_available", &tokenmill::bf16_prefill_available,
-        "whether paged_prefill_attention was built (AVX512-BF16)");
+        "prompt-chunk attention over a paged KV cache, causal to each sequence's positions");
+  m.def("prefill_dtypes", &tokenmill::prefill_dtypes, "the dtypes paged_prefill_attention was built for");
   tokenmill::bind_decode_stack(m);
 }

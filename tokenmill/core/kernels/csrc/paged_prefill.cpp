@@ -1,13 +1,13 @@
 // Prompt-chunk attention (many query tokens per sequence) read in place from the paged KV
-// cache, bf16 with AVX512-BF16 and head_dim % 32 == 0.
+// cache: fp32, and bf16 with AVX512-BF16; head_dim a multiple of 32 up to 256.
 //
 // PyTorch's fused SDPA runs these at ~25-28 GFLOP/s here (16/8 heads of 64, 256-token
 // prompts, causal), and needs each sequence's blocks gathered first. This kernel works on
 // blocks of rows that share one KV head: up to 8 (query token, head) rows at once, so that
-// each key and value row loaded from the cache serves all of them. q.k uses the pair dot
-// product on raw bf16 (exact products, fp32 sums) with 16 keys reduced by one transpose;
-// softmax is fp32; p.v keeps the 8 rows' fp32 accumulators in registers and widens each
-// value vector once for all of them.
+// each key and value row loaded from the cache serves all of them. q.k sums 16 keys' partial
+// products in 16 registers reduced by one transpose (bf16: the pair dot product on raw bf16,
+// exact products); softmax is fp32; p.v keeps the rows' fp32 accumulators in registers and
+// loads (bf16: widens) each value vector once for all of them.
 #include <ATen/Parallel.h>
 
 #include <array>
@@ -18,62 +18,92 @@
 namespace tokenmill {
 namespace {
 
-#if defined(__AVX512BF16__)
-constexpr int64_t kMaxRows = 8;  // (query token, head) rows per block: 2 x 8 accumulators per value chunk
+#if defined(__AVX512F__)
+constexpr int64_t kMaxRows = 8;  // (query token, head) rows per block: 2 x 8 accumulators per 32 values
 
-// acc[m] (even, odd lanes of one 32-wide chunk of the output) += p[m][t] * v_t for all t
-template <int M>
-void pv_chunk(const float* p, int64_t p_stride, const c10::BFloat16* const* v_rows, int64_t n, int64_t offset,
-              c10::BFloat16* const* out) {
-  const __m512i odd_mask = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
-  __m512 even[M], odd[M];
-  for (int m = 0; m < M; ++m) even[m] = odd[m] = _mm512_setzero_ps();
+// 32 consecutive values of a row as two fp32 vectors (bf16: its even and odd elements), and back.
+struct Pair {
+  __m512 a, b;
+};
+inline Pair load32(const float* x) { return {_mm512_loadu_ps(x), _mm512_loadu_ps(x + 16)}; }
+inline void store32(float* out, Pair v) {
+  _mm512_storeu_ps(out, v.a);
+  _mm512_storeu_ps(out + 16, v.b);
+}
+#if defined(__AVX512BF16__)
+inline Pair load32(const c10::BFloat16* x) {
+  const __m512i bits = _mm512_loadu_si512(x);
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(bits, 16)),
+          _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))))};
+}
+inline void store32(c10::BFloat16* out, Pair v) { store_bf16_interleaved(out, v.a, v.b); }
+#endif
+
+// q.k over one 32-value chunk: q held as the kernel holds it (QChunk), k from the cache
+template <typename T>
+struct QChunk;
+template <>
+struct QChunk<float> {
+  __m512 lo, hi;
+  explicit QChunk(const float* q) : lo(_mm512_loadu_ps(q)), hi(_mm512_loadu_ps(q + 16)) {}
+  QChunk() = default;
+  __m512 dot(__m512 acc, const float* k) const {
+    return _mm512_fmadd_ps(hi, _mm512_loadu_ps(k + 16), _mm512_fmadd_ps(lo, _mm512_loadu_ps(k), acc));
+  }
+};
+#if defined(__AVX512BF16__)
+template <>
+struct QChunk<c10::BFloat16> {
+  __m512bh q;
+  explicit QChunk(const c10::BFloat16* x) : q((__m512bh)_mm512_loadu_si512(x)) {}
+  QChunk() = default;
+  __m512 dot(__m512 acc, const c10::BFloat16* k) const {
+    return _mm512_dpbf16_ps(acc, q, (__m512bh)_mm512_loadu_si512(k));
+  }
+};
+#endif
+
+// out[m][offset, offset + 32) = sum over t of p[m][t] * v_t[offset, offset + 32)
+template <typename T, int M>
+void pv_chunk(const float* p, int64_t p_stride, const T* const* v_rows, int64_t n, int64_t offset, T* const* out) {
+  Pair acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
   for (int64_t t = 0; t < n; ++t) {
-    const __m512i x = _mm512_loadu_si512(v_rows[t] + offset);
-    const __m512 ve = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
-    const __m512 vo = _mm512_castsi512_ps(_mm512_and_si512(x, odd_mask));
+    const Pair v = load32(v_rows[t] + offset);
     for (int m = 0; m < M; ++m) {
       const __m512 pm = _mm512_set1_ps(p[m * p_stride + t]);
-      even[m] = _mm512_fmadd_ps(pm, ve, even[m]);
-      odd[m] = _mm512_fmadd_ps(pm, vo, odd[m]);
+      acc[m].a = _mm512_fmadd_ps(pm, v.a, acc[m].a);
+      acc[m].b = _mm512_fmadd_ps(pm, v.b, acc[m].b);
     }
   }
-  for (int m = 0; m < M; ++m) store_bf16_interleaved(out[m] + offset, even[m], odd[m]);
+  for (int m = 0; m < M; ++m) store32(out[m] + offset, acc[m]);
 }
 
 // One block: rows m = (query token j0 + m / group, head kv_head * group + m % group) at positions
 // row_pos[m]; k_rows/v_rows: that KV head's rows of positions lo, lo + 1, ... row_pos[rows - 1].
-template <int64_t kChunks>  // head_dim / 32
-void prefill_block(const c10::BFloat16* query, int64_t q_row_stride, const c10::BFloat16* const* k_rows,
-                   const c10::BFloat16* const* v_rows, int64_t lo, const int64_t* row_pos, int64_t rows,
-                   int64_t group, int64_t kv_head, int64_t j0, float scale, int64_t window, float* scores,
-                   c10::BFloat16* out) {
+template <typename T, int64_t kChunks>  // head_dim / 32
+void prefill_block(const T* query, int64_t q_row_stride, const T* const* k_rows, const T* const* v_rows, int64_t lo,
+                   const int64_t* row_pos, int64_t rows, int64_t group, int64_t kv_head, int64_t j0, float scale,
+                   int64_t window, float* scores, T* out) {
   constexpr int64_t head_dim = kChunks * 32;
-  const int64_t hi = row_pos[rows - 1] + 1;  // rows are in position order
-  const int64_t n = hi - lo;
-  const c10::BFloat16* q_rows[kMaxRows];
-  c10::BFloat16* out_rows[kMaxRows];
+  const int64_t n = row_pos[rows - 1] + 1 - lo;  // rows are in position order
+  T* out_rows[kMaxRows];
   for (int64_t m = 0; m < rows; ++m) {
     const int64_t offset = (j0 + m / group) * q_row_stride + (kv_head * group + m % group) * head_dim;
-    q_rows[m] = query + offset;
     out_rows[m] = out + offset;
-  }
-  for (int64_t m = 0; m < rows; ++m) {
+    QChunk<T> q[kChunks];
+    for (int64_t c = 0; c < kChunks; ++c) q[c] = QChunk<T>(query + offset + c * 32);
     float* s = scores + m * n;
     // keys [first, last] of this row, relative to lo; the rest of the row gets p = 0
     const int64_t last = row_pos[m] - lo;
     const int64_t first = window > 0 ? std::max<int64_t>(0, row_pos[m] + 1 - window - lo) : 0;
-    __m512bh q[kChunks];
-    for (int64_t c = 0; c < kChunks; ++c) q[c] = (__m512bh)_mm512_loadu_si512(q_rows[m] + c * 32);
     for (int64_t t0 = first; t0 <= last; t0 += kTile) {
       const int64_t tn = std::min(kTile, last + 1 - t0);
       __m512 part[kTile];
       for (int64_t i = 0; i < kTile; ++i) {
         part[i] = _mm512_setzero_ps();
         if (i >= tn) continue;
-        const c10::BFloat16* k = k_rows[t0 + i];
-        for (int64_t c = 0; c < kChunks; ++c)
-          part[i] = _mm512_dpbf16_ps(part[i], q[c], (__m512bh)_mm512_loadu_si512(k + c * 32));
+        for (int64_t c = 0; c < kChunks; ++c) part[i] = q[c].dot(part[i], k_rows[t0 + i] + c * 32);
       }
       _mm512_mask_storeu_ps(s + t0, static_cast<__mmask16>((1u << tn) - 1),
                             _mm512_mul_ps(reduce16_transposed(part), _mm512_set1_ps(scale)));
@@ -84,7 +114,7 @@ void prefill_block(const c10::BFloat16* query, int64_t q_row_stride, const c10::
     std::fill(s + last + 1, s + n, 0.f);
   }
   for (int64_t c = 0; c < kChunks; ++c) {
-    auto run = [&](auto m) { pv_chunk<decltype(m)::value>(scores, n, v_rows, n, c * 32, out_rows); };
+    auto run = [&](auto m) { pv_chunk<T, decltype(m)::value>(scores, n, v_rows, n, c * 32, out_rows); };
     switch (rows) {
       case 1: run(std::integral_constant<int, 1>{}); break;
       case 2: run(std::integral_constant<int, 2>{}); break;
@@ -97,67 +127,28 @@ void prefill_block(const c10::BFloat16* query, int64_t q_row_stride, const c10::
     }
   }
 }
-#endif
 
-}  // namespace
-
-bool bf16_prefill_available() {
-#if defined(__AVX512BF16__)
-  return true;
-#else
-  return false;
-#endif
-}
-
-// query/out: [num_tokens, num_heads, head_dim] bf16. For each sequence s in `seqs`, its query
-// rows query_start[s]..query_start[s + 1] are its last tokens (of seq_lens[s]), already in
-// the cache. Rows of out outside those sequences are left untouched.
-void paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
-                             torch::Tensor value_cache, torch::Tensor block_table, torch::Tensor seq_lens,
-                             torch::Tensor query_start, torch::Tensor seqs, double scale, int64_t window) {
-  TORCH_CHECK(bf16_prefill_available(), "paged_prefill_attention: needs AVX512-BF16");
-#if defined(__AVX512BF16__)
-  TORCH_CHECK(query.is_contiguous() && out.is_contiguous() && key_cache.is_contiguous() &&
-                  value_cache.is_contiguous() && block_table.is_contiguous(),
-              "paged_prefill_attention: contiguous tensors");
-  TORCH_CHECK(query.scalar_type() == torch::kBFloat16 && key_cache.scalar_type() == torch::kBFloat16 &&
-                  out.scalar_type() == torch::kBFloat16,
-              "paged_prefill_attention: bfloat16 only");
-  TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32 &&
-                  query_start.scalar_type() == torch::kInt32 && seqs.scalar_type() == torch::kInt64,
-              "paged_prefill_attention: int32 tables, int64 sequence list");
-  const int64_t num_heads = query.size(1), head_dim = query.size(2);
-  const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
-  TORCH_CHECK(head_dim % 32 == 0 && head_dim <= 256 && num_heads % num_kv_heads == 0 && key_cache.size(3) == head_dim,
-              "paged_prefill_attention: head_dim a multiple of 32 up to 256, num_heads a multiple of num_kv_heads");
-  const int64_t group = num_heads / num_kv_heads;
-  TORCH_CHECK(group <= kMaxRows, "paged_prefill_attention: at most ", kMaxRows, " query heads per KV head");
-  const int64_t tokens_per_block = kMaxRows / group;
-  const auto* q = reinterpret_cast<const c10::BFloat16*>(query.data_ptr());
-  auto* o = reinterpret_cast<c10::BFloat16*>(out.data_ptr());
-  const auto* kc = reinterpret_cast<const c10::BFloat16*>(key_cache.data_ptr());
-  const auto* vc = reinterpret_cast<const c10::BFloat16*>(value_cache.data_ptr());
-  const int32_t* table = block_table.data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const int32_t* starts = query_start.data_ptr<int32_t>();
-  const int64_t* seq_ids = seqs.data_ptr<int64_t>();
-  const int64_t max_blocks = block_table.size(1), token_stride = num_kv_heads * head_dim;
-  const int64_t q_row_stride = num_heads * head_dim;
+template <typename T>
+void prefill_kernel(const T* q, const T* kc, const T* vc, const int32_t* table, const int32_t* lens,
+                    const int32_t* starts, const int64_t* seq_ids, int64_t num_seqs, T* o, int64_t max_blocks,
+                    int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale,
+                    int64_t window) {
+  const int64_t group = num_heads / num_kv_heads, tokens_per_block = kMaxRows / group;
+  const int64_t token_stride = num_kv_heads * head_dim, q_row_stride = num_heads * head_dim;
   // work items: (sequence, kv head, block of query tokens)
   std::vector<std::array<int64_t, 3>> items;
-  for (int64_t i = 0; i < seqs.numel(); ++i) {
+  for (int64_t i = 0; i < num_seqs; ++i) {
     const int64_t s = seq_ids[i], q_len = starts[s + 1] - starts[s];
     for (int64_t kv = 0; kv < num_kv_heads; ++kv)
       for (int64_t j = 0; j < q_len; j += tokens_per_block) items.push_back({s, kv, j});
   }
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<const c10::BFloat16*> k_rows, v_rows;
+    std::vector<const T*> k_rows, v_rows;
     std::vector<float> scores;
     for (int64_t w = begin; w < end; ++w) {
       const auto [s, kv, j] = items[w];
       const int64_t q_len = starts[s + 1] - starts[s], len = lens[s];
-      const int64_t tokens = std::min(tokens_per_block, q_len - j);
-      const int64_t rows = tokens * group;
+      const int64_t rows = std::min(tokens_per_block, q_len - j) * group;
       int64_t row_pos[kMaxRows];
       for (int64_t m = 0; m < rows; ++m) row_pos[m] = len - q_len + j + m / group;
       const int64_t lo = window > 0 ? std::max<int64_t>(0, row_pos[0] + 1 - window) : 0;
@@ -166,17 +157,17 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tens
       v_rows.resize(n);
       const int32_t* blocks = table + s * max_blocks;
       for (int64_t t = 0; t < n; ++t) {
-        const int64_t pos = lo + t, offset = blocks[pos / block_size] * block_size * token_stride +
-                                             (pos % block_size) * token_stride + kv * head_dim;
+        const int64_t pos = lo + t;
+        const int64_t offset = (blocks[pos / block_size] * block_size + pos % block_size) * token_stride + kv * head_dim;
         k_rows[t] = kc + offset;
         v_rows[t] = vc + offset;
       }
       scores.resize(rows * n);
       auto run = [&](auto chunks) {
-        prefill_block<decltype(chunks)::value>(q + starts[s] * q_row_stride, q_row_stride, k_rows.data(),
-                                               v_rows.data(), lo, row_pos, rows, group, kv, j,
-                                               static_cast<float>(scale), window, scores.data(),
-                                               o + starts[s] * q_row_stride);
+        prefill_block<T, decltype(chunks)::value>(q + starts[s] * q_row_stride, q_row_stride, k_rows.data(),
+                                                  v_rows.data(), lo, row_pos, rows, group, kv, j,
+                                                  static_cast<float>(scale), window, scores.data(),
+                                                  o + starts[s] * q_row_stride);
       };
       switch (head_dim / 32) {
         case 1: run(std::integral_constant<int64_t, 1>{}); break;
@@ -190,7 +181,58 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tens
       }
     }
   });
+}
 #endif
+
+}  // namespace
+
+std::vector<std::string> prefill_dtypes() {
+  std::vector<std::string> dtypes;
+#if defined(__AVX512F__)
+  dtypes.push_back("float32");
+#endif
+#if defined(__AVX512BF16__)
+  dtypes.push_back("bfloat16");
+#endif
+  return dtypes;
+}
+
+// query/out: [num_tokens, num_heads, head_dim]. For each sequence s in `seqs`, its query rows
+// query_start[s]..query_start[s + 1] are its last tokens (of seq_lens[s]), already in the
+// cache. Rows of out outside those sequences are left untouched.
+void paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
+                             torch::Tensor value_cache, torch::Tensor block_table, torch::Tensor seq_lens,
+                             torch::Tensor query_start, torch::Tensor seqs, double scale, int64_t window) {
+  TORCH_CHECK(query.is_contiguous() && out.is_contiguous() && key_cache.is_contiguous() &&
+                  value_cache.is_contiguous() && block_table.is_contiguous(),
+              "paged_prefill_attention: contiguous tensors");
+  TORCH_CHECK(key_cache.scalar_type() == query.scalar_type() && out.scalar_type() == query.scalar_type(),
+              "paged_prefill_attention: query, out and cache dtypes differ");
+  TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32 &&
+                  query_start.scalar_type() == torch::kInt32 && seqs.scalar_type() == torch::kInt64,
+              "paged_prefill_attention: int32 tables, int64 sequence list");
+  const int64_t num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
+  TORCH_CHECK(head_dim % 32 == 0 && head_dim <= 256 && key_cache.size(3) == head_dim,
+              "paged_prefill_attention: head_dim a multiple of 32 up to 256");
+  TORCH_CHECK(num_heads % num_kv_heads == 0 && num_heads / num_kv_heads <= 8,
+              "paged_prefill_attention: 1 to 8 query heads per KV head");
+  bool done = false;
+#if defined(__AVX512F__)
+  auto run = [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    prefill_kernel<T>(query.data_ptr<T>(), key_cache.data_ptr<T>(), value_cache.data_ptr<T>(),
+                      block_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), query_start.data_ptr<int32_t>(),
+                      seqs.data_ptr<int64_t>(), seqs.numel(), out.data_ptr<T>(), block_table.size(1), block_size,
+                      num_heads, num_kv_heads, head_dim, scale, window);
+    done = true;
+  };
+  if (query.scalar_type() == torch::kFloat) run(static_cast<float*>(nullptr));
+#if defined(__AVX512BF16__)
+  if (query.scalar_type() == torch::kBFloat16) run(static_cast<c10::BFloat16*>(nullptr));
+#endif
+#endif
+  TORCH_CHECK(done, "paged_prefill_attention: ", query.scalar_type(), " is not built on this CPU (see prefill_dtypes)");
 }
 
 }  // namespace tokenmill
