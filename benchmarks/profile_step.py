@@ -21,7 +21,9 @@ from tokenmill import LLM, SamplingParams
 BUCKETS = {
     "GEMM (oneDNN prepacked / GEMV kernel)": ("_linear_pointwise", "gemv", "int4pack", "linear"),
     "attention: decode kernel": ("paged_decode_attention",),
-    "attention: prefill SDPA + gathers": ("scaled_dot_product_attention", "index_select"),
+    "attention: prefill kernel (or SDPA + gathers)": ("paged_prefill_attention", "scaled_dot_product_attention",
+                                                      "index_select"),
+    "decode stack (all layers of a 1-2 row step)": ("DecodeStack",),
     "KV-cache writes": ("index_copy_",),
     "fused norm / activation / rotary": ("rms_norm", "silu_and_mul", "rotary_embedding"),
     "logits sampling (argmax, log-softmax)": ("argmax", "log_softmax", "topk"),

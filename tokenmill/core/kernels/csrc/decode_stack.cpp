@@ -107,7 +107,8 @@ class DecodeStack {
 };
 
 void bind_decode_stack(pybind11::module& m) {
-  pybind11::class_<DecodeStack>(m, "DecodeStack", "a Llama-style decoder stack for 1-2 decode rows in one call")
+  pybind11::class_<DecodeStack>(m, "DecodeStack", "a Llama-style decoder stack for 1-2 decode rows in one call",
+                                 pybind11::module_local())
       .def(pybind11::init<int64_t, int64_t, int64_t>(), pybind11::arg("num_heads"), pybind11::arg("num_kv_heads"),
            pybind11::arg("head_dim"))
       .def("add_layer", &DecodeStack::add_layer)
