@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <type_traits>
 
 #include "vec.h"
 
@@ -45,6 +46,23 @@ inline float softmax_unnormalized(float* s, int64_t n, double soft_cap) {
 #endif
   for (; t < n; ++t) mx = std::max(mx, s[t]);
   return 1.f / exp_shifted(s, n, mx);
+}
+
+// f(std::integral_constant<int64_t, value>{}) for value in 1..8: kernels specialised per
+// head_dim / 32 (or rows per block) keep their accumulators in registers
+template <typename F>
+void with_constant_1_to_8(int64_t value, F&& f) {
+  switch (value) {
+    case 1: f(std::integral_constant<int64_t, 1>{}); break;
+    case 2: f(std::integral_constant<int64_t, 2>{}); break;
+    case 3: f(std::integral_constant<int64_t, 3>{}); break;
+    case 4: f(std::integral_constant<int64_t, 4>{}); break;
+    case 5: f(std::integral_constant<int64_t, 5>{}); break;
+    case 6: f(std::integral_constant<int64_t, 6>{}); break;
+    case 7: f(std::integral_constant<int64_t, 7>{}); break;
+    case 8: f(std::integral_constant<int64_t, 8>{}); break;
+    default: TORCH_CHECK(false, "expected 1 to 8, got ", value);
+  }
 }
 
 #if defined(__AVX512F__)

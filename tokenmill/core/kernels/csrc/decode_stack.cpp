@@ -12,17 +12,10 @@
 #include <cstring>
 #include <vector>
 
+#include "kernels.h"
 #include "vec.h"
 
 namespace tokenmill {
-
-void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
-                            torch::Tensor value_cache, torch::Tensor block_table, torch::Tensor seq_lens,
-                            torch::Tensor query_rows, double scale, int64_t window, double soft_cap);
-void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps);
-void silu_and_mul(torch::Tensor out, torch::Tensor x);
-void rotary_embedding(torch::Tensor query, torch::Tensor key, torch::Tensor cos, torch::Tensor sin);
-torch::Tensor gemv(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
 
 namespace {
 

@@ -9,6 +9,7 @@
 // product (each product exact in fp32).
 #include <ATen/Parallel.h>
 
+#include "kernels.h"
 #include "vec.h"
 
 namespace tokenmill {

@@ -5,6 +5,7 @@
 // the eager path's wherever fp32 evaluation order does not flip a rounding.
 #include <ATen/Parallel.h>
 
+#include "kernels.h"
 #include "vec.h"
 
 namespace tokenmill {

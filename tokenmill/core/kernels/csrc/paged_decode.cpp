@@ -15,6 +15,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kernels.h"
 #include "attention_math.h"
 
 namespace tokenmill {
@@ -206,16 +207,7 @@ void decode_kernel(const T* query, const T* key_cache, const T* value_cache, con
                 q_src, k_rows.data(), v_rows.data(), n, num_heads, group, row_bytes, static_cast<float>(scale),
                 soft_cap, scores.data(), acc.data(), out + query_rows[seq] * q_row_stride);
           };
-          switch (head_dim / 32) {
-            case 1: run(std::integral_constant<int64_t, 1>{}); break;
-            case 2: run(std::integral_constant<int64_t, 2>{}); break;
-            case 3: run(std::integral_constant<int64_t, 3>{}); break;
-            case 4: run(std::integral_constant<int64_t, 4>{}); break;
-            case 5: run(std::integral_constant<int64_t, 5>{}); break;
-            case 6: run(std::integral_constant<int64_t, 6>{}); break;
-            case 7: run(std::integral_constant<int64_t, 7>{}); break;
-            case 8: run(std::integral_constant<int64_t, 8>{}); break;
-          }
+          with_constant_1_to_8(head_dim / 32, run);
           continue;
         }
       }

@@ -13,6 +13,7 @@
 #include <array>
 #include <vector>
 
+#include "kernels.h"
 #include "attention_math.h"
 
 namespace tokenmill {
@@ -64,19 +65,19 @@ struct QChunk<c10::BFloat16> {
 #endif
 
 // out[m][offset, offset + 32) = sum over t of p[m][t] * v_t[offset, offset + 32)
-template <typename T, int M>
+template <typename T, int64_t M>
 void pv_chunk(const float* p, int64_t p_stride, const T* const* v_rows, int64_t n, int64_t offset, T* const* out) {
   Pair acc[M];
-  for (int m = 0; m < M; ++m) acc[m] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+  for (int64_t m = 0; m < M; ++m) acc[m] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
   for (int64_t t = 0; t < n; ++t) {
     const Pair v = load32(v_rows[t] + offset);
-    for (int m = 0; m < M; ++m) {
+    for (int64_t m = 0; m < M; ++m) {
       const __m512 pm = _mm512_set1_ps(p[m * p_stride + t]);
       acc[m].a = _mm512_fmadd_ps(pm, v.a, acc[m].a);
       acc[m].b = _mm512_fmadd_ps(pm, v.b, acc[m].b);
     }
   }
-  for (int m = 0; m < M; ++m) store32(out[m] + offset, acc[m]);
+  for (int64_t m = 0; m < M; ++m) store32(out[m] + offset, acc[m]);
 }
 
 // One block: rows m = (query token j0 + m / group, head kv_head * group + m % group) at positions
@@ -115,16 +116,7 @@ void prefill_block(const T* query, int64_t q_row_stride, const T* const* k_rows,
   }
   for (int64_t c = 0; c < kChunks; ++c) {
     auto run = [&](auto m) { pv_chunk<T, decltype(m)::value>(scores, n, v_rows, n, c * 32, out_rows); };
-    switch (rows) {
-      case 1: run(std::integral_constant<int, 1>{}); break;
-      case 2: run(std::integral_constant<int, 2>{}); break;
-      case 3: run(std::integral_constant<int, 3>{}); break;
-      case 4: run(std::integral_constant<int, 4>{}); break;
-      case 5: run(std::integral_constant<int, 5>{}); break;
-      case 6: run(std::integral_constant<int, 6>{}); break;
-      case 7: run(std::integral_constant<int, 7>{}); break;
-      default: run(std::integral_constant<int, 8>{}); break;
-    }
+    with_constant_1_to_8(rows, run);
   }
 }
 
@@ -169,16 +161,7 @@ void prefill_kernel(const T* q, const T* kc, const T* vc, const int32_t* table, 
                                                   static_cast<float>(scale), window, scores.data(),
                                                   o + starts[s] * q_row_stride);
       };
-      switch (head_dim / 32) {
-        case 1: run(std::integral_constant<int64_t, 1>{}); break;
-        case 2: run(std::integral_constant<int64_t, 2>{}); break;
-        case 3: run(std::integral_constant<int64_t, 3>{}); break;
-        case 4: run(std::integral_constant<int64_t, 4>{}); break;
-        case 5: run(std::integral_constant<int64_t, 5>{}); break;
-        case 6: run(std::integral_constant<int64_t, 6>{}); break;
-        case 7: run(std::integral_constant<int64_t, 7>{}); break;
-        case 8: run(std::integral_constant<int64_t, 8>{}); break;
-      }
+      with_constant_1_to_8(head_dim / 32, run);
     }
   });
 }

@@ -1,0 +1,22 @@
+// The kernels' entry points, for the Python bindings and for kernels that call each other.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <string>
+#include <vector>
+
+namespace tokenmill {
+void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
+                            torch::Tensor value_cache, torch::Tensor block_table, torch::Tensor seq_lens,
+                            torch::Tensor query_rows, double scale, int64_t window, double soft_cap);
+void paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
+                             torch::Tensor value_cache, torch::Tensor block_table, torch::Tensor seq_lens,
+                             torch::Tensor query_start, torch::Tensor seqs, double scale, int64_t window);
+std::vector<std::string> prefill_dtypes();
+void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps);
+void silu_and_mul(torch::Tensor out, torch::Tensor x);
+void rotary_embedding(torch::Tensor query, torch::Tensor key, torch::Tensor cos, torch::Tensor sin);
+torch::Tensor gemv(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
+void bind_decode_stack(pybind11::module& m);
+}  // namespace tokenmill
