@@ -32,7 +32,7 @@ from tokenmill.plugins.attention.torch_ref import TorchReferenceAttention
 class _StepPlan:
     #: sequences for the per-sequence SDPA path (prompt chunks; all of them without kernels)
     others: list[int]
-    #: the same as an int64 tensor, for the bf16 prompt-chunk kernel
+    #: the same as an int64 tensor, for the prompt-chunk kernel
     others_index: torch.Tensor
     #: (block table, seq lens, query rows) of the decode rows for the C++ kernel, or None
     decode: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
