@@ -53,7 +53,9 @@ class CpuSdpaAttention(TorchReferenceAttention):
         self._buffers: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
         self._kernels = cpu_kernels() if use_kernels else None
         self.capabilities = replace(self.capabilities, fused_decode=self._kernels is not None)
-        self._prefill_dtypes = set(self._kernels.prefill_dtypes()) if self._kernels is not None else set()
+        #: the dtypes the prompt-chunk kernel was built for on this CPU
+        built = self._kernels.prefill_dtypes() if self._kernels is not None else ()
+        self._prefill_dtypes = {getattr(torch, name) for name in built}
         #: the step whose plan is in _plan (every layer of a step shares it)
         self._planned: AttentionMetadata | None = None
         self._plan = _StepPlan([], torch.empty(0, dtype=torch.long), None, torch.empty(0, dtype=torch.long), None)
@@ -88,7 +90,7 @@ class CpuSdpaAttention(TorchReferenceAttention):
     def _prefill_kernel(self, layer: AttentionLayerSpec, dtype: torch.dtype) -> bool:
         """Whether prompt chunks go to the kernel (paged_prefill.cpp: ~2x SDPA's speed here,
         and no gathers) rather than to per-sequence SDPA."""
-        return (str(dtype).removeprefix("torch.") in self._prefill_dtypes
+        return (dtype in self._prefill_dtypes
                 and layer.head_dim % 32 == 0 and layer.head_dim <= 256
                 and layer.num_heads // layer.num_kv_heads <= 8)
 

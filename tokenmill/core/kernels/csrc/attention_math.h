@@ -87,14 +87,30 @@ inline __m512 reduce16_transposed(__m512 v[16]) {
 
 #endif
 
+#if defined(__AVX512F__)
+// 32 consecutive values of a row as two fp32 vectors (bf16: its even and odd elements, the
+// layout that widening bf16 pairs by a shift and a mask gives), and back.
+struct Pair {
+  __m512 a, b;
+};
+inline Pair load32(const float* x) { return {_mm512_loadu_ps(x), _mm512_loadu_ps(x + 16)}; }
+inline void store32(float* out, Pair v) {
+  _mm512_storeu_ps(out, v.a);
+  _mm512_storeu_ps(out + 16, v.b);
+}
 #if defined(__AVX512BF16__)
-// out[0..32) = bf16 of an fp32 chunk held as its even and odd elements (the layout that
-// widening bf16 pairs by a shift and a mask gives), rounded like static_cast<c10::BFloat16>
-inline void store_bf16_interleaved(c10::BFloat16* out, __m512 even, __m512 odd) {
-  const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(even));
-  const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(odd));
+inline Pair load32(const c10::BFloat16* x) {
+  const __m512i bits = _mm512_loadu_si512(x);
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(bits, 16)),
+          _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))))};
+}
+// rounds like static_cast<c10::BFloat16>
+inline void store32(c10::BFloat16* out, Pair v) {
+  const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v.a));
+  const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v.b));
   _mm512_storeu_si512(out, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
 }
+#endif
 #endif
 
 }  // namespace tokenmill

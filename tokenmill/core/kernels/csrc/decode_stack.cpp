@@ -7,8 +7,6 @@
 // the same kernels in the same order as the eager layers do with fused ops on
 // (rms_norm, gemv, rotary_embedding, paged_decode_attention, silu_and_mul), so
 // its output is bit-identical to theirs, without returning to Python between them.
-#include <ATen/Parallel.h>
-
 #include <cstring>
 #include <vector>
 

@@ -123,7 +123,6 @@ void decode_seq_bf16_tiled(const c10::BFloat16* q, const c10::BFloat16* const* k
     for (int64_t t = 0; t < n; ++t) s[t] *= inv_sum;
   }
   std::fill(acc, acc + num_heads * head_dim, 0.f);
-  const __m512i odd_mask = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   for (int64_t t0 = 0; t0 < n; t0 += kTile) {
     const int64_t tn = std::min(kTile, n - t0);
     const int64_t next = std::min(kTile, n - t0 - tn);
@@ -142,9 +141,9 @@ void decode_seq_bf16_tiled(const c10::BFloat16* q, const c10::BFloat16* const* k
         const __m512 pi = _mm512_set1_ps(p[i]);
         const c10::BFloat16* v = v_rows[t0 + i] + kv_offset;
         for (int64_t c = 0; c < kChunks; ++c) {
-          const __m512i x = _mm512_loadu_si512(v + c * 32);
-          even[c] = _mm512_fmadd_ps(pi, _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)), even[c]);
-          odd[c] = _mm512_fmadd_ps(pi, _mm512_castsi512_ps(_mm512_and_si512(x, odd_mask)), odd[c]);
+          const Pair x = load32(v + c * 32);
+          even[c] = _mm512_fmadd_ps(pi, x.a, even[c]);
+          odd[c] = _mm512_fmadd_ps(pi, x.b, odd[c]);
         }
       }
       for (int64_t c = 0; c < kChunks; ++c) {
@@ -155,8 +154,7 @@ void decode_seq_bf16_tiled(const c10::BFloat16* q, const c10::BFloat16* const* k
   }
   for (int64_t h = 0; h < num_heads; ++h)
     for (int64_t c = 0; c < kChunks; ++c)
-      store_bf16_interleaved(out + h * head_dim + c * 32, _mm512_loadu_ps(acc + h * head_dim + c * 32),
-                             _mm512_loadu_ps(acc + h * head_dim + c * 32 + 16));
+      store32(out + h * head_dim + c * 32, load32(acc + h * head_dim + c * 32));
 }
 #endif
 

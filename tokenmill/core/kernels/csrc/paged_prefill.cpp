@@ -22,24 +22,6 @@ namespace {
 #if defined(__AVX512F__)
 constexpr int64_t kMaxRows = 8;  // (query token, head) rows per block: 2 x 8 accumulators per 32 values
 
-// 32 consecutive values of a row as two fp32 vectors (bf16: its even and odd elements), and back.
-struct Pair {
-  __m512 a, b;
-};
-inline Pair load32(const float* x) { return {_mm512_loadu_ps(x), _mm512_loadu_ps(x + 16)}; }
-inline void store32(float* out, Pair v) {
-  _mm512_storeu_ps(out, v.a);
-  _mm512_storeu_ps(out + 16, v.b);
-}
-#if defined(__AVX512BF16__)
-inline Pair load32(const c10::BFloat16* x) {
-  const __m512i bits = _mm512_loadu_si512(x);
-  return {_mm512_castsi512_ps(_mm512_slli_epi32(bits, 16)),
-          _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))))};
-}
-inline void store32(c10::BFloat16* out, Pair v) { store_bf16_interleaved(out, v.a, v.b); }
-#endif
-
 // q.k over one 32-value chunk: q held as the kernel holds it (QChunk), k from the cache
 template <typename T>
 struct QChunk;
