@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import pytest
 
-from tokenmill import LLM
+from tokenmill import LLM, SamplingParams
 from tokenmill.testing.hf_reference import ReferenceSequence, hf_greedy
 from tokenmill.testing.tiny_models import make_tiny_model
 
@@ -57,6 +57,17 @@ def hf_reference(model_dir) -> Callable[[str], list[ReferenceSequence]]:
         return cache[arch]
 
     return get
+
+
+def greedy_in_batches(llm, prompts, batch):
+    """Token ids and their logprobs, ``batch`` prompts at a time."""
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+    tokens, logprobs = [], []
+    for i in range(0, len(prompts), batch):
+        for o in llm.generate([{"prompt_token_ids": p} for p in prompts[i:i + batch]], params, use_tqdm=False):
+            tokens.append(o.outputs[0].token_ids)
+            logprobs.append([e[t].logprob for e, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+    return tokens, logprobs
 
 
 def make_llm(path: Path, **engine_args: Any) -> LLM:

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import NEW_TOKENS, PROMPTS, make_llm
+from conftest import NEW_TOKENS, PROMPTS, greedy_in_batches, make_llm
 from tokenmill import SamplingParams
 from tokenmill.core.kernels import cpu_kernels
 from tokenmill.core.layers.activation import GatedActivation
@@ -154,17 +154,6 @@ def test_num_threads_sets_torch_threads(model_dir):
         torch.set_num_threads(before)
 
 
-def _greedy(llm, prompts, batch):
-    """Token ids and their logprobs, ``batch`` prompts at a time."""
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
-    tokens, logprobs = [], []
-    for i in range(0, len(prompts), batch):
-        for o in llm.generate([{"prompt_token_ids": p} for p in prompts[i:i + batch]], params, use_tqdm=False):
-            tokens.append(o.outputs[0].token_ids)
-            logprobs.append([e[t].logprob for e, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
-    return tokens, logprobs
-
-
 def _count_stack_calls(llm, monkeypatch) -> list[int]:
     """A counter of the decode stack's calls (the engine's model must have a stack)."""
     assert llm.llm_engine.runner.model.model.decode_stack is not None
@@ -190,7 +179,7 @@ def test_decode_stack_at_batch_1_and_2_matches_hf(arch, model_dir, monkeypatch):
     reference = hf_greedy(model_dir(arch), prompts, NEW_TOKENS)
     for batch in (1, 2):
         before = calls[0]
-        assert_matches_reference(reference, *_greedy(llm, prompts, batch))
+        assert_matches_reference(reference, *greedy_in_batches(llm, prompts, batch))
         assert calls[0] - before == len(prompts) // batch * (NEW_TOKENS - 1)
 
 
@@ -199,10 +188,10 @@ def test_decode_stack_is_bit_identical_to_the_layers_in_bf16(model_dir, monkeypa
     in the layers' order (the layer path is taken by removing the stack)."""
     llm = make_llm(model_dir("llama"), dtype="bfloat16")
     calls = _count_stack_calls(llm, monkeypatch)
-    fused = _greedy(llm, PROMPTS[:4], 2)
+    fused = greedy_in_batches(llm, PROMPTS[:4], 2)
     assert calls[0] == 2 * (NEW_TOKENS - 1)
     llm.llm_engine.runner.model.model.__dict__["decode_stack"] = None
-    assert _greedy(llm, PROMPTS[:4], 2) == fused
+    assert greedy_in_batches(llm, PROMPTS[:4], 2) == fused
 
 
 @pytest.mark.parametrize("arch,engine_args,fused", [

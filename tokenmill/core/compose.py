@@ -18,6 +18,7 @@ from transformers import AutoTokenizer
 from tokenmill.core.config import EngineConfig
 from tokenmill.core.embedding_engine import EmbeddingEngine
 from tokenmill.core.engine import LLMEngine
+from tokenmill.core.huge_pages import move_parameters_to_huge_pages
 from tokenmill.core.kernels import cpu_kernels
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.layers.attention import Attention
@@ -109,6 +110,8 @@ def build_engine(config: EngineConfig, pm: Optional[PluginManager] = None) -> LL
     torch.manual_seed(config.seed)
     model = model_cls(ModelContext(model_config.hf_config, model_config.dtype, backend, quantization))
     _load_checkpoint(model, model_config)
+    if config.huge_pages:
+        move_parameters_to_huge_pages(model)
     if not config.enforce_eager:
         prepack_linear_weights(model, cpu_kernels() if config.small_batch_gemv else None)
         enable_fused_ops(model)
@@ -248,7 +251,11 @@ def _num_kv_blocks(config: EngineConfig, model_config: ModelConfig, backend: Att
 
 def _bind_kv_caches(model: torch.nn.Module, backend: AttentionBackend, num_blocks: int,
                     block_size: int, dtype: torch.dtype) -> list[tuple[AttentionLayerSpec, torch.Tensor]]:
-    """Allocate and attach each attention layer's cache; returns (spec, cache) per layer."""
+    """Allocate and attach each attention layer's cache; returns (spec, cache) per layer.
+
+    Not on huge pages (core/huge_pages.py): faulting them in as blocks fill cost
+    more than they saved at W1, and faulting 2 GB in up front took 8 s here.
+    """
     layers = []
     for module in model.modules():
         if isinstance(module, Attention):

@@ -124,6 +124,9 @@ class EngineConfig(BaseSettings):
     #: keep plain weights beside the prepacked ones for a streaming GEMV kernel at
     #: batch 1-2 (about 1.5x faster batch-1 decode on CPU, twice the weight memory)
     small_batch_gemv: bool = True
+    #: keep weights on 2 MB transparent huge pages where the OS offers them (Linux
+    #: THP): batch-1 decode, which streams every weight per token, ~1.15x faster
+    huge_pages: bool = True
     scheduler: SchedulerConfig = SchedulerConfig()
     cache: CacheConfig = CacheConfig()
     attention: AttentionConfig = AttentionConfig()
@@ -154,6 +157,7 @@ VLLM_NAMES: dict[str, str] = {
     "num_threads": "num_threads",
     "enforce_eager": "enforce_eager",
     "small_batch_gemv": "small_batch_gemv",
+    "huge_pages": "huge_pages",
     "block_size": "cache.block_size",
     "enable_prefix_caching": "cache.prefix_caching",
     "num_gpu_blocks_override": "cache.num_blocks",

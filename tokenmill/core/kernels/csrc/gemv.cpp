@@ -1,12 +1,13 @@
 // out = x W^T (+ bias) for 1 to 4 rows of x, W the plain [N, K] row-major weight.
 //
-// Decode at batch 1-4 is bound by reading the weights once per step. Two things
-// reach the memory's bandwidth here where oneDNN's prepacked GEMM stays at
-// ~15 GB/s (measured on this project's CPU, 350M-model shapes, cold weights):
-// W is read as one sequential stream (row after row, four accumulators along k),
-// and software-prefetched 4 KB ahead, because the hardware prefetcher stops at
-// every 4 KB page. Accumulation is fp32; bf16 uses the AVX512-BF16 pair dot
-// product (each product exact in fp32).
+// Decode at batch 1-4 is bound by reading the weights once per step. W is read
+// as one sequential stream (row after row, four accumulators along k), which the
+// hardware prefetcher follows at the memory's bandwidth where oneDNN's prepacked
+// GEMM stays at ~15 GB/s (350M-model shapes, cold weights). Software prefetches
+// ahead of the stream (4 KB, tried from 512 B to 8 KB) made it 1.1-1.2x slower
+// on this project's CPU once weights sit on huge pages (core/huge_pages.py), and
+// slower on 4 KB pages too. Accumulation is fp32; bf16 uses the AVX512-BF16 pair
+// dot product (each product exact in fp32).
 #include <ATen/Parallel.h>
 
 #include "kernels.h"
@@ -16,7 +17,6 @@ namespace tokenmill {
 namespace {
 
 constexpr int64_t kUnroll = 4;              // accumulators per row of x
-constexpr int64_t kPrefetchBytes = 4096;    // how far ahead of the reads to prefetch
 
 #if defined(__AVX512F__)
 // acc += the products of one vector's worth of x and w
@@ -44,8 +44,6 @@ void gemv_rows(const T* x, const T* w, const T* bias, T* out, int64_t N, int64_t
       for (int m = 0; m < M; ++m)
         for (int u = 0; u < kUnroll; ++u) acc[m][u] = _mm512_setzero_ps();
       for (; k + step <= K; k += step) {
-        const char* ahead = reinterpret_cast<const char*>(wr + k) + kPrefetchBytes;
-        for (int u = 0; u < kUnroll; ++u) _mm_prefetch(ahead + 64 * u, _MM_HINT_T0);
         for (int u = 0; u < kUnroll; ++u)
           for (int m = 0; m < M; ++m) acc[m][u] = fma_chunk(acc[m][u], x + m * K + k + u * lanes, wr + k + u * lanes);
       }

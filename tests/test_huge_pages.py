@@ -1,0 +1,77 @@
+"""Weights on transparent huge pages: placed where asked, alive as long as their tensors,
+and the engine's outputs unchanged (fp32 parity against HF)."""
+
+from __future__ import annotations
+
+import gc
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import tokenmill.core.huge_pages as huge_pages
+from conftest import PROMPTS, greedy_in_batches, make_llm
+from tokenmill.testing.hf_reference import assert_matches_reference
+
+pytestmark = pytest.mark.skipif(not huge_pages.huge_pages_available(),
+                                reason="this kernel has transparent huge pages off")
+
+
+def _advised_huge(tensor: torch.Tensor) -> bool:
+    """Whether the mapping holding ``tensor`` carries MADV_HUGEPAGE (VmFlags ``hg``)."""
+    address, inside = tensor.data_ptr(), False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        bounds = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
+        if bounds:
+            inside = int(bounds.group(1), 16) <= address < int(bounds.group(2), 16)
+        elif inside and line.startswith("VmFlags:"):
+            return "hg" in line.split()
+    raise AssertionError(f"no mapping holds address {address:#x}")
+
+
+def test_huge_page_zeros_is_aligned_advised_and_outlives_its_mapping():
+    tensor = huge_pages.huge_page_zeros((3, 1 << 20), torch.float32)
+    assert tensor.shape == (3, 1 << 20) and tensor.dtype == torch.float32 and tensor.is_contiguous()
+    assert tensor.data_ptr() % huge_pages.HUGE_PAGE_BYTES == 0
+    assert _advised_huge(tensor) and not _advised_huge(torch.zeros(3, 1 << 20))
+    assert not tensor.any()
+    gc.collect()  # only the tensor refers to the mapping now
+    tensor.fill_(2.5)
+    assert tensor.sum().item() == 2.5 * 3 * (1 << 20)
+
+
+def test_move_keeps_values_and_parameters_and_moves_tied_weights_once(monkeypatch):
+    monkeypatch.setattr(huge_pages, "MIN_BYTES", 4096)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(64, 32), nn.Linear(32, 64), nn.LayerNorm(64))
+    model[1].weight = model[0].weight  # tied, as in models with tie_word_embeddings
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    params = list(model.parameters())
+    # the tied [64, 32] fp32 weight is 8 KB; biases and the norm's (256 B) stay put
+    assert huge_pages.move_parameters_to_huge_pages(model) == 1
+    assert _advised_huge(model[0].weight) and model[1].weight is model[0].weight
+    assert not _advised_huge(model[2].weight)
+    assert list(model.parameters()) == params  # the same Parameter objects, new storage
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p, before[name], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2-tied"])
+def test_engine_on_huge_pages_matches_hf(arch, model_dir, hf_reference, monkeypatch):
+    """Every weight of the tiny models moved (the threshold lowered to a byte), then
+    prepacked and streamed by the GEMV at batch 1-2 and the decode stack."""
+    monkeypatch.setattr(huge_pages, "MIN_BYTES", 1)
+    llm = make_llm(model_dir(arch))
+    model = llm.llm_engine.runner.model
+    assert all(_advised_huge(p) for p in model.parameters())
+    gc.collect()
+    for batch in (1, 2, len(PROMPTS)):
+        assert_matches_reference(hf_reference(arch), *greedy_in_batches(llm, PROMPTS, batch))
+
+
+def test_huge_pages_off_leaves_weights_in_place(model_dir, monkeypatch):
+    monkeypatch.setattr(huge_pages, "MIN_BYTES", 1)
+    model = make_llm(model_dir("llama"), huge_pages=False).llm_engine.runner.model
+    assert not any(_advised_huge(p) for p in model.parameters())
