@@ -18,6 +18,7 @@ from transformers import AutoTokenizer
 from tokenmill.core.config import EngineConfig
 from tokenmill.core.embedding_engine import EmbeddingEngine
 from tokenmill.core.engine import LLMEngine
+from tokenmill.core.greedy_head import GreedyHead
 from tokenmill.core.huge_pages import move_parameters_to_huge_pages
 from tokenmill.core.kernels import cpu_kernels
 from tokenmill.core.kv_cache_manager import KVCacheManager
@@ -148,7 +149,8 @@ def build_engine(config: EngineConfig, pm: Optional[PluginManager] = None) -> LL
             dtype=model_config.dtype) for spec, _ in layers])
     scheduler = Scheduler(config.scheduler, kv_cache, policy, swap_space,
                           max_adapters=adapters.max_active if adapters else None)
-    runner = ModelRunner(model, config.cache.block_size, config.seed, swap_caches, adapters)
+    greedy_head = None if config.enforce_eager or adapters else GreedyHead.for_model(model, cpu_kernels())
+    runner = ModelRunner(model, config.cache.block_size, config.seed, swap_caches, adapters, greedy_head)
     engine = LLMEngine(config, model_config, tokenizer, scheduler, runner, pm, adapters)
     log.info("engine built", model=str(model_config.path), architecture=model_config.architecture,
              dtype=str(model_config.dtype).removeprefix("torch."), attention=backend.name,

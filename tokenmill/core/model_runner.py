@@ -3,7 +3,8 @@
 The runner keeps what it needs per request across steps (sampling params,
 output history for penalties, the seeded generator) so the scheduler sends
 only per-step deltas. Logits are computed only for rows that sample or that
-report prompt logprobs.
+report prompt logprobs, and not at all where every row takes the argmax of its
+raw logits and a GreedyHead can find it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from tokenmill.core.greedy_head import GreedyHead
 from tokenmill.core.sampler import Sampler, SamplingRow, gather_logprobs
 from tokenmill.interfaces.adapters import AdapterType
 from tokenmill.interfaces.attention import AttentionBackend, AttentionMetadata
@@ -58,8 +60,11 @@ class SwapCaches:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, block_size: int, seed: int,
-                 swap: Optional["SwapCaches"] = None, adapters: Optional[AdapterType] = None) -> None:
+                 swap: Optional["SwapCaches"] = None, adapters: Optional[AdapterType] = None,
+                 greedy_head: Optional[GreedyHead] = None) -> None:
         self.model = model
+        #: tokens for steps whose rows all take the argmax of their raw logits
+        self.greedy_head = greedy_head
         self.block_size = block_size
         self.sampler = Sampler(seed)
         self.swap = swap
@@ -110,26 +115,29 @@ class ModelRunner:
                 rows.append(starts[i + 1] - 1)
         if not rows:
             return ModelRunnerOutput({}, {}, {})
-        logits = self.model.compute_logits(hidden[torch.tensor(rows)])
-
-        prompt_logprobs = self._prompt_logprobs(logits, prompt_spans)
+        hidden = hidden[torch.tensor(rows)]
+        states = [self._states[item.request_id] for item in sample_items]
+        sampling_rows = [SamplingRow(s.data.sampling_params, s.data.prompt_token_ids, s.output_token_ids,
+                                     s.data.stop_token_ids, s.generator) for s in states]
+        tokens: Optional[list[int]] = None
+        token_logprobs: list[Optional[PositionLogprobs]] = [None] * len(sample_items)
+        if self.greedy_head is not None and not prompt_spans and Sampler.argmax_only(sampling_rows):
+            tokens = self.greedy_head.tokens(hidden)
+        prompt_logprobs: dict[str, list[Optional[PositionLogprobs]]] = {}
+        if tokens is None:
+            logits = self.model.compute_logits(hidden)
+            prompt_logprobs = self._prompt_logprobs(logits, prompt_spans)
+            if sample_items:
+                if len(sample_rows) < len(rows):
+                    logits = logits[torch.tensor(sample_rows)]
+                tokens, token_logprobs = self.sampler(logits, sampling_rows)
         sampled: dict[str, int] = {}
         logprobs: dict[str, PositionLogprobs] = {}
-        if sample_items:
-            states = [self._states[item.request_id] for item in sample_items]
-            tokens, token_logprobs = self.sampler(
-                logits[torch.tensor(sample_rows)],
-                [
-                    SamplingRow(s.data.sampling_params, s.data.prompt_token_ids,
-                                s.output_token_ids, s.data.stop_token_ids, s.generator)
-                    for s in states
-                ],
-            )
-            for item, state, token, entry in zip(sample_items, states, tokens, token_logprobs):
-                state.output_token_ids.append(token)
-                sampled[item.request_id] = token
-                if entry is not None:
-                    logprobs[item.request_id] = entry
+        for item, state, token, entry in zip(sample_items, states, tokens or [], token_logprobs):
+            state.output_token_ids.append(token)
+            sampled[item.request_id] = token
+            if entry is not None:
+                logprobs[item.request_id] = entry
         return ModelRunnerOutput(sampled, logprobs, prompt_logprobs)
 
     def _prepare_inputs(

@@ -59,6 +59,13 @@ class Sampler:
         ks = [row.params.logprobs for row in rows]
         return token_list, gather_logprobs(raw_logprobs, tokens, ks)
 
+    @staticmethod
+    def argmax_only(rows: Sequence[SamplingRow]) -> bool:
+        """Whether each row's token is the argmax of its raw logits and nothing else of
+        them is reported, so the logits themselves need not be computed (GreedyHead)."""
+        return all(row.params.greedy and row.params.logprobs is None and not _penalized(row.params)
+                   and not _masks_stop_tokens(row) for row in rows)
+
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         temperature = torch.tensor([row.params.temperature for row in rows]).unsqueeze(1)
         logits = logits / temperature
@@ -88,7 +95,7 @@ class Sampler:
     def _mask_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         masked = None
         for i, row in enumerate(rows):
-            if row.stop_token_ids and len(row.output_token_ids) < row.params.min_tokens:
+            if _masks_stop_tokens(row):
                 if masked is None:
                     masked = logits.clone()
                 masked[i, list(row.stop_token_ids)] = float("-inf")
@@ -96,12 +103,7 @@ class Sampler:
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-        penalized = [
-            i for i, row in enumerate(rows)
-            if row.params.repetition_penalty != 1.0
-            or row.params.presence_penalty != 0.0
-            or row.params.frequency_penalty != 0.0
-        ]
+        penalized = [i for i, row in enumerate(rows) if _penalized(row.params)]
         if not penalized:
             return logits
         logits = logits.clone()
@@ -120,6 +122,16 @@ class Sampler:
                 counts = torch.zeros(vocab).index_add_(0, output, torch.ones(len(output)))
                 row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
         return logits
+
+
+def _masks_stop_tokens(row: SamplingRow) -> bool:
+    """min_tokens not reached yet: stop tokens are masked out."""
+    return bool(row.stop_token_ids) and len(row.output_token_ids) < row.params.min_tokens
+
+
+def _penalized(params: SamplingParams) -> bool:
+    return (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
+            or params.frequency_penalty != 0.0)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

@@ -50,6 +50,15 @@ class CausalLM(Protocol):
 
 
 @runtime_checkable
+class OutputProjection(Protocol):
+    """Optional for a CausalLM: lets greedy rows skip computing all logits (core/greedy_head.py)."""
+
+    def output_projection(self) -> Optional[torch.Tensor]:
+        """The [vocab, hidden] weight W with compute_logits(h) == h @ W.T exactly (no bias,
+        scale or cap), or None where the logits are not that."""
+
+
+@runtime_checkable
 class EmbeddingModel(Protocol):
     """An encoder (BERT-style): bidirectional attention over padded batches, no KV cache.
 

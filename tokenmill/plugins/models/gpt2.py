@@ -69,6 +69,9 @@ class GPT2LMHeadModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return nn.functional.linear(hidden, self.wte.weight).float()  # GPT-2 always ties
 
+    def output_projection(self) -> torch.Tensor:
+        return self.wte.weight
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         def renamed():
             for name, tensor in weights:

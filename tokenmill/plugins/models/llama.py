@@ -212,6 +212,14 @@ class LlamaForCausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
+    def output_projection(self) -> Optional[torch.Tensor]:
+        # a soft cap is monotonic but can round large logits to ties that the raw ones lack
+        if self.final_logit_softcapping is not None:
+            return None
+        if self.tie_word_embeddings:
+            return self.model.embed_tokens.weight
+        return getattr(self.lm_head, "weight", None)  # prepacking without the GEMV drops it
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         skip = ["rotary_emb.inv_freq"] + (["lm_head."] if self.tie_word_embeddings else [])
         return load_weights(self, weights, self.stacked_params, skip)

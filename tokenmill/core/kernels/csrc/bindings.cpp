@@ -11,5 +11,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill_attention", &tokenmill::paged_prefill_attention,
         "prompt-chunk attention over a paged KV cache, causal to each sequence's positions");
   m.def("prefill_dtypes", &tokenmill::prefill_dtypes, "the dtypes paged_prefill_attention was built for");
+  m.def("screened_argmax", &tokenmill::screened_argmax,
+        "greedy tokens of fp32 x W^T from bf16 screening logits; returns (tokens, candidates per row)");
   tokenmill::bind_decode_stack(m);
 }

@@ -4,6 +4,7 @@
 #include <torch/extension.h>
 
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace tokenmill {
@@ -18,5 +19,7 @@ void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double e
 void silu_and_mul(torch::Tensor out, torch::Tensor x);
 void rotary_embedding(torch::Tensor query, torch::Tensor key, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor gemv(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
+std::tuple<torch::Tensor, torch::Tensor> screened_argmax(torch::Tensor x, torch::Tensor weight,
+                                                         torch::Tensor screen, torch::Tensor norms);
 void bind_decode_stack(pybind11::module& m);
 }  // namespace tokenmill

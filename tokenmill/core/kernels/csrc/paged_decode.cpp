@@ -21,20 +21,6 @@
 namespace tokenmill {
 namespace {
 
-template <typename T>
-inline float dot(const float* q, const T* k, int64_t n) {
-#if defined(__AVX512F__)
-  if (n % 16 == 0) {
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t d = 0; d < n; d += 16) sum = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(k + d), sum);
-    return _mm512_reduce_add_ps(sum);
-  }
-#endif
-  float sum = 0.f;
-  for (int64_t d = 0; d < n; ++d) sum += q[d] * to_float(k[d]);
-  return sum;
-}
-
 // Whether bf16 q.k can use the AVX512-BF16 pair dot product directly on the raw bf16
 // query (each product exact in fp32): half the instructions of widening both sides.
 template <typename T>

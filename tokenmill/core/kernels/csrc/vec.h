@@ -65,6 +65,21 @@ inline __m512 exp16(__m512 x) {
 }
 #endif
 
+// q . k in fp32 (k widened from T): one accumulator, 16 lanes, then a tree reduction
+template <typename T>
+inline float dot(const float* q, const T* k, int64_t n) {
+#if defined(__AVX512F__)
+  if (n % 16 == 0) {
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t d = 0; d < n; d += 16) sum = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(k + d), sum);
+    return _mm512_reduce_add_ps(sum);
+  }
+#endif
+  float sum = 0.f;
+  for (int64_t d = 0; d < n; ++d) sum += q[d] * to_float(k[d]);
+  return sum;
+}
+
 //: whether T has the 16-lane load/round/store above on this build
 template <typename T>
 constexpr bool kVectorized =

@@ -1,0 +1,155 @@
+"""GreedyHead: greedy tokens from a bf16 screen and an fp32 recheck are the fp32 logits' argmax,
+in the kernel (random and planted near-ties) and in the engine against HF."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import NEW_TOKENS, PROMPTS, make_llm
+from tokenmill import SamplingParams
+from tokenmill.core.greedy_head import GreedyHead
+from tokenmill.core.kernels import cpu_kernels
+from tokenmill.core.sampler import Sampler, SamplingRow
+from tokenmill.testing.hf_reference import assert_matches_reference
+
+TIE = 1e-5  # the project's tie rule: a divergence is allowed where the top-2 are this close
+
+kernels = cpu_kernels()
+pytestmark = pytest.mark.skipif(kernels is None or not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+                                reason="no C++ kernels or no oneDNN bf16 GEMM here")
+
+
+def _assert_argmax(tokens: list[int], x: torch.Tensor, weight: torch.Tensor) -> None:
+    """Each token is the row's argmax in fp64, or within TIE of it."""
+    exact = x.double() @ weight.double().T
+    best = exact.max(dim=1).values
+    for m, token in enumerate(tokens):
+        assert exact[m, token] >= best[m] - TIE, (
+            f"row {m}: token {token} at {exact[m, token]:.8f}, argmax {int(exact[m].argmax())} at {best[m]:.8f}")
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), rows=st.sampled_from([1, 2, 3, 17]),
+       hidden=st.sampled_from([8, 64, 100, 512]), vocab=st.sampled_from([1, 15, 300, 4099]),
+       scale=st.sampled_from([1e-3, 1.0, 40.0]), ties=st.integers(0, 12))
+def test_screened_tokens_are_the_fp32_argmax(seed, rows, hidden, vocab, scale, ties):
+    """Random projections, with ``ties`` rows planted as copies of row 0's best token moved
+    by 1e-4 to 1e-2 of each value in random directions: the screen's rounding (~4e-3 of
+    each value) reorders them often, so only a sound bound keeps the argmax."""
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(vocab, hidden, generator=gen) * scale / hidden ** 0.5
+    x = torch.randn(rows, hidden, generator=gen)
+    best = int((x[0] @ weight.T).argmax())
+    for i in range(min(ties, vocab - 1)):
+        spread = 10.0 ** -float(torch.randint(2, 5, (1,), generator=gen))
+        noise = torch.randn(hidden, generator=gen) * spread
+        weight[(best + 1 + i) % vocab] = weight[best] * (1 + noise)
+    tokens = GreedyHead(weight, kernels).tokens(x)
+    assert tokens is not None and len(tokens) == rows
+    _assert_argmax(tokens, x, weight)
+
+
+def test_tokens_the_screen_ranks_below_others_are_still_found():
+    """4096 near copies of one row (each value moved by ~3e-3, bf16's own rounding): the
+    screen often ranks the true argmax below another token, yet the tokens are the fp32
+    argmax; a screen without its bound fails here."""
+    misranked = 0
+    for seed in range(12):
+        gen = torch.Generator().manual_seed(seed)
+        x = torch.randn(1, 512, generator=gen)
+        weight = torch.randn(512, generator=gen) * 0.05 * (1 + torch.randn(4096, 512, generator=gen) * 3e-3)
+        head = GreedyHead(weight, kernels)
+        exact = (x.double() @ weight.double().T)[0]
+        best = int(exact.argmax())
+        screen = kernels.gemv(x.bfloat16(), head.plain, None)[0]
+        misranked += bool(screen[best] < screen.max())
+        top2 = exact.topk(2).values
+        assert top2[0] - top2[1] > TIE  # no ties: the token is determined
+        assert head.tokens(x) == [best]
+    assert misranked >= 1
+
+
+def test_screened_tokens_equal_the_argmax_of_the_fp32_logits():
+    """At the benchmark model's head shape, the very tokens of the fp32 GEMM's argmax
+    (random rows have no ties at fp32 precision), with a handful of candidates per row."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(32000, 512, generator=gen) * 0.02
+    head = GreedyHead(weight, kernels)
+    for rows in (1, 2, 64):
+        x = torch.randn(rows, 512, generator=gen)
+        assert head.tokens(x) == (x @ weight.T).argmax(dim=1).tolist()
+        screen = (x.bfloat16() @ head.plain.T).contiguous()
+        _, candidates = kernels.screened_argmax(x, weight, screen, head.norms)
+        assert 1 <= candidates.min() and candidates.float().mean() < 50
+
+
+def test_a_row_of_nan_gives_no_tokens():
+    weight = torch.randn(100, 64)
+    x = torch.randn(3, 64)
+    x[1, 5] = float("nan")
+    assert GreedyHead(weight, kernels).tokens(x) is None
+
+
+def _row(**params) -> SamplingRow:
+    return SamplingRow(SamplingParams(**params), [7], [8], [2], None)
+
+
+def test_argmax_only_rows():
+    assert Sampler.argmax_only([_row(temperature=0), _row(temperature=0, max_tokens=3)])
+    for other in ({"temperature": 0.7}, {"temperature": 0, "logprobs": 0}, {"temperature": 0, "repetition_penalty": 1.2},
+                  {"temperature": 0, "presence_penalty": 0.5}, {"temperature": 0, "min_tokens": 5}):
+        assert not Sampler.argmax_only([_row(temperature=0), _row(**other)]), other
+
+
+def _count_head_calls(llm, monkeypatch) -> list[int]:
+    head = llm.llm_engine.runner.greedy_head
+    assert head is not None
+    calls = [0]
+    tokens = GreedyHead.tokens
+
+    def counted(self, hidden):
+        calls[0] += 1
+        return tokens(self, hidden)
+
+    monkeypatch.setattr(GreedyHead, "tokens", counted)
+    return calls
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2-tied", "gpt2"])
+def test_engine_greedy_tokens_come_from_the_head_and_match_hf(arch, model_dir, hf_reference, monkeypatch):
+    """Greedy rows without logprobs take every token from the head (prompts and decode
+    steps alike); the tokens are HF's. With logprobs the same tokens come from all logits."""
+    llm = make_llm(model_dir(arch))
+    calls = _count_head_calls(llm, monkeypatch)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    plain = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, plain, use_tqdm=False)]
+    assert calls[0] >= NEW_TOKENS
+    assert_matches_reference(hf_reference(arch), tokens)
+    before = calls[0]
+    with_logprobs = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+    outputs = llm.generate(prompts, with_logprobs, use_tqdm=False)
+    assert calls[0] == before
+    assert [o.outputs[0].token_ids for o in outputs] == tokens
+
+
+def test_a_batch_with_one_sampled_row_takes_all_logits(model_dir, monkeypatch):
+    llm = make_llm(model_dir("llama"))
+    calls = _count_head_calls(llm, monkeypatch)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.8, seed=1, max_tokens=8, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], [greedy, sampled], use_tqdm=False)
+    assert calls[0] == 0
+
+
+@pytest.mark.parametrize("arch, engine_args", [
+    ("llama", {"enforce_eager": True}),     # every fast path off
+    ("llama", {"dtype": "bfloat16"}),       # the head is bf16 already
+    ("gemma2", {}),                         # a logit soft cap can round large logits to ties
+    ("llama", {"small_batch_gemv": False}),  # no plain fp32 head weight kept
+])
+def test_no_head_where_it_would_not_apply(arch, engine_args, model_dir):
+    assert make_llm(model_dir(arch), **engine_args).llm_engine.runner.greedy_head is None
