@@ -26,7 +26,7 @@ BUCKETS = {
     "decode stack (all layers of a 1-2 row step)": ("DecodeStack",),
     "KV-cache writes": ("index_copy_",),
     "fused norm / activation / rotary": ("rms_norm", "silu_and_mul", "rotary_embedding"),
-    "logits sampling (argmax, log-softmax)": ("argmax", "log_softmax", "topk"),
+    "logits sampling (argmax, log-softmax, greedy screen)": ("argmax", "log_softmax", "topk"),
 }
 
 
