@@ -8,7 +8,8 @@ from the fp32 one (bf16 rounding of both operands, fp32 summation, the bf16
 output) and recomputes in fp32 only the tokens that could still be the argmax,
 about five per row at the benchmark shapes. The tokens are those of
 ``compute_logits(hidden).argmax(-1)``; see ``csrc/screened_argmax.cpp`` for the
-bound.
+bound. Memory: the projection once more in bf16, twice (plain for the GEMV,
+packed for oneDNN), together the size of the fp32 weight.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from types import ModuleType
 from typing import Optional
 
 import torch
+
+from tokenmill.interfaces.models import OutputProjection
 
 
 class GreedyHead:
@@ -38,8 +41,7 @@ class GreedyHead:
     def for_model(cls, model: torch.nn.Module, kernels: Optional[ModuleType]) -> Optional["GreedyHead"]:
         """A head for ``model`` where it exposes an fp32 output projection and the kernels and
         oneDNN's bf16 GEMM are here; else None (greedy rows then take all logits)."""
-        projection = getattr(model, "output_projection", None)
-        weight = projection() if projection is not None else None
+        weight = model.output_projection() if isinstance(model, OutputProjection) else None
         if (weight is None or weight.dtype != torch.float32 or kernels is None
                 or not hasattr(kernels, "screened_argmax") or not torch.backends.mkldnn.is_available()
                 or not torch.ops.mkldnn._is_mkldnn_bf16_supported()):
