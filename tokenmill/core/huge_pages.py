@@ -14,6 +14,7 @@ the same call returns ordinary memory: placement changes speed, never values.
 
 from __future__ import annotations
 
+import functools
 import math
 import mmap
 from pathlib import Path
@@ -27,8 +28,10 @@ MIN_BYTES = HUGE_PAGE_BYTES
 _THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
+@functools.cache
 def huge_pages_available() -> bool:
-    """Whether this kernel hands out transparent huge pages on request."""
+    """Whether this kernel hands out transparent huge pages on request (read once: it is
+    asked for every tensor moved)."""
     if not hasattr(mmap, "MADV_HUGEPAGE"):
         return False
     try:
