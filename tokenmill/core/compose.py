@@ -18,6 +18,7 @@ from transformers import AutoTokenizer
 from tokenmill.core.config import EngineConfig
 from tokenmill.core.embedding_engine import EmbeddingEngine
 from tokenmill.core.engine import LLMEngine
+from tokenmill.core.freed_memory import keep_freed_memory
 from tokenmill.core.greedy_head import GreedyHead
 from tokenmill.core.huge_pages import move_parameters_to_huge_pages
 from tokenmill.core.kernels import cpu_kernels
@@ -113,6 +114,8 @@ def build_engine(config: EngineConfig, pm: Optional[PluginManager] = None) -> LL
     _load_checkpoint(model, model_config)
     if config.huge_pages:
         move_parameters_to_huge_pages(model)
+    if config.keep_freed_memory:
+        keep_freed_memory()
     if not config.enforce_eager:
         prepack_linear_weights(model, cpu_kernels() if config.small_batch_gemv else None)
         enable_fused_ops(model)

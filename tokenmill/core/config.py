@@ -127,6 +127,10 @@ class EngineConfig(BaseSettings):
     #: keep weights on 2 MB transparent huge pages where the OS offers them (Linux
     #: THP): batch-1 decode, which streams every weight per token, ~1.15x faster
     huge_pages: bool = True
+    #: keep freed activation buffers in the process for the next step instead of
+    #: returning them to the OS (glibc malloc thresholds, core/freed_memory.py): a
+    #: prompt chunk's activations are faulted in again every step otherwise
+    keep_freed_memory: bool = True
     scheduler: SchedulerConfig = SchedulerConfig()
     cache: CacheConfig = CacheConfig()
     attention: AttentionConfig = AttentionConfig()
@@ -158,6 +162,7 @@ VLLM_NAMES: dict[str, str] = {
     "enforce_eager": "enforce_eager",
     "small_batch_gemv": "small_batch_gemv",
     "huge_pages": "huge_pages",
+    "keep_freed_memory": "keep_freed_memory",
     "block_size": "cache.block_size",
     "enable_prefix_caching": "cache.prefix_caching",
     "num_gpu_blocks_override": "cache.num_blocks",
