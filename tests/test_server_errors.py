@@ -109,21 +109,27 @@ def test_full_waiting_queue_answers_503(model_dir):
     """With one running and one waiting request, a third gets 503 until room frees up."""
     engine = make_llm(model_dir("llama"), max_num_seqs=1).llm_engine
     with running_server(engine, served_model_name=[MODEL], max_queued_requests=1) as (base, llm):
-        # as long as the context allows, so the second request is still queued when the third comes
+        # as long as the context allows, so the second request is still queued when the third
+        # comes; on a loaded machine the first may still finish in between (the queue drains
+        # and the third is rightly admitted): then the attempt is repeated
         long = {"model": MODEL, "prompt": "x", "max_tokens": 500, "ignore_eos": True}
-        threads = [threading.Thread(target=httpx.post, args=(base + C,), kwargs={"json": long, "timeout": 120})
-                   for _ in range(2)]
-        for thread in threads:
-            thread.start()
-        deadline = time.monotonic() + 10
-        while not (llm.num_running == 1 and llm.num_waiting >= 1) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert llm.num_running == 1 and llm.num_waiting >= 1, "the queue never filled: the premise failed"
-        response = httpx.post(base + C, json=completion(), timeout=60)
+        for _attempt in range(3):
+            threads = [threading.Thread(target=httpx.post, args=(base + C,), kwargs={"json": long, "timeout": 120})
+                       for _ in range(2)]
+            for thread in threads:
+                thread.start()
+            deadline = time.monotonic() + 10
+            while not (llm.num_running == 1 and llm.num_waiting >= 1) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert llm.num_running == 1 and llm.num_waiting >= 1, "the queue never filled: the premise failed"
+            response = httpx.post(base + C, json=completion(), timeout=60)
+            for thread in threads:
+                thread.join(120)
+            if response.status_code == 503:
+                break
+            assert response.status_code == 200, response.text
         assert response.status_code == 503
         assert response.json()["error"]["type"] == "server_overloaded"
-        for thread in threads:
-            thread.join(120)
         assert httpx.post(base + C, json=completion(), timeout=60).status_code == 200
 
 
