@@ -44,7 +44,10 @@ inline float softmax_unnormalized(float* s, int64_t n, double soft_cap) {
 #if defined(__AVX512F__)
   __m512 vmax = _mm512_set1_ps(mx);
   for (; t + 16 <= n; t += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + t));
-  if (t < n) vmax = _mm512_mask_max_ps(vmax, static_cast<__mmask16>((1u << (n - t)) - 1), vmax, _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << (n - t)) - 1), s + t));
+  if (t < n) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (n - t)) - 1);
+    vmax = _mm512_mask_max_ps(vmax, tail, vmax, _mm512_maskz_loadu_ps(tail, s + t));
+  }
   mx = _mm512_reduce_max_ps(vmax);
 #else
   for (; t < n; ++t) mx = std::max(mx, s[t]);
