@@ -6,8 +6,9 @@ import argparse
 import json
 import os
 import random
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -35,6 +36,8 @@ def add_common_args(parser: argparse.ArgumentParser, default_preset: str = "52m"
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 is stable on a shared box)")
     parser.add_argument("--json", help="also write the results to this JSON file")
     parser.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/tokenmill/bench-models"))
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="timed passes per engine, engines taking turns; figures are medians over rounds")
 
 
 def prepare(args: argparse.Namespace) -> Path:
@@ -46,6 +49,26 @@ def prepare(args: argparse.Namespace) -> Path:
     if not (path / "model.safetensors").is_file():
         make_tiny_model("llama", path, seed=0, **preset)
     return path
+
+
+Result = TypeVar("Result")
+
+
+def interleaved_rounds(passes: dict[str, Callable[[], Result]], rounds: int) -> dict[str, list[Result]]:
+    """Each engine's timed pass once per round, the engines taking turns (the first engine
+    rotating from round to round).
+
+    Why: this shared host's speed drifts by tens of percent within minutes, so engines
+    timed one after the other can land in different stretches of it. Taking turns puts
+    every engine in every stretch; the medians over rounds, and the ratio of each round's
+    pair, are what to quote.
+    """
+    names = list(passes)
+    results: dict[str, list[Result]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            results[name].append(passes[name]())
+    return results
 
 
 def hf_dtype(name: str) -> torch.dtype | str:

@@ -6,6 +6,8 @@ prompt, TTFT = T(1) and TPOT = (T(N) - T(1)) / (N - 1). Medians over
 ``--iters`` runs, after a warm-up; same weights, same process. With
 ``--llama-cpp``, also llama.cpp's ``llama-batched-bench`` with one sequence
 (TTFT = its prompt time, TPOT = its decode time per token; see llama_cpp.py).
+With ``--rounds N`` the engines take turns N times (see common.interleaved_rounds);
+medians are over all rounds' runs, and each round's TPOT ratio is printed.
 
     python benchmarks/latency.py --preset 350m --input-len 128 --output-len 128
 """
@@ -15,37 +17,43 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 from transformers import AutoModelForCausalLM
 
-from common import add_common_args, hf_dtype, prepare, random_prompts, write_json
+from common import add_common_args, hf_dtype, interleaved_rounds, prepare, random_prompts, write_json
 from llama_cpp import add_llama_cpp_args, batched_bench
 from tokenmill import LLM, SamplingParams
 
 
-def run_tokenmill(path, prompt, args) -> tuple[list[float], list[float]]:
-    llm = LLM(str(path), dtype=args.dtype, enforce_eager=args.enforce_eager, num_threads=args.threads)
-    engine = llm.llm_engine
+Timings = tuple[list[float], list[float]]  # TTFTs, TPOTs (seconds)
+
+
+def tokenmill_pass(path, prompt, args) -> Callable[[], Timings]:
+    """A built engine after one warm-up request; each call times ``--iters`` requests."""
+    engine = LLM(str(path), dtype=args.dtype, enforce_eager=args.enforce_eager, num_threads=args.threads).llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    ttfts, tpots = [], []
-    for i in range(args.iters + 1):  # the first run warms up
-        engine.add_request(f"latency-{i}", {"prompt_token_ids": prompt}, params)
+    counter = iter(range(1 << 30))
+
+    def one() -> tuple[float, float]:
+        engine.add_request(f"latency-{next(counter)}", {"prompt_token_ids": prompt}, params)
         stamps, start = [], time.perf_counter()
         while engine.has_unfinished_requests():
             engine.step()
             stamps.append(time.perf_counter())
         assert len(stamps) == args.output_len, "one token per step expected"
-        if i:
-            ttfts.append(stamps[0] - start)
-            tpots.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
-    return ttfts, tpots
+        return stamps[0] - start, (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+
+    one()
+    return lambda: _unzip([one() for _ in range(args.iters)])
 
 
-def run_hf(path, prompt, args) -> tuple[list[float], list[float]]:
+def hf_pass(path, prompt, args) -> Callable[[], Timings]:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=hf_dtype(args.dtype)).eval()
     ids = torch.tensor([prompt])
 
+    @torch.inference_mode()
     def timed(new_tokens: int) -> float:
         start = time.perf_counter()
         out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
@@ -53,21 +61,23 @@ def run_hf(path, prompt, args) -> tuple[list[float], list[float]]:
         assert out.shape[1] == len(prompt) + new_tokens
         return time.perf_counter() - start
 
-    ttfts, tpots = [], []
-    with torch.inference_mode():
-        timed(2)
-        for _ in range(args.iters):
-            first = timed(1)
-            whole = timed(args.output_len)
-            ttfts.append(first)
-            tpots.append((whole - first) / (args.output_len - 1))
-    return ttfts, tpots
+    def one() -> tuple[float, float]:
+        first = timed(1)
+        return first, (timed(args.output_len) - first) / (args.output_len - 1)
+
+    timed(2)
+    return lambda: _unzip([one() for _ in range(args.iters)])
 
 
-def run_llama_cpp(path, prompt, args) -> tuple[list[float], list[float]]:
-    runs = [batched_bench(path, args.llama_cpp, len(prompt), args.output_len, 1, args.threads)
-            for _ in range(args.iters)]
-    return [r["t_pp"] for r in runs], [r["t_tg"] / args.output_len for r in runs]
+def llama_cpp_pass(path, prompt, args) -> Callable[[], Timings]:
+    def one() -> tuple[float, float]:
+        r = batched_bench(path, args.llama_cpp, len(prompt), args.output_len, 1, args.threads)
+        return r["t_pp"], r["t_tg"] / args.output_len
+    return lambda: _unzip([one() for _ in range(args.iters)])
+
+
+def _unzip(pairs: list[tuple[float, float]]) -> Timings:
+    return [a for a, _ in pairs], [b for _, b in pairs]
 
 
 def main() -> None:
@@ -85,14 +95,17 @@ def main() -> None:
     path = prepare(args)
     prompt = random_prompts(1, args.input_len, path, seed=0)[0]
     results = {"config": {k: v for k, v in vars(args).items() if k != "json"}, "engines": {}}
-    engines = [("tokenmill", run_tokenmill)] + ([] if args.skip_hf else [("hf-generate", run_hf)])
-    engines += [("llama.cpp", run_llama_cpp)] if args.llama_cpp else []
-    for name, runner in engines:
-        ttfts, tpots = runner(path, prompt, args)
+    makers = {"tokenmill": tokenmill_pass, **({} if args.skip_hf else {"hf-generate": hf_pass}),
+              **({"llama.cpp": llama_cpp_pass} if args.llama_cpp else {})}
+    rounds = interleaved_rounds({name: make(path, prompt, args) for name, make in makers.items()}, args.rounds)
+    for name, timings in rounds.items():
+        ttfts = [t for round_ttfts, _ in timings for t in round_ttfts]
+        tpots = [t for _, round_tpots in timings for t in round_tpots]
         results["engines"][name] = {
             "ttft_ms_median": round(statistics.median(ttfts) * 1e3, 2),
             "tpot_ms_median": round(statistics.median(tpots) * 1e3, 2),
             "decode_tokens_per_s": round(1 / statistics.median(tpots), 2),
+            "tpot_ms_median_by_round": [round(statistics.median(tp) * 1e3, 2) for _, tp in timings],
         }
     print(f"{'engine':<12} {'TTFT ms':>9} {'TPOT ms':>9} {'decode tok/s':>13}")
     for name, r in results["engines"].items():
@@ -100,8 +113,11 @@ def main() -> None:
     for peer, key, label in (("hf-generate", "hf", "HF"), ("llama.cpp", "llama_cpp", "llama.cpp")):
         if peer in results["engines"]:
             ratio = results["engines"][peer]["tpot_ms_median"] / results["engines"]["tokenmill"]["tpot_ms_median"]
+            by_round = [p / t for p, t in zip(results["engines"][peer]["tpot_ms_median_by_round"],
+                                              results["engines"]["tokenmill"]["tpot_ms_median_by_round"])]
             results[f"tpot_speedup_vs_{key}"] = round(ratio, 3)
-            print(f"{label} TPOT / tokenmill TPOT: {ratio:.2f}x")
+            results[f"tpot_speedup_vs_{key}_by_round"] = [round(r, 3) for r in by_round]
+            print(f"{label} TPOT / tokenmill TPOT: {ratio:.2f}x; by round: " + ", ".join(f"{r:.2f}x" for r in by_round))
     write_json(args.json, results)
 
 

@@ -6,52 +6,67 @@ requests/s, output tokens/s and total tokens/s for tokenmill and for
 ``transformers`` ``generate`` (static batches, KV cache on) on the same
 weights, in the same process, and their ratio; with ``--llama-cpp``, also
 llama.cpp's ``llama-batched-bench`` on the same weights (see llama_cpp.py).
+With ``--rounds N`` the engines take turns N times (see common.interleaved_rounds):
+figures are medians, and each round's ratio is printed beside them.
 
-    python benchmarks/throughput.py --preset 52m --num-prompts 128 --input-len 256 --output-len 128
+    python benchmarks/throughput.py --preset 52m --num-prompts 128 --input-len 256 --output-len 128 --rounds 3
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
+from collections.abc import Callable
 
 import torch
 from transformers import AutoModelForCausalLM
 
-from common import add_common_args, hf_dtype, prepare, random_prompts, write_json
+from common import add_common_args, hf_dtype, interleaved_rounds, prepare, random_prompts, write_json
 from llama_cpp import add_llama_cpp_args, batched_bench
 from tokenmill import LLM, SamplingParams
 
+#: (engine, key in the JSON ratios, label) of the peers tokenmill is compared with
+PEERS = (("hf-generate", "hf", "HF generate"), ("llama.cpp", "llama_cpp", "llama.cpp"))
 
-def run_tokenmill(path, prompts, output_len, args) -> float:
+
+def tokenmill_pass(path, prompts, output_len, args) -> Callable[[], float]:
+    """A built and warmed-up engine; each call times one pass over all prompts."""
     llm = LLM(str(path), dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
               enforce_eager=args.enforce_eager, num_threads=args.threads)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], params, use_tqdm=False)  # warm-up
-    start = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    assert all(len(o.outputs[0].token_ids) == output_len for o in outputs)
-    return elapsed
+    llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], params, use_tqdm=False)
+
+    def timed() -> float:
+        start = time.perf_counter()
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        assert all(len(o.outputs[0].token_ids) == output_len for o in outputs)
+        return elapsed
+    return timed
 
 
-def run_hf(path, prompts, output_len, args) -> float:
+def hf_pass(path, prompts, output_len, args) -> Callable[[], float]:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=hf_dtype(args.dtype))
     model.eval()
     kwargs = dict(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
                   pad_token_id=0)
     with torch.inference_mode():
         model.generate(torch.tensor(prompts[:2]), **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2})
+
+    @torch.inference_mode()
+    def timed() -> float:
         start = time.perf_counter()
         for i in range(0, len(prompts), args.hf_batch_size):
             out = model.generate(torch.tensor(prompts[i:i + args.hf_batch_size]), **kwargs)
             assert out.shape[1] == len(prompts[0]) + output_len
         return time.perf_counter() - start
+    return timed
 
 
-def run_llama_cpp(path, prompts, output_len, args) -> float:
-    return batched_bench(path, args.llama_cpp, len(prompts[0]), output_len, len(prompts), args.threads)["t"]
+def llama_cpp_pass(path, prompts, output_len, args) -> Callable[[], float]:
+    return lambda: batched_bench(path, args.llama_cpp, len(prompts[0]), output_len, len(prompts), args.threads)["t"]
 
 
 def main() -> None:
@@ -76,27 +91,33 @@ def main() -> None:
     prompts = random_prompts(args.num_prompts, args.input_len, path, args.seed)
     total_in, total_out = args.num_prompts * args.input_len, args.num_prompts * args.output_len
 
+    makers = {"tokenmill": tokenmill_pass, **({} if args.skip_hf else {"hf-generate": hf_pass}),
+              **({"llama.cpp": llama_cpp_pass} if args.llama_cpp else {})}
+    seconds = interleaved_rounds({name: make(path, prompts, args.output_len, args) for name, make in makers.items()},
+                                 args.rounds)
     results = {"config": {k: v for k, v in vars(args).items() if k != "json"}, "engines": {}}
-    engines = [("tokenmill", run_tokenmill)] + ([] if args.skip_hf else [("hf-generate", run_hf)])
-    engines += [("llama.cpp", run_llama_cpp)] if args.llama_cpp else []
-    for name, runner in engines:
-        elapsed = runner(path, prompts, args.output_len, args)
+    for name, times in seconds.items():
+        elapsed = statistics.median(times)
         results["engines"][name] = {
             "seconds": round(elapsed, 3),
+            "seconds_by_round": [round(t, 4) for t in times],
             "requests_per_s": round(args.num_prompts / elapsed, 3),
             "output_tokens_per_s": round(total_out / elapsed, 2),
             "total_tokens_per_s": round((total_in + total_out) / elapsed, 2),
         }
-    print(f"{'engine':<12} {'req/s':>8} {'out tok/s':>10} {'total tok/s':>12} {'seconds':>8}")
+    print(f"{'engine':<12} {'req/s':>8} {'out tok/s':>10} {'total tok/s':>12} {'seconds':>8}  (medians of {args.rounds})")
     for name, r in results["engines"].items():
         print(f"{name:<12} {r['requests_per_s']:>8.2f} {r['output_tokens_per_s']:>10.1f} "
               f"{r['total_tokens_per_s']:>12.1f} {r['seconds']:>8.1f}")
-    for peer, key, label in (("hf-generate", "hf", "HF generate"), ("llama.cpp", "llama_cpp", "llama.cpp")):
-        if peer in results["engines"]:
-            ratio = (results["engines"]["tokenmill"]["output_tokens_per_s"]
-                     / results["engines"][peer]["output_tokens_per_s"])
+    for peer, key, label in PEERS:
+        if peer in seconds:
+            # output tok/s ratio = inverse ratio of seconds
+            ratio = statistics.median(seconds[peer]) / statistics.median(seconds["tokenmill"])
+            by_round = [p / t for p, t in zip(seconds[peer], seconds["tokenmill"])]
             results[f"ratio_tokenmill_vs_{key}"] = round(ratio, 3)
-            print(f"tokenmill / {label} (output tok/s): {ratio:.2f}x")
+            results[f"ratio_tokenmill_vs_{key}_by_round"] = [round(r, 3) for r in by_round]
+            print(f"tokenmill / {label} (output tok/s): {ratio:.2f}x; by round: "
+                  + ", ".join(f"{r:.2f}x" for r in by_round))
     write_json(args.json, results)
 
 

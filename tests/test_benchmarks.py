@@ -1,0 +1,67 @@
+"""The benchmark scripts run as the README shows, and their rounds take turns.
+
+Timings themselves are never asserted (the host is shared); what is checked is the
+bookkeeping a reader relies on: one figure per round, medians, and ratios that match them.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+from common import interleaved_rounds  # noqa: E402
+
+
+def test_rounds_take_turns_and_rotate_the_first_engine():
+    calls: list[str] = []
+
+    def engine(name: str):
+        def timed() -> str:
+            calls.append(name)
+            return f"{name}{sum(c == name for c in calls)}"
+        return timed
+
+    results = interleaved_rounds({"a": engine("a"), "b": engine("b"), "c": engine("c")}, rounds=4)
+    assert calls == ["a", "b", "c", "b", "c", "a", "c", "a", "b", "a", "b", "c"]
+    assert results == {"a": ["a1", "a2", "a3", "a4"], "b": ["b1", "b2", "b3", "b4"], "c": ["c1", "c2", "c3", "c4"]}
+
+
+def _run(script: str, tmp_path: Path, *args: str) -> dict:
+    out = tmp_path / f"{script}.json"
+    subprocess.run([sys.executable, str(BENCHMARKS / script), "--preset", "tiny", "--cache-dir", str(tmp_path),
+                    "--rounds", "2", "--json", str(out), *args], check=True, cwd=BENCHMARKS, timeout=600)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_throughput_reports_medians_of_rounds(tmp_path):
+    results = _run("throughput.py", tmp_path, "--num-prompts", "4", "--input-len", "16", "--output-len", "4")
+    engines = results["engines"]
+    assert set(engines) == {"tokenmill", "hf-generate"}
+    for r in engines.values():
+        assert len(r["seconds_by_round"]) == 2
+        assert r["seconds"] == pytest.approx(statistics.median(r["seconds_by_round"]), abs=2e-3)
+        assert r["output_tokens_per_s"] == pytest.approx(16 / statistics.median(r["seconds_by_round"]), rel=0.05)
+    by_round = [h / t for h, t in zip(engines["hf-generate"]["seconds_by_round"], engines["tokenmill"]["seconds_by_round"])]
+    assert results["ratio_tokenmill_vs_hf_by_round"] == pytest.approx(by_round, rel=0.05)
+    assert results["ratio_tokenmill_vs_hf"] == pytest.approx(
+        engines["tokenmill"]["output_tokens_per_s"] / engines["hf-generate"]["output_tokens_per_s"], rel=0.05)
+
+
+@pytest.mark.slow
+def test_latency_reports_a_tpot_per_round(tmp_path):
+    results = _run("latency.py", tmp_path, "--input-len", "16", "--output-len", "6", "--iters", "2")
+    engines = results["engines"]
+    assert set(engines) == {"tokenmill", "hf-generate"}
+    for r in engines.values():
+        assert len(r["tpot_ms_median_by_round"]) == 2
+        assert min(r["tpot_ms_median_by_round"]) <= r["tpot_ms_median"] <= max(r["tpot_ms_median_by_round"])
+    assert len(results["tpot_speedup_vs_hf_by_round"]) == 2
