@@ -7,7 +7,9 @@ requests/s, output tokens/s and total tokens/s for tokenmill and for
 weights, in the same process, and their ratio; with ``--llama-cpp``, also
 llama.cpp's ``llama-batched-bench`` on the same weights (see llama_cpp.py).
 With ``--rounds N`` the engines take turns N times (see common.interleaved_rounds):
-figures are medians, and each round's ratio is printed beside them.
+figures are medians, and each round's ratio is printed beside them. Each round
+draws new prompts (seed + round), the same for every engine: a repeated prompt
+set would be served from tokenmill's prefix cache (so warm-ups use one more set).
 
     python benchmarks/throughput.py --preset 52m --num-prompts 128 --input-len 256 --output-len 128 --rounds 3
 """
@@ -30,15 +32,17 @@ from tokenmill import LLM, SamplingParams
 PEERS = (("hf-generate", "hf", "HF generate"), ("llama.cpp", "llama_cpp", "llama.cpp"))
 
 
-def tokenmill_pass(path, prompts, output_len, args) -> Callable[[], float]:
-    """A built and warmed-up engine; each call times one pass over all prompts."""
+def tokenmill_pass(path, prompt_sets, output_len, args) -> Callable[[], float]:
+    """A built and warmed-up engine; each call times one pass over the next prompt set."""
     llm = LLM(str(path), dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
               enforce_eager=args.enforce_eager, num_threads=args.threads)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], params, use_tqdm=False)
+    llm.generate([{"prompt_token_ids": p} for p in prompt_sets[-1][:2]], params, use_tqdm=False)
+    rounds = iter(prompt_sets)
 
     def timed() -> float:
+        prompts = next(rounds)
         start = time.perf_counter()
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         elapsed = time.perf_counter() - start
@@ -47,16 +51,18 @@ def tokenmill_pass(path, prompts, output_len, args) -> Callable[[], float]:
     return timed
 
 
-def hf_pass(path, prompts, output_len, args) -> Callable[[], float]:
+def hf_pass(path, prompt_sets, output_len, args) -> Callable[[], float]:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=hf_dtype(args.dtype))
     model.eval()
     kwargs = dict(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
                   pad_token_id=0)
     with torch.inference_mode():
-        model.generate(torch.tensor(prompts[:2]), **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2})
+        model.generate(torch.tensor(prompt_sets[-1][:2]), **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2})
+    rounds = iter(prompt_sets)
 
     @torch.inference_mode()
     def timed() -> float:
+        prompts = next(rounds)
         start = time.perf_counter()
         for i in range(0, len(prompts), args.hf_batch_size):
             out = model.generate(torch.tensor(prompts[i:i + args.hf_batch_size]), **kwargs)
@@ -65,7 +71,9 @@ def hf_pass(path, prompts, output_len, args) -> Callable[[], float]:
     return timed
 
 
-def llama_cpp_pass(path, prompts, output_len, args) -> Callable[[], float]:
+def llama_cpp_pass(path, prompt_sets, output_len, args) -> Callable[[], float]:
+    """``llama-batched-bench`` makes its own prompts of the same shape."""
+    prompts = prompt_sets[0]
     return lambda: batched_bench(path, args.llama_cpp, len(prompts[0]), output_len, len(prompts), args.threads)["t"]
 
 
@@ -88,12 +96,13 @@ def main() -> None:
     args = parser.parse_args()
 
     path = prepare(args)
-    prompts = random_prompts(args.num_prompts, args.input_len, path, args.seed)
+    # one set per round, and the last for warm-ups
+    prompt_sets = [random_prompts(args.num_prompts, args.input_len, path, args.seed + r) for r in range(args.rounds + 1)]
     total_in, total_out = args.num_prompts * args.input_len, args.num_prompts * args.output_len
 
     makers = {"tokenmill": tokenmill_pass, **({} if args.skip_hf else {"hf-generate": hf_pass}),
               **({"llama.cpp": llama_cpp_pass} if args.llama_cpp else {})}
-    seconds = interleaved_rounds({name: make(path, prompts, args.output_len, args) for name, make in makers.items()},
+    seconds = interleaved_rounds({name: make(path, prompt_sets, args.output_len, args) for name, make in makers.items()},
                                  args.rounds)
     results = {"config": {k: v for k, v in vars(args).items() if k != "json"}, "engines": {}}
     for name, times in seconds.items():
