@@ -2,14 +2,14 @@
 
 Greedy decoding needs only each row's argmax, and the output projection is the
 largest GEMM of a small model's decode step (the 52M benchmark model: 16.4M of
-its 36M multiply-adds per token). The projection runs in bf16 instead, twice as
-fast here, as a screen: the C++ kernel bounds each screened logit's distance
-from the fp32 one (bf16 rounding of both operands, fp32 summation, the bf16
-output) and recomputes in fp32 only the tokens that could still be the argmax,
-about five per row at the benchmark shapes. The tokens are those of
-``compute_logits(hidden).argmax(-1)``; see ``csrc/screened_argmax.cpp`` for the
-bound. Memory: the projection once more in bf16, twice (plain for the GEMV,
-packed for oneDNN), together the size of the fp32 weight.
+its 36M multiply-adds per token). The projection runs in int8 instead (VNNI:
+~1.9x oneDNN's bf16 GEMM here, which the screen used before, and ~3.5x fp32)
+as a screen: the C++ kernel bounds each screened logit's distance from the fp32
+one (from the quantization residuals, which it knows exactly) and recomputes in
+fp32 only the tokens that could still be the argmax, about 15 per row at the
+benchmark shapes. The tokens are those of ``compute_logits(hidden).argmax(-1)``;
+see ``csrc/screened_argmax.cpp`` for the bound. Memory: the projection once more
+in int8, a quarter of the fp32 weight.
 """
 
 from __future__ import annotations
@@ -22,41 +22,50 @@ import torch
 from tokenmill.interfaces.models import OutputProjection
 
 
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output row: (values, scales, residual norms |w - scale * values|)."""
+    scales = weight.abs().amax(dim=1) / 127
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    values = torch.round(weight / scales[:, None]).clamp(-127, 127)
+    residuals = (weight.double() - scales.double()[:, None] * values.double()).norm(dim=1).float()
+    return values.to(torch.int8), scales, residuals
+
+
 class GreedyHead:
     """``tokens(hidden)`` for rows whose token is the argmax of the raw logits."""
-
-    #: rows from which the screen uses oneDNN's bf16 GEMM; fewer use the streaming GEMV
-    GEMM_MIN_ROWS = 3
 
     def __init__(self, weight: torch.Tensor, kernels: ModuleType) -> None:
         """``weight``: the fp32 [vocab, hidden] projection whose products are the logits."""
         self.weight = weight.detach().contiguous()
         self.kernels = kernels
-        screen_weight = self.weight.to(torch.bfloat16)
-        self.plain = screen_weight
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(screen_weight)
+        values, self.scales, self.residuals = quantize_rows(self.weight)
         self.norms = self.weight.double().norm(dim=1).float()
+        # VNNI's multiplicand is unsigned: the kernel adds 128 to x's values and takes back 128 sum(w)
+        self.offsets = (128 * values.int().sum(dim=1)).int()
+        # [ceil(N/16), ceil(K/4), 16 columns x 4 values]: one register per 16 outputs and 4 inputs
+        n, k = values.shape
+        padded = torch.zeros(-(-n // 16) * 16, -(-k // 4) * 4, dtype=torch.int8)
+        padded[:n, :k] = values
+        self.packed = padded.view(-1, 16, padded.shape[1] // 4, 4).permute(0, 2, 1, 3).reshape(
+            padded.shape[0] // 16, padded.shape[1] // 4, 64).contiguous()
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, kernels: Optional[ModuleType]) -> Optional["GreedyHead"]:
-        """A head for ``model`` where it exposes an fp32 output projection and the kernels and
-        oneDNN's bf16 GEMM are here; else None (greedy rows then take all logits)."""
+        """A head for ``model`` where it exposes an fp32 output projection and the kernels were
+        built with AVX512-VNNI; else None (greedy rows then take all logits)."""
         weight = model.output_projection() if isinstance(model, OutputProjection) else None
         if (weight is None or weight.dtype != torch.float32 or kernels is None
-                or not hasattr(kernels, "screened_argmax") or not torch.backends.mkldnn.is_available()
-                or not torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+                or not hasattr(kernels, "screened_argmax_available") or not kernels.screened_argmax_available()):
             return None
         return cls(weight, kernels)
 
+    def screen(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens, candidates rechecked in fp32) per row; token -1 where a row is not finite."""
+        return self.kernels.screened_argmax(hidden.float().contiguous(), self.weight, self.packed, self.scales,
+                                            self.norms, self.residuals, self.offsets)
+
     def tokens(self, hidden: torch.Tensor) -> Optional[list[int]]:
-        """Each row's greedy token, or None where a row has no candidate (NaN in its
+        """Each row's greedy token, or None where a row is not finite (NaN or inf in its
         hidden state): the caller then takes the logits path, which reports it as it is."""
-        x = hidden.float().contiguous()
-        low = x.to(torch.bfloat16)
-        if len(x) < self.GEMM_MIN_ROWS:
-            screen = self.kernels.gemv(low, self.plain, None)
-        else:
-            screen = torch.ops.mkldnn._linear_pointwise(low, self.packed, None, "none", [], "")
-        tokens, _ = self.kernels.screened_argmax(x, self.weight, screen, self.norms)
-        result = tokens.tolist()
+        result = self.screen(hidden)[0].tolist()
         return None if min(result, default=0) < 0 else result

@@ -12,6 +12,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "prompt-chunk attention over a paged KV cache, causal to each sequence's positions");
   m.def("prefill_dtypes", &tokenmill::prefill_dtypes, "the dtypes paged_prefill_attention was built for");
   m.def("screened_argmax", &tokenmill::screened_argmax,
-        "greedy tokens of fp32 x W^T from bf16 screening logits; returns (tokens, candidates per row)");
+        "greedy tokens of fp32 x W^T from int8 screening logits; returns (tokens, candidates per row)");
+  m.def("screened_argmax_available", &tokenmill::screened_argmax_available,
+        "whether screened_argmax was built (it needs AVX512-VNNI)");
   tokenmill::bind_decode_stack(m);
 }

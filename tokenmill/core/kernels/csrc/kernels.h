@@ -19,7 +19,9 @@ void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double e
 void silu_and_mul(torch::Tensor out, torch::Tensor x);
 void rotary_embedding(torch::Tensor query, torch::Tensor key, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor gemv(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
-std::tuple<torch::Tensor, torch::Tensor> screened_argmax(torch::Tensor x, torch::Tensor weight,
-                                                         torch::Tensor screen, torch::Tensor norms);
+std::tuple<torch::Tensor, torch::Tensor> screened_argmax(torch::Tensor x, torch::Tensor weight, torch::Tensor packed,
+                                                         torch::Tensor scales, torch::Tensor norms,
+                                                         torch::Tensor residuals, torch::Tensor offsets);
+bool screened_argmax_available();
 void bind_decode_stack(pybind11::module& m);
 }  // namespace tokenmill
