@@ -1,6 +1,6 @@
 """The README's chart: tokenmill, HF transformers and llama.cpp from results/*.json (one
-run each, this machine), beside the peers' figures quoted in the CPU-performance issue
-(measured elsewhere).
+run each, the median of its rounds where it ran several, this machine), beside the peers'
+figures quoted in the CPU-performance issue (measured elsewhere).
 
     python benchmarks/chart.py --out benchmarks/results/cpu-performance.png
 """
