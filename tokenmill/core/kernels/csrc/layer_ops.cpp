@@ -23,23 +23,25 @@ void rms_norm_kernel(T* out, const T* x, const T* weight, int64_t rows, int64_t 
       T* outr = out + r * hidden;
       float sum = 0.f;
       int64_t i = 0;
-#if defined(__AVX512F__)
-      __m512 acc = _mm512_setzero_ps();
-      for (; i + 16 <= hidden; i += 16) {
-        const __m512 v = load16(xr + i);
-        acc = _mm512_fmadd_ps(v, v, acc);
+#if defined(TOKENMILL_SIMD)
+      if constexpr (kVectorized<T>) {
+        vfloat acc = vzero();
+        for (; i + kLanes <= hidden; i += kLanes) {
+          const vfloat v = vload(xr + i);
+          acc = vfmadd(v, v, acc);
+        }
+        sum = vsum(acc);
       }
-      sum = _mm512_reduce_add_ps(acc);
 #endif
       for (; i < hidden; ++i) sum += to_float(xr[i]) * to_float(xr[i]);
       const float inv = 1.f / std::sqrt(sum / static_cast<float>(hidden) + static_cast<float>(eps));
       int64_t j = 0;
-#if defined(__AVX512F__)
+#if defined(TOKENMILL_SIMD)
       if constexpr (kVectorized<T>) {
-        const __m512 vinv = _mm512_set1_ps(inv);
-        for (; j + 16 <= hidden; j += 16) {
-          const __m512 normed = round16(_mm512_mul_ps(load16(xr + j), vinv), xr);
-          store16(outr + j, _mm512_mul_ps(load16(weight + j), normed));
+        const vfloat vinv = vset1(inv);
+        for (; j + kLanes <= hidden; j += kLanes) {
+          const vfloat normed = vround(vmul(vload(xr + j), vinv), xr);
+          vstore(outr + j, vmul(vload(weight + j), normed));
         }
       }
 #endif
@@ -60,13 +62,13 @@ void silu_and_mul_kernel(T* out, const T* x, int64_t rows, int64_t d) {
       const T* up = gate + d;
       T* outr = out + r * d;
       int64_t j = 0;
-#if defined(__AVX512F__)
+#if defined(TOKENMILL_SIMD)
       if constexpr (kVectorized<T>) {
-        const __m512 one = _mm512_set1_ps(1.f);
-        for (; j + 16 <= d; j += 16) {
-          const __m512 g = load16(gate + j);
-          const __m512 act = round16(_mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)))), gate);
-          store16(outr + j, _mm512_mul_ps(act, load16(up + j)));
+        const vfloat one = vset1(1.f);
+        for (; j + kLanes <= d; j += kLanes) {
+          const vfloat g = vload(gate + j);
+          const vfloat act = vround(vdiv(g, vadd(one, vexp(vsub(vzero(), g)))), gate);
+          vstore(outr + j, vmul(act, vload(up + j)));
         }
       }
 #endif

@@ -33,11 +33,10 @@ constexpr bool kBf16Dot =
 
 template <typename T>
 inline void axpy(float p, const T* v, float* acc, int64_t n) {
-#if defined(__AVX512F__)
-  if (n % 16 == 0) {
-    const __m512 pv = _mm512_set1_ps(p);
-    for (int64_t d = 0; d < n; d += 16)
-      _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(pv, load16(v + d), _mm512_loadu_ps(acc + d)));
+#if defined(TOKENMILL_SIMD)
+  if (n % kLanes == 0) {
+    const vfloat pv = vset1(p);
+    for (int64_t d = 0; d < n; d += kLanes) vstore(acc + d, vfmadd(pv, vload(v + d), vload(acc + d)));
     return;
   }
 #endif
@@ -100,7 +99,7 @@ void decode_seq_bf16_tiled(const c10::BFloat16* q, const c10::BFloat16* const* k
                                      (__m512bh)_mm512_loadu_si512(k + c * 32));
       }
       _mm512_mask_storeu_ps(scores + h * n + t0, valid,
-                            _mm512_mul_ps(reduce16_transposed(part), _mm512_set1_ps(scale)));
+                            _mm512_mul_ps(vsum_transposed(part), _mm512_set1_ps(scale)));
     }
   }
   for (int64_t h = 0; h < num_heads; ++h) {
@@ -127,7 +126,7 @@ void decode_seq_bf16_tiled(const c10::BFloat16* q, const c10::BFloat16* const* k
         const __m512 pi = _mm512_set1_ps(p[i]);
         const c10::BFloat16* v = v_rows[t0 + i] + kv_offset;
         for (int64_t c = 0; c < kChunks; ++c) {
-          const Pair x = load32(v + c * 32);
+          const Pair x = load_pair(v + c * 32);
           even[c] = _mm512_fmadd_ps(pi, x.a, even[c]);
           odd[c] = _mm512_fmadd_ps(pi, x.b, odd[c]);
         }
@@ -140,7 +139,7 @@ void decode_seq_bf16_tiled(const c10::BFloat16* q, const c10::BFloat16* const* k
   }
   for (int64_t h = 0; h < num_heads; ++h)
     for (int64_t c = 0; c < kChunks; ++c)
-      store32(out + h * head_dim + c * 32, load32(acc + h * head_dim + c * 32));
+      store_pair(out + h * head_dim + c * 32, load_pair(acc + h * head_dim + c * 32));
 }
 #endif
 

@@ -21,47 +21,23 @@
 namespace tokenmill {
 namespace {
 
-#if defined(__AVX512F__)
-constexpr int64_t kMaxRows = 8;  // (query token, head) rows per block: 2 x 8 accumulators per 32 values
+#if defined(TOKENMILL_SIMD)
+constexpr int64_t kMaxRows = 8;  // (query token, head) rows per block: 2 x 8 accumulators per kPair values
 
-// q.k over one 32-value chunk: q held as the kernel holds it (QChunk), k from the cache
-template <typename T>
-struct QChunk;
-template <>
-struct QChunk<float> {
-  __m512 lo, hi;
-  explicit QChunk(const float* q) : lo(_mm512_loadu_ps(q)), hi(_mm512_loadu_ps(q + 16)) {}
-  QChunk() = default;
-  __m512 dot(__m512 acc, const float* k) const {
-    return _mm512_fmadd_ps(hi, _mm512_loadu_ps(k + 16), _mm512_fmadd_ps(lo, _mm512_loadu_ps(k), acc));
-  }
-};
-#if defined(__AVX512BF16__)
-template <>
-struct QChunk<c10::BFloat16> {
-  __m512bh q;
-  explicit QChunk(const c10::BFloat16* x) : q((__m512bh)_mm512_loadu_si512(x)) {}
-  QChunk() = default;
-  __m512 dot(__m512 acc, const c10::BFloat16* k) const {
-    return _mm512_dpbf16_ps(acc, q, (__m512bh)_mm512_loadu_si512(k));
-  }
-};
-#endif
-
-// out[m][offset, offset + 32) = sum over t of p[m][t] * v_t[offset, offset + 32)
+// out[m][offset, offset + kPair) = sum over t of p[m][t] * v_t[offset, offset + kPair)
 template <typename T, int64_t M>
 void pv_chunk(const float* p, int64_t p_stride, const T* const* v_rows, int64_t n, int64_t offset, T* const* out) {
   Pair acc[M];
-  for (int64_t m = 0; m < M; ++m) acc[m] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+  for (int64_t m = 0; m < M; ++m) acc[m] = {vzero(), vzero()};
   for (int64_t t = 0; t < n; ++t) {
-    const Pair v = load32(v_rows[t] + offset);
+    const Pair v = load_pair(v_rows[t] + offset);
     for (int64_t m = 0; m < M; ++m) {
-      const __m512 pm = _mm512_set1_ps(p[m * p_stride + t]);
-      acc[m].a = _mm512_fmadd_ps(pm, v.a, acc[m].a);
-      acc[m].b = _mm512_fmadd_ps(pm, v.b, acc[m].b);
+      const vfloat pm = vset1(p[m * p_stride + t]);
+      acc[m].a = vfmadd(pm, v.a, acc[m].a);
+      acc[m].b = vfmadd(pm, v.b, acc[m].b);
     }
   }
-  for (int64_t m = 0; m < M; ++m) store32(out[m] + offset, acc[m]);
+  for (int64_t m = 0; m < M; ++m) store_pair(out[m] + offset, acc[m]);
 }
 
 // One block: rows m = (query token j0 + m / group, head kv_head * group + m % group) at positions
@@ -92,17 +68,15 @@ void prefill_block(const T* query, int64_t q_row_stride, const T* const* k_rows,
     for (int64_t i = 0; i < kTile; ++i) keys[i] = k_rows[t0 + (i < tn ? i : 0)];
     for (int64_t m = 0; m < rows; ++m) {
       if (t0 > last[m] || t0 + kTile <= first[m]) continue;
-      QChunk<T> q[kChunks];
-      for (int64_t c = 0; c < kChunks; ++c) q[c] = QChunk<T>(q_rows[m] + c * 32);
-      __m512 part[kTile];
-      for (int64_t i = 0; i < kTile; ++i) {
-        part[i] = _mm512_setzero_ps();
-        for (int64_t c = 0; c < kChunks; ++c) part[i] = q[c].dot(part[i], keys[i] + c * 32);
-      }
+      // head_dim outermost: one q vector in a register serves the whole tile
+      constexpr int64_t step = kDotStep<T, T>;
+      vfloat part[kTile];
+      for (int64_t i = 0; i < kTile; ++i) part[i] = vzero();
+      for (int64_t d = 0; d < head_dim; d += step)
+        for (int64_t i = 0; i < kTile; ++i) part[i] = dot_step(part[i], q_rows[m] + d, keys[i] + d);
       // lanes first[m] - t0 .. last[m] - t0 of this tile
       const int64_t from = std::max<int64_t>(0, first[m] - t0), to = std::min<int64_t>(kTile, last[m] + 1 - t0);
-      const __mmask16 valid = static_cast<__mmask16>(((1u << to) - 1) & ~((1u << from) - 1));
-      _mm512_mask_storeu_ps(scores + m * n + t0, valid, _mm512_mul_ps(reduce16_transposed(part), _mm512_set1_ps(scale)));
+      vstore_masked(scores + m * n + t0, vrange(from, to), vmul(vsum_transposed(part), vset1(scale)));
     }
   }
   for (int64_t m = 0; m < rows; ++m) {
@@ -112,8 +86,8 @@ void prefill_block(const T* query, int64_t q_row_stride, const T* const* k_rows,
     std::fill(s, s + first[m], 0.f);
     std::fill(s + last[m] + 1, s + n, 0.f);
   }
-  for (int64_t c = 0; c < kChunks; ++c) {
-    auto run = [&](auto m) { pv_chunk<T, decltype(m)::value>(scores, n, v_rows, n, c * 32, out_rows); };
+  for (int64_t offset = 0; offset < head_dim; offset += kPair) {
+    auto run = [&](auto m) { pv_chunk<T, decltype(m)::value>(scores, n, v_rows, n, offset, out_rows); };
     with_constant_1_to_8(rows, run);
   }
 }
@@ -168,14 +142,11 @@ void prefill_kernel(const T* q, const T* kc, const T* vc, const int32_t* table, 
 }  // namespace
 
 std::vector<std::string> prefill_dtypes() {
-  std::vector<std::string> dtypes;
-#if defined(__AVX512F__)
-  dtypes.push_back("float32");
+#if defined(TOKENMILL_SIMD)
+  return {"float32", "bfloat16"};
+#else
+  return {};
 #endif
-#if defined(__AVX512BF16__)
-  dtypes.push_back("bfloat16");
-#endif
-  return dtypes;
 }
 
 // query/out: [num_tokens, num_heads, head_dim]. For each sequence s in `seqs`, its query rows
@@ -199,7 +170,7 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tens
   TORCH_CHECK(num_heads % num_kv_heads == 0 && num_heads / num_kv_heads <= 8,
               "paged_prefill_attention: 1 to 8 query heads per KV head");
   bool done = false;
-#if defined(__AVX512F__)
+#if defined(TOKENMILL_SIMD)
   auto run = [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     prefill_kernel<T>(query.data_ptr<T>(), key_cache.data_ptr<T>(), value_cache.data_ptr<T>(),
@@ -209,9 +180,7 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tens
     done = true;
   };
   if (query.scalar_type() == torch::kFloat) run(static_cast<float*>(nullptr));
-#if defined(__AVX512BF16__)
   if (query.scalar_type() == torch::kBFloat16) run(static_cast<c10::BFloat16*>(nullptr));
-#endif
 #endif
   TORCH_CHECK(done, "paged_prefill_attention: ", query.scalar_type(), " is not built on this CPU (see prefill_dtypes)");
 }
