@@ -71,9 +71,11 @@ def interleaved_rounds(passes: dict[str, Callable[[], Result]], rounds: int) -> 
     return results
 
 
-def hf_dtype(name: str) -> torch.dtype | str:
-    """``--dtype`` as transformers' ``from_pretrained`` takes it ("auto": the checkpoint's)."""
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "auto": "auto"}[name]
+def hf_dtype(name: str, model: Path) -> torch.dtype:
+    """``--dtype`` for transformers' ``from_pretrained``: "auto" is what tokenmill's "auto"
+    computes in (the checkpoint's dtype, or fp32 for bf16 where the CPU has no bf16
+    arithmetic), so that both run the same arithmetic at the speed this CPU gives it."""
+    return load_model_config(model, name).dtype
 
 
 def random_prompts(count: int, length: int, model: Path, seed: int) -> list[list[int]]:

@@ -50,7 +50,7 @@ def tokenmill_pass(path, prompt, args) -> Callable[[], Timings]:
 
 
 def hf_pass(path, prompt, args) -> Callable[[], Timings]:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=hf_dtype(args.dtype)).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=hf_dtype(args.dtype, path)).eval()
     ids = torch.tensor([prompt])
 
     @torch.inference_mode()

@@ -59,7 +59,8 @@ def _run(command: list[str], what: str) -> str:
 
 def gguf_for(model: Path, source: Path) -> Path:
     """The checkpoint as GGUF in its own dtype, converted on first use."""
-    outtype = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[str(load_model_config(model).dtype).removeprefix("torch.")]
+    stored = str(load_model_config(model).hf_config.get("dtype") or "float32").removeprefix("torch.")
+    outtype = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[stored]
     out = model / f"model-{outtype}.gguf"
     if not out.is_file():
         code = _CONVERT.format(source=str(source), model=str(model), out=str(out), outtype=outtype)

@@ -52,7 +52,7 @@ def tokenmill_pass(path, prompt_sets, output_len, args) -> Callable[[], float]:
 
 
 def hf_pass(path, prompt_sets, output_len, args) -> Callable[[], float]:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=hf_dtype(args.dtype))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=hf_dtype(args.dtype, path))
     model.eval()
     kwargs = dict(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
                   pad_token_id=0)

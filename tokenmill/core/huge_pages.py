@@ -59,7 +59,8 @@ def huge_page_zeros(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> 
 
 def move_parameters_to_huge_pages(model: nn.Module) -> int:
     """Copy each parameter and buffer of at least ``MIN_BYTES`` into huge-page memory;
-    returns how many moved. Done once after loading, before weights are prepacked."""
+    returns how many moved. Done once after loading and prepacking (the plain weights the
+    GEMV streams are parameters; oneDNN's packed copies are not movable)."""
     if not huge_pages_available():
         return 0
     seen: set[int] = set()  # tied weights appear under two modules

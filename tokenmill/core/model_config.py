@@ -7,9 +7,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+import structlog
 import torch
 
+from tokenmill.core.cpu_dtypes import native_bf16
 from tokenmill.interfaces.errors import ConfigError
+
+log = structlog.get_logger(__name__)
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
@@ -109,6 +113,10 @@ def load_model_config(
         torch_dtype = _DTYPES.get(str(hf.get("dtype") or "float32").removeprefix("torch."))
         if torch_dtype is None:
             raise ConfigError("dtype", f"checkpoint dtype {hf.get('dtype')!r} is not supported")
+        if torch_dtype == torch.bfloat16 and not native_bf16():
+            # bf16 values widen to fp32 exactly: the same weights, computed several times faster
+            log.info("bf16 checkpoint computed in float32: this CPU has no bf16 arithmetic", model=str(path))
+            torch_dtype = torch.float32
     else:
         torch_dtype = _DTYPES[dtype]
 

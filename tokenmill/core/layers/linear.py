@@ -8,6 +8,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from tokenmill.core.cpu_dtypes import native_bf16
 from tokenmill.interfaces.quantization import LinearMethod, QuantizationMethod
 
 
@@ -48,8 +49,11 @@ class PrepackedLinearMethod:
     #: inputs with at most this many rows use the GEMV kernel (measured crossover: 3 rows)
     GEMV_MAX_ROWS = 2
 
-    def __init__(self, gemv: Optional[ModuleType] = None) -> None:
+    def __init__(self, gemv: Optional[ModuleType] = None, widen: bool = False) -> None:
         self.gemv = gemv
+        #: bf16 activations on a CPU without bf16 arithmetic (cpu_dtypes): the packed weight is
+        #: fp32, each call widens its input and rounds its output once (~7x PyTorch's bf16 GEMM there)
+        self.widen = widen
 
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
                        dtype: torch.dtype) -> None:
@@ -61,23 +65,26 @@ class PrepackedLinearMethod:
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         if self.gemv is not None and 0 < x.numel() <= self.GEMV_MAX_ROWS * x.shape[-1]:
             return self.gemv.gemv(x.contiguous(), layer.weight, bias)
+        if self.widen:
+            wide_bias = None if bias is None else bias.float()
+            return torch.ops.mkldnn._linear_pointwise(x.float(), layer.packed_weight, wide_bias, "none", [],
+                                                      "").to(x.dtype)
         return torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, bias, "none", [], "")
 
 
 def _can_prepack(weight: torch.Tensor) -> bool:
-    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return False
-    if weight.dtype == torch.bfloat16:
-        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    return weight.dtype == torch.float32
+    return (weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
+            and weight.dtype in (torch.float32, torch.bfloat16))
 
 
 def prepack_linear_weights(model: nn.Module, gemv: Optional[ModuleType] = None) -> int:
     """Give every unquantized CPU ``Linear`` of ``model`` a prepacked weight; returns how many.
 
     ``gemv``: the C++ kernels module, to keep plain weights for 1-2 row inputs (see
-    PrepackedLinearMethod). Quantized layers keep their own kernels; other dtypes
-    (fp16) stay on ``F.linear``.
+    PrepackedLinearMethod). An fp32 plain weight whose values are all bf16 (a bf16
+    checkpoint computed in fp32, see cpu_dtypes) is kept in bf16: the GEMV streams half
+    the bytes and widens them exactly, so its results are unchanged. Quantized layers keep
+    their own kernels; other dtypes (fp16) stay on ``F.linear``.
     """
     count = 0
     for module in model.modules():
@@ -85,11 +92,17 @@ def prepack_linear_weights(model: nn.Module, gemv: Optional[ModuleType] = None) 
             continue
         if not _can_prepack(module.weight):
             continue
-        packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach())
-        if gemv is None:
-            del module.weight
+        weight = module.weight.detach()
+        widen = weight.dtype == torch.bfloat16 and not native_bf16()
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.float() if widen else weight)
+        del module.weight
+        if gemv is not None:
+            narrow = weight.to(torch.bfloat16) if weight.dtype == torch.float32 else weight
+            # a new Parameter, not .data: a tied embedding keeps its own dtype
+            module.weight = nn.Parameter(narrow if torch.equal(narrow.float(), weight.float()) else weight,
+                                         requires_grad=False)
         module.register_buffer("packed_weight", packed, persistent=False)
-        module.method = PrepackedLinearMethod(gemv)
+        module.method = PrepackedLinearMethod(gemv, widen)
         count += 1
     return count
 
