@@ -21,7 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import NEW_TOKENS, PROMPTS, make_llm
+from conftest import NEW_TOKENS, PROMPTS, greedy_in_batches, make_llm
 from tokenmill import SamplingParams
 from tokenmill.testing.hf_reference import assert_matches_reference, hf_greedy
 
@@ -46,12 +46,47 @@ def test_bf16_engine_matches_fp32_reference_within_bf16_rounding(arch, model_dir
     assert_matches_reference(reference, tokens, logprobs, tie_tolerance=TIE, logprob_tolerance=LOGPROB)
 
 
-def test_dtype_auto_takes_the_checkpoint_dtype(tmp_path):
-    """A bf16 checkpoint runs in bf16 (KV cache included) without being asked to."""
+@pytest.mark.parametrize("native", [True, False])
+def test_dtype_auto_takes_the_checkpoint_dtype_where_the_cpu_computes_it(native, tmp_path, monkeypatch):
+    """A bf16 checkpoint runs in bf16 (KV cache included) without being asked to, on a CPU
+    with bf16 arithmetic; elsewhere in fp32, which runs the same weights several times
+    faster. (Both CPUs are played here by the one predicate the choice reads.)"""
+    from tokenmill.core import model_config
+    from tokenmill.testing.tiny_models import make_tiny_model
+
+    monkeypatch.setattr(model_config, "native_bf16", lambda: native)
+    path = make_tiny_model("llama", tmp_path / "bf16", dtype=torch.bfloat16)
+    expected = torch.bfloat16 if native else torch.float32
+    assert model_config.load_model_config(path).dtype == expected
+    assert model_config.load_model_config(path, "bfloat16").dtype == torch.bfloat16  # asked for: honoured
+    engine = make_llm(path).llm_engine
+    assert engine.model_config.dtype == expected
+    caches = [m.kv_cache for m in engine.runner.model.modules() if hasattr(m, "kv_cache")]
+    assert caches and all(c.dtype == expected for c in caches)
+
+
+def test_bf16_checkpoint_in_fp32_streams_bf16_weights_and_matches_hf_fp32(tmp_path):
+    """A bf16 checkpoint computed in fp32: the GEMV's plain weights stay bf16 (their values are
+    bf16, so widening them is exact) and the engine meets the fp32 parity standard against
+    HF's fp32 run of the same checkpoint, at batch 1 (the GEMV and the fused decode stack)
+    and batched (the packed fp32 GEMMs)."""
+    from tokenmill.core.layers.linear import Linear, PrepackedLinearMethod
     from tokenmill.testing.tiny_models import make_tiny_model
 
     path = make_tiny_model("llama", tmp_path / "bf16", dtype=torch.bfloat16)
-    engine = make_llm(path).llm_engine
-    assert engine.model_config.dtype == torch.bfloat16
-    caches = [m.kv_cache for m in engine.runner.model.modules() if hasattr(m, "kv_cache")]
-    assert caches and all(c.dtype == torch.bfloat16 for c in caches)
+    reference = hf_greedy(path, PROMPTS[:4], NEW_TOKENS, dtype=torch.float32)
+    llm = make_llm(path, dtype="float32")
+    linears = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, Linear)]
+    assert linears and all(isinstance(m.method, PrepackedLinearMethod) for m in linears)
+    assert all(m.weight.dtype == torch.bfloat16 for m in linears)
+    for batch in (1, 4):
+        tokens, logprobs = greedy_in_batches(llm, PROMPTS[:4], batch)
+        assert_matches_reference(reference, tokens, logprobs)
+
+
+def test_fp32_weights_that_are_not_bf16_stay_fp32(model_dir):
+    from tokenmill.core.layers.linear import Linear
+
+    llm = make_llm(model_dir("llama"))
+    assert all(m.weight.dtype == torch.float32 for m in llm.llm_engine.runner.model.modules()
+               if isinstance(m, Linear))

@@ -122,6 +122,22 @@ def test_prepacked_linear_equals_f_linear(dtype, rows):
         torch.testing.assert_close(layer(x), expected, **tolerance)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("width", [200, 512])
+def test_gemv_widens_bf16_weights_under_fp32_activations(rows, width):
+    """fp32 x against a bf16 weight: the fp32 GEMV of the widened weight (widening bf16 is
+    exact) and F.linear's result, up to summation order."""
+    torch.manual_seed(rows)
+    weight = torch.randn(101, width).to(torch.bfloat16)
+    bias, x = torch.randn(101), torch.randn(rows, width)
+    got = KERNELS.gemv(x, weight, bias)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, KERNELS.gemv(x, weight.float(), bias), rtol=1e-6, atol=2e-5)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, weight.float(), bias), rtol=1e-5, atol=1e-4)
+    with pytest.raises(RuntimeError, match="dtype"):
+        KERNELS.gemv(x.to(torch.bfloat16), weight.float(), None)  # only bf16 under fp32 widens
+
+
 def test_enforce_eager_keeps_plain_modules(model_dir):
     """enforce_eager: no packed weights, no fused kernels anywhere in the model."""
     model = make_llm(model_dir("llama"), enforce_eager=True).llm_engine.runner.model
