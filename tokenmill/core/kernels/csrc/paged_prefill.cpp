@@ -1,12 +1,12 @@
 // Prompt-chunk attention (many query tokens per sequence) read in place from the paged KV
-// cache: fp32, and bf16 with AVX512-BF16; head_dim a multiple of 32 up to 256.
+// cache: fp32 and bf16, on AVX-512 or AVX2 (vec.h); head_dim a multiple of 32 up to 256.
 //
 // PyTorch's fused SDPA runs these at ~25-28 GFLOP/s here (16/8 heads of 64, 256-token
 // prompts, causal), and needs each sequence's blocks gathered first. This kernel works on
 // blocks of rows that share one KV head: up to 8 (query token, head) rows at once, so that
-// each key and value row loaded from the cache serves all of them. q.k sums 16 keys' partial
-// products in 16 registers reduced by one transpose (bf16: the pair dot product on raw bf16,
-// exact products); softmax is fp32; p.v keeps the rows' fp32 accumulators in registers and
+// each key and value row loaded from the cache serves all of them. q.k sums a tile of keys'
+// partial products (16 with AVX-512, 8 with AVX2) in as many registers, reduced by one
+// transpose (bf16 with AVX512-BF16: the pair dot product on raw bf16, exact products); softmax is fp32; p.v keeps the rows' fp32 accumulators in registers and
 // loads (bf16: widens) each value vector once for all of them. 53 GFLOP/s fp32 and 61 bf16 at
 // the shapes above (was 38 and 54 before q.k walked key tiles outermost and the softmax tails
 // were vectorized); head_dim 128, 1024-token prompts: 74 fp32.
