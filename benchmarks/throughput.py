@@ -84,7 +84,8 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--dtype", default="auto", choices=["float32", "bfloat16", "auto"],
-                        help="auto: the checkpoint's (presets: 52m fp32, 350m bf16)")
+                        help="auto: the checkpoint's (presets: 52m fp32, 350m bf16), or fp32 for bf16 where the "
+                             "CPU has no bf16 arithmetic; HF computes in the same dtype")
     parser.add_argument("--enforce-eager", action="store_true", help="tokenmill without prepacked/fused ops")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
