@@ -95,12 +95,12 @@ def prepack_linear_weights(model: nn.Module, gemv: Optional[ModuleType] = None) 
         weight = module.weight.detach()
         widen = weight.dtype == torch.bfloat16 and not native_bf16()
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.float() if widen else weight)
-        del module.weight
-        if gemv is not None:
-            narrow = weight.to(torch.bfloat16) if weight.dtype == torch.float32 else weight
+        narrow = weight.to(torch.bfloat16) if gemv is not None and weight.dtype == torch.float32 else None
+        if gemv is None:
+            del module.weight
+        elif narrow is not None and torch.equal(narrow.float(), weight):
             # a new Parameter, not .data: a tied embedding keeps its own dtype
-            module.weight = nn.Parameter(narrow if torch.equal(narrow.float(), weight.float()) else weight,
-                                         requires_grad=False)
+            module.weight = nn.Parameter(narrow, requires_grad=False)
         module.register_buffer("packed_weight", packed, persistent=False)
         module.method = PrepackedLinearMethod(gemv, widen)
         count += 1
