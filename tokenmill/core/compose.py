@@ -112,13 +112,13 @@ def build_engine(config: EngineConfig, pm: Optional[PluginManager] = None) -> LL
     torch.manual_seed(config.seed)
     model = model_cls(ModelContext(model_config.hf_config, model_config.dtype, backend, quantization))
     _load_checkpoint(model, model_config)
+    if config.keep_freed_memory:  # before prepacking, whose temporaries then come from the heap
+        keep_freed_memory()
     if not config.enforce_eager:
         prepack_linear_weights(model, cpu_kernels() if config.small_batch_gemv else None)
         enable_fused_ops(model)
     if config.huge_pages:  # after prepacking: the plain weights it keeps are the ones streamed
         move_parameters_to_huge_pages(model)
-    if config.keep_freed_memory:
-        keep_freed_memory()
     _log_weight_memory(model, model_config)
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(
