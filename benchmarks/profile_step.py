@@ -19,7 +19,8 @@ from tokenmill import LLM, SamplingParams
 
 #: bucket -> substrings of cProfile function names (first match wins)
 BUCKETS = {
-    "GEMM (oneDNN prepacked / GEMV kernel)": ("_linear_pointwise", "gemv", "int4pack", "linear"),
+    "GEMM (prepacked oneDNN or panel kernel / GEMV kernel)": ("_linear_pointwise", "packed_gemm", "gemv", "int4pack",
+                                                               "linear"),
     "attention: decode kernel": ("paged_decode_attention",),
     "attention: prefill kernel (or SDPA + gathers)": ("paged_prefill_attention", "scaled_dot_product_attention",
                                                       "index_select"),

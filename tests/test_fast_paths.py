@@ -110,16 +110,42 @@ def test_prepacked_linear_equals_f_linear(dtype, rows):
     torch.manual_seed(rows)
     # sums of 200 products of N(0, 1) values (|y| ~ 14): summation order moves the last fp32 bits
     tolerance = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
-    for gemv in (None, KERNELS):  # packed only / packed + plain weight for 1-2 rows (GEMV kernel)
+    # oneDNN's packing only / this CPU's GEMM choice / that plus the plain weight for 1-2 rows (GEMV)
+    for kernels, gemv in ((None, False), (KERNELS, False), (KERNELS, True)):
         layer = Linear(200, [64, 37], bias=True, dtype=dtype)  # widths off the kernels' vector steps
         layer.weight.copy_(torch.randn(101, 200))
         layer.bias.copy_(torch.randn(101))
         x = torch.randn(rows, 200).to(dtype)
         expected = layer(x)
-        assert prepack_linear_weights(layer, gemv) == 1
+        assert prepack_linear_weights(layer, kernels, gemv=gemv) == 1
         assert isinstance(layer.method, PrepackedLinearMethod)
-        assert hasattr(layer, "weight") == (gemv is not None)
+        assert hasattr(layer, "weight") == gemv
         torch.testing.assert_close(layer(x), expected, **tolerance)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5, 6, 7, 13, 64, 131])
+@pytest.mark.parametrize("shape", [(200, 101), (64, 32), (7, 1), (512, 300)])
+def test_packed_gemm_equals_f_linear(rows, shape):
+    """The panel GEMM (used on AVX2-only CPUs, tested on every CPU): every row-tile tail
+    (1-5 of 6 rows, 13 of 14), output widths off the panel width and a single column, with
+    and without bias, x with leading dimensions."""
+    torch.manual_seed(rows)
+    k, n = shape
+    weight, bias, x = torch.randn(n, k), torch.randn(n), torch.randn(rows, k)
+    packed = KERNELS.pack_gemm_weight(weight)
+    for b in (None, bias):
+        got = KERNELS.packed_gemm(x, packed, n, b)
+        torch.testing.assert_close(got, torch.nn.functional.linear(x.double(), weight.double(),
+                                                                    None if b is None else b.double()).float(),
+                                   rtol=1e-5, atol=1e-4)
+    three_d = KERNELS.packed_gemm(x.view(1, rows, k), packed, n, None)
+    assert three_d.shape == (1, rows, n)
+    torch.testing.assert_close(three_d[0], KERNELS.packed_gemm(x, packed, n, None), rtol=0, atol=0)
+    assert KERNELS.packed_gemm(x[:0], packed, n, None).shape == (0, n)
+    with pytest.raises(RuntimeError, match="features"):
+        KERNELS.packed_gemm(torch.randn(rows, k + 1), packed, n, None)
+    with pytest.raises(RuntimeError, match="pack_gemm_weight"):
+        KERNELS.packed_gemm(x, packed, n + 64, None)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])

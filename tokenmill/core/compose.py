@@ -115,7 +115,7 @@ def build_engine(config: EngineConfig, pm: Optional[PluginManager] = None) -> LL
     if config.keep_freed_memory:  # before prepacking, whose temporaries then come from the heap
         keep_freed_memory()
     if not config.enforce_eager:
-        prepack_linear_weights(model, cpu_kernels() if config.small_batch_gemv else None)
+        prepack_linear_weights(model, cpu_kernels(), gemv=config.small_batch_gemv)
         enable_fused_ops(model)
     if config.huge_pages:  # after prepacking: the plain weights it keeps are the ones streamed
         move_parameters_to_huge_pages(model)

@@ -1,5 +1,5 @@
-"""tokenmill's C++ CPU kernels (paged decode attention, fused layer ops, GEMV, the fused decode stack,
-screened greedy argmax), built at first use.
+"""tokenmill's C++ CPU kernels (paged decode attention, fused layer ops, GEMV, a packed fp32 GEMM,
+the fused decode stack, screened greedy argmax), built at first use.
 
 Compiled by torch's extension builder rather than at install time, so that
 installing tokenmill never needs torch inside a build environment (which
@@ -28,7 +28,7 @@ FUSED_DTYPES = (torch.float32, torch.bfloat16)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ("bindings.cpp", "paged_decode.cpp", "layer_ops.cpp", "gemv.cpp", "decode_stack.cpp",
-            "paged_prefill.cpp", "screened_argmax.cpp")
+            "paged_prefill.cpp", "screened_argmax.cpp", "packed_gemm.cpp")
 #: -fassociative-math lets the compiler vectorize the scalar tails' reductions
 _CFLAGS = ["-O3", "-march=native", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
 

@@ -6,6 +6,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &tokenmill::rms_norm, "out = weight * x / rms(x), fp32 math");
   m.def("gemv", &tokenmill::gemv, "x W^T (+ bias) for 1 to 4 rows of x, plain [N, K] weight",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
+  m.def("pack_gemm_weight", &tokenmill::pack_gemm_weight, "a [N, K] weight as fp32 panels for packed_gemm");
+  m.def("packed_gemm", &tokenmill::packed_gemm, "fp32 x W^T (+ bias), W from pack_gemm_weight, any number of rows",
+        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());
+  m.def("packed_gemm_preferred", &tokenmill::packed_gemm_preferred,
+        "whether packed_gemm is used instead of oneDNN on this CPU (AVX2 without AVX-512)");
   m.def("rotary_embedding", &tokenmill::rotary_embedding, "NeoX rotary in place on query and key");
   m.def("silu_and_mul", &tokenmill::silu_and_mul, "out = silu(gate) * up for x = [gate | up]");
   m.def("paged_prefill_attention", &tokenmill::paged_prefill_attention,

@@ -18,6 +18,9 @@ std::vector<std::string> prefill_dtypes();
 void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps);
 void silu_and_mul(torch::Tensor out, torch::Tensor x);
 void rotary_embedding(torch::Tensor query, torch::Tensor key, torch::Tensor cos, torch::Tensor sin);
+torch::Tensor pack_gemm_weight(torch::Tensor weight);
+torch::Tensor packed_gemm(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias);
+bool packed_gemm_preferred();
 torch::Tensor gemv(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
 std::tuple<torch::Tensor, torch::Tensor> screened_argmax(torch::Tensor x, torch::Tensor weight, torch::Tensor packed,
                                                          torch::Tensor scales, torch::Tensor norms,
