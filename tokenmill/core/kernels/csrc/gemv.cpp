@@ -5,7 +5,7 @@
 // hardware prefetcher follows at the memory's bandwidth where oneDNN's prepacked
 // GEMM stays at ~15 GB/s (350M-model shapes, cold weights). Software prefetches
 // ahead of the stream (4 KB, tried from 512 B to 8 KB) made it 1.1-1.2x slower
-// on this project's CPU once weights sit on huge pages (core/huge_pages.py), and
+// on the AVX-512 host once weights sit on huge pages (core/huge_pages.py), and
 // slower on 4 KB pages too. Accumulation is fp32; bf16 x bf16 uses the AVX512-BF16
 // pair dot product where the CPU has it (each product exact in fp32), else widens both.
 #include <ATen/Parallel.h>
@@ -17,6 +17,18 @@ namespace tokenmill {
 namespace {
 
 constexpr int64_t kUnroll = 4;              // accumulators per row of x
+
+// Bytes ahead of the weight stream to prefetch in software: only bf16 weights on CPUs without
+// AVX-512. There (Zen 3) a 16-bit stream ran at 12-14 GB/s against fp32's 14-17 (more
+// instructions per byte, so fewer cache misses in flight); prefetching 1 KB ahead gave 14-15.5
+// (512 B to 8 KB tried). fp32 weights there, and any weights on the AVX-512 host, ran slower.
+template <typename W>
+constexpr int64_t kPrefetchAhead =
+#if defined(__AVX512F__)
+    0;
+#else
+    sizeof(W) == 2 ? 1024 : 0;
+#endif
 
 template <typename T, typename W, int M>
 void gemv_rows(const T* x, const W* w, const T* bias, T* out, int64_t N, int64_t K, int64_t begin, int64_t end) {
@@ -32,6 +44,7 @@ void gemv_rows(const T* x, const W* w, const T* bias, T* out, int64_t N, int64_t
       for (int m = 0; m < M; ++m)
         for (int u = 0; u < kUnroll; ++u) acc[m][u] = vzero();
       for (; k + step <= K; k += step) {
+        if constexpr (kPrefetchAhead<W> > 0) __builtin_prefetch(reinterpret_cast<const char*>(wr + k) + kPrefetchAhead<W>);
         for (int u = 0; u < kUnroll; ++u)
           for (int m = 0; m < M; ++m) acc[m][u] = dot_step(acc[m][u], x + m * K + k + u * lanes, wr + k + u * lanes);
       }
