@@ -19,7 +19,7 @@ TIE = 1e-5  # the project's tie rule: a divergence is allowed where the top-2 ar
 
 kernels = cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None or not kernels.screened_argmax_available(),
-                                reason="no C++ kernels or no AVX512-VNNI here")
+                                reason="no C++ kernels or neither AVX512-VNNI nor AVX2 here")
 
 
 def _assert_argmax(tokens: list[int], x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -81,7 +81,8 @@ def test_tokens_the_screen_ranks_below_others_are_still_found():
 
 def test_screened_tokens_equal_the_argmax_of_the_fp32_logits():
     """At the benchmark model's head shape, the very tokens of the fp32 GEMM's argmax
-    (random rows have no ties at fp32 precision), with a handful of candidates per row."""
+    (random rows have no ties at fp32 precision), with a handful of candidates per row (VNNI's
+    127-level x: ~15; AVX2's 63-level x: 40-60, of 32000)."""
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(32000, 512, generator=gen) * 0.02
     head = GreedyHead(weight, kernels)
@@ -89,7 +90,7 @@ def test_screened_tokens_equal_the_argmax_of_the_fp32_logits():
         x = torch.randn(rows, 512, generator=gen)
         tokens, candidates = head.screen(x)
         assert tokens.tolist() == (x @ weight.T).argmax(dim=1).tolist()
-        assert 1 <= candidates.min() and candidates.float().mean() < 50
+        assert 1 <= candidates.min() and candidates.float().mean() < 100
 
 
 def test_a_zero_row_takes_the_first_token():

@@ -2,9 +2,9 @@
 
 Greedy decoding needs only each row's argmax, and the output projection is the
 largest GEMM of a small model's decode step (the 52M benchmark model: 16.4M of
-its 36M multiply-adds per token). The projection runs in int8 instead (VNNI:
-~1.9x oneDNN's bf16 GEMM here, which the screen used before, and ~3.5x fp32)
-as a screen: the C++ kernel bounds each screened logit's distance from the fp32
+its 36M multiply-adds per token). The projection runs in int8 instead (AVX512-VNNI:
+~1.9x oneDNN's bf16 GEMM, which the screen used before, and ~3.5x fp32; AVX2's
+byte products where VNNI is missing) as a screen: the C++ kernel bounds each screened logit's distance from the fp32
 one (from the quantization residuals, which it knows exactly) and recomputes in
 fp32 only the tokens that could still be the argmax, about 15 per row at the
 benchmark shapes. The tokens are those of ``compute_logits(hidden).argmax(-1)``;
@@ -40,8 +40,8 @@ class GreedyHead:
         self.kernels = kernels
         values, self.scales, self.residuals = quantize_rows(self.weight)
         self.norms = self.weight.double().norm(dim=1).float()
-        # VNNI's multiplicand is unsigned: the kernel adds 128 to x's values and takes back 128 sum(w)
-        self.offsets = (128 * values.int().sum(dim=1)).int()
+        # the byte products take x unsigned: the kernel offsets x's values and takes back offset * sum(w)
+        self.sums = values.int().sum(dim=1).int()
         # [ceil(N/16), ceil(K/4), 16 columns x 4 values]: one register per 16 outputs and 4 inputs
         n, k = values.shape
         padded = torch.zeros(-(-n // 16) * 16, -(-k // 4) * 4, dtype=torch.int8)
@@ -52,7 +52,7 @@ class GreedyHead:
     @classmethod
     def for_model(cls, model: torch.nn.Module, kernels: Optional[ModuleType]) -> Optional["GreedyHead"]:
         """A head for ``model`` where it exposes an fp32 output projection and the kernels were
-        built with AVX512-VNNI; else None (greedy rows then take all logits)."""
+        built with AVX512-VNNI or AVX2; else None (greedy rows then take all logits)."""
         weight = model.output_projection() if isinstance(model, OutputProjection) else None
         if (weight is None or weight.dtype != torch.float32 or kernels is None
                 or not hasattr(kernels, "screened_argmax_available") or not kernels.screened_argmax_available()):
@@ -62,7 +62,7 @@ class GreedyHead:
     def screen(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens, candidates rechecked in fp32) per row; token -1 where a row is not finite."""
         return self.kernels.screened_argmax(hidden.float().contiguous(), self.weight, self.packed, self.scales,
-                                            self.norms, self.residuals, self.offsets)
+                                            self.norms, self.residuals, self.sums)
 
     def tokens(self, hidden: torch.Tensor) -> Optional[list[int]]:
         """Each row's greedy token, or None where a row is not finite (NaN or inf in its

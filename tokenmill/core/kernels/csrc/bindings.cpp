@@ -19,6 +19,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("screened_argmax", &tokenmill::screened_argmax,
         "greedy tokens of fp32 x W^T from int8 screening logits; returns (tokens, candidates per row)");
   m.def("screened_argmax_available", &tokenmill::screened_argmax_available,
-        "whether screened_argmax was built (it needs AVX512-VNNI)");
+        "whether screened_argmax was built (it needs AVX512-VNNI or AVX2)");
   tokenmill::bind_decode_stack(m);
 }

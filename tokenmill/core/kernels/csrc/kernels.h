@@ -24,7 +24,7 @@ bool packed_gemm_preferred();
 torch::Tensor gemv(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
 std::tuple<torch::Tensor, torch::Tensor> screened_argmax(torch::Tensor x, torch::Tensor weight, torch::Tensor packed,
                                                          torch::Tensor scales, torch::Tensor norms,
-                                                         torch::Tensor residuals, torch::Tensor offsets);
+                                                         torch::Tensor residuals, torch::Tensor sums);
 bool screened_argmax_available();
 void bind_decode_stack(pybind11::module& m);
 }  // namespace tokenmill

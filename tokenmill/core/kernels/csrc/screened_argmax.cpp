@@ -4,6 +4,10 @@
 // products from int8 x (per-row scale) and int8 w (per-output-row scale) with exact int32
 // sums: AVX512-VNNI multiplies 64 byte pairs per instruction, so the screen takes ~11 ms
 // per 128 rows at the benchmark head (32000 x 512) where oneDNN's bf16 GEMM took ~21.
+// AVX2 has no such instruction: unsigned x bytes times signed w bytes summed in pairs to
+// 16 bits (vpmaddubsw), then in pairs to 32 (vpmaddwd), the same 4-product sums as one VNNI
+// step. Its 16-bit pair sums saturate past 32767, so there x is quantized to 63 levels
+// (u = q + 64 <= 127, |u w0 + u w1| <= 2 * 127 * 127): a coarser screen, the same bound.
 // Each screened logit is within a proven bound of the exact one, so only tokens whose
 // upper bound reaches the best lower bound can be the argmax; those few (about 15 per row
 // at the benchmark shapes) get their logits recomputed in fp32.
@@ -28,17 +32,22 @@
 #include "kernels.h"
 #include "vec.h"
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || (defined(__AVX2__) && defined(TOKENMILL_SIMD))
 namespace tokenmill {
 namespace {
 
-constexpr int64_t kRows = 8;     // x rows per register tile
 constexpr float kTiny = 1e-30f;  // keeps the bound positive when every norm is zero
 
-// acc[m][j] = sum_k u[m][k] p[j][k] for u = q + 128 (VNNI multiplies unsigned by signed
-// bytes); the caller subtracts 128 sum_k p[j][k]. Rows x NB column groups of 16 per call,
-// all accumulators in registers (rows and NB compile-time: a runtime row count made the
-// compiler shuttle accumulators through one register, 3x slower).
+// acc[m][j] = sum_k u[m][k] p[j][k] for u = q + kXOffset (the byte products are unsigned x
+// signed); the caller subtracts kXOffset sum_k p[j][k]. Rows x NB column groups of 16 per
+// call, all accumulators in registers (rows and NB compile-time: a runtime row count made
+// the compiler shuttle accumulators through one register, 3x slower).
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr int64_t kRows = 8;       // x rows per register tile
+constexpr int64_t kGroups = 3;     // 48 columns per tile: 24 accumulators + 3 weight registers
+constexpr float kXLevels = 127.f;  // |q| <= kXLevels
+constexpr int32_t kXOffset = 128;
+
 template <int64_t Rows, int NB>
 inline void int8_block(const uint8_t* x0, const int8_t* const* w, int32_t* out, int64_t Np, int64_t Kp) {
   __m512i sum[Rows][NB];
@@ -55,6 +64,38 @@ inline void int8_block(const uint8_t* x0, const int8_t* const* w, int32_t* out, 
   for (int64_t r = 0; r < Rows; ++r)
     for (int i = 0; i < NB; ++i) _mm512_storeu_si512(out + r * Np + i * 16, sum[r][i]);
 }
+#else
+constexpr int64_t kRows = 4;       // 8 accumulators, 2 weight registers, x, ones: 12 of 16
+constexpr int64_t kGroups = 1;
+constexpr float kXLevels = 63.f;
+constexpr int32_t kXOffset = 64;
+
+template <int64_t Rows, int NB>
+inline void int8_block(const uint8_t* x0, const int8_t* const* w, int32_t* out, int64_t Np, int64_t Kp) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i sum[Rows][2 * NB];
+#pragma GCC unroll 16
+  for (int64_t r = 0; r < Rows; ++r)
+#pragma GCC unroll 16
+    for (int i = 0; i < 2 * NB; ++i) sum[r][i] = _mm256_setzero_si256();
+  for (int64_t k = 0; k < Kp / 4; ++k) {
+    __m256i b[2 * NB];  // each 64-byte group: columns 0-7, then 8-15, 4 bytes each
+#pragma GCC unroll 16
+    for (int i = 0; i < 2 * NB; ++i) b[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[i / 2] + k * 64 + (i % 2) * 32));
+#pragma GCC unroll 16
+    for (int64_t r = 0; r < Rows; ++r) {
+      const __m256i a = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(x0 + r * Kp + k * 4));
+#pragma GCC unroll 16
+      for (int i = 0; i < 2 * NB; ++i)
+        sum[r][i] = _mm256_add_epi32(sum[r][i], _mm256_madd_epi16(_mm256_maddubs_epi16(a, b[i]), ones));
+    }
+  }
+#pragma GCC unroll 16
+  for (int64_t r = 0; r < Rows; ++r)
+#pragma GCC unroll 16
+    for (int i = 0; i < 2 * NB; ++i) _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * Np + i * 8), sum[r][i]);
+}
+#endif
 
 // NB column groups from `group`, for all M rows: the groups' packed weights (NB x Kp bytes
 // per 16 columns) stay in L1 while every row block uses them.
@@ -74,7 +115,7 @@ struct QuantizedRow {
   bool finite = true;
 };
 
-// q = round(x / s), s = max|x| / 127, stored as q + 128 (padding: 128, i.e. q = 0)
+// q = round(x / s), s = max|x| / kXLevels, stored as q + kXOffset (padding: q = 0)
 QuantizedRow quantize_row(const float* x, uint8_t* u, int64_t K, int64_t Kp) {
   QuantizedRow row;
   float amax = 0.f;
@@ -85,24 +126,24 @@ QuantizedRow quantize_row(const float* x, uint8_t* u, int64_t K, int64_t Kp) {
   }
   row.finite = std::isfinite(sq);  // NaN never wins std::max, but it spreads through sums
   row.norm = static_cast<float>(std::sqrt(sq));
-  row.scale = amax > 0.f ? amax / 127.f : 1.f;
+  row.scale = amax > 0.f ? amax / kXLevels : 1.f;
   double residual = 0.0, quantized = 0.0;
   for (int64_t k = 0; k < K; ++k) {
-    const float q = row.finite ? std::min(127.f, std::max(-127.f, std::nearbyint(x[k] / row.scale))) : 0.f;
-    u[k] = static_cast<uint8_t>(static_cast<int>(q) + 128);
+    const float q = row.finite ? std::min(kXLevels, std::max(-kXLevels, std::nearbyint(x[k] / row.scale))) : 0.f;
+    u[k] = static_cast<uint8_t>(static_cast<int>(q) + kXOffset);
     const double e = static_cast<double>(x[k]) - static_cast<double>(row.scale) * q;
     residual += e * e;
     quantized += static_cast<double>(q) * q;
   }
-  std::fill(u + K, u + Kp, static_cast<uint8_t>(128));
+  std::fill(u + K, u + Kp, static_cast<uint8_t>(kXOffset));
   row.residual_norm = static_cast<float>(std::sqrt(residual));
   row.quantized_norm = static_cast<float>(static_cast<double>(row.scale) * std::sqrt(quantized));
   return row;
 }
 
 struct Screen {
-  const int32_t* acc;       // one row's int32 sums (with the +128 offset)
-  const int32_t* offsets;   // 128 sum_k p[j][k]
+  const int32_t* acc;       // one row's int32 sums (with the kXOffset offset)
+  const int32_t* offsets;   // kXOffset sum_k p[j][k]
   const float* scales;      // s_j
   const float* norms;       // |w_j|
   const float* residuals;   // |f_j|
@@ -114,15 +155,12 @@ struct Screen {
   float bound(int64_t j, float s) const {
     return per_norm * norms[j] + per_residual * residuals[j] + per_value * std::fabs(s) + kTiny;
   }
-  // 16 screened values from j and their bounds
-  std::pair<__m512, __m512> value_and_bound16(int64_t j) const {
-    const __m512i exact = _mm512_sub_epi32(_mm512_loadu_si512(acc + j), _mm512_loadu_si512(offsets + j));
-    const __m512 s = _mm512_mul_ps(_mm512_set1_ps(x_scale),
-                                   _mm512_mul_ps(_mm512_loadu_ps(scales + j), _mm512_cvtepi32_ps(exact)));
-    const __m512 b = _mm512_add_ps(
-        _mm512_fmadd_ps(_mm512_set1_ps(per_norm), _mm512_loadu_ps(norms + j),
-                        _mm512_mul_ps(_mm512_set1_ps(per_residual), _mm512_loadu_ps(residuals + j))),
-        _mm512_fmadd_ps(_mm512_set1_ps(per_value), _mm512_abs_ps(s), _mm512_set1_ps(kTiny)));
+  // kLanes screened values from j and their bounds (the same roundings as value and bound)
+  std::pair<vfloat, vfloat> value_and_bound(int64_t j) const {
+    const vint exact = vsub_i32(vload_bits(acc + j), vload_bits(offsets + j));
+    const vfloat s = vmul(vset1(x_scale), vmul(vload(scales + j), vcvt_i32(exact)));
+    const vfloat b = vadd(vfmadd(vset1(per_norm), vload(norms + j), vmul(vset1(per_residual), vload(residuals + j))),
+                          vfmadd(vset1(per_value), vabs(s), vset1(kTiny)));
     return {s, b};
   }
 };
@@ -130,13 +168,13 @@ struct Screen {
 // one row: (token, candidates); token -1 where the row is not finite
 std::pair<int64_t, int64_t> screen_row(const float* x, const float* w, const Screen& screen, int64_t N, int64_t K) {
   float best_lower = -std::numeric_limits<float>::infinity();
-  __m512 lower16 = _mm512_set1_ps(best_lower);
+  vfloat lower = vset1(best_lower);
   int64_t j = 0;
-  for (; j + 16 <= N; j += 16) {
-    const auto [s, b] = screen.value_and_bound16(j);
-    lower16 = _mm512_max_ps(lower16, _mm512_sub_ps(s, b));
+  for (; j + kLanes <= N; j += kLanes) {
+    const auto [s, b] = screen.value_and_bound(j);
+    lower = vmax(lower, vsub(s, b));
   }
-  best_lower = _mm512_reduce_max_ps(lower16);
+  best_lower = vmax_of(lower);
   for (int64_t t = j; t < N; ++t) {
     const float s = screen.value(t);
     best_lower = std::max(best_lower, s - screen.bound(t, s));
@@ -151,11 +189,10 @@ std::pair<int64_t, int64_t> screen_row(const float* x, const float* w, const Scr
       token = at;
     }
   };
-  const __m512 threshold16 = _mm512_set1_ps(best_lower);
-  for (j = 0; j + 16 <= N; j += 16) {
-    const auto [s, b] = screen.value_and_bound16(j);
-    for (__mmask16 hits = _mm512_cmp_ps_mask(_mm512_add_ps(s, b), threshold16, _CMP_GE_OQ); hits; hits &= hits - 1)
-      check(j + __builtin_ctz(hits));
+  const vfloat threshold = vset1(best_lower);
+  for (j = 0; j + kLanes <= N; j += kLanes) {
+    const auto [s, b] = screen.value_and_bound(j);
+    for (uint32_t hits = vge_bits(vadd(s, b), threshold); hits; hits &= hits - 1) check(j + __builtin_ctz(hits));
   }
   for (; j < N; ++j) {
     const float s = screen.value(j);
@@ -168,7 +205,7 @@ std::pair<int64_t, int64_t> screen_row(const float* x, const float* w, const Scr
 
 std::tuple<torch::Tensor, torch::Tensor> screened_argmax(torch::Tensor x, torch::Tensor weight, torch::Tensor packed,
                                                          torch::Tensor scales, torch::Tensor norms,
-                                                         torch::Tensor residuals, torch::Tensor offsets) {
+                                                         torch::Tensor residuals, torch::Tensor sums) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "screened_argmax: x [M, K] fp32");
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat && weight.is_contiguous() &&
                   weight.size(1) == x.size(1), "screened_argmax: weight [N, K] fp32");
@@ -180,17 +217,17 @@ std::tuple<torch::Tensor, torch::Tensor> screened_argmax(torch::Tensor x, torch:
   for (const torch::Tensor& t : {scales, norms, residuals})
     TORCH_CHECK(t.scalar_type() == torch::kFloat && t.is_contiguous() && t.numel() == N,
                 "screened_argmax: per-row scales and norms [N] fp32");
-  TORCH_CHECK(offsets.scalar_type() == torch::kInt && offsets.is_contiguous() && offsets.numel() == N,
-              "screened_argmax: offsets [N] int32");
+  TORCH_CHECK(sums.scalar_type() == torch::kInt && sums.is_contiguous() && sums.numel() == N,
+              "screened_argmax: weight row sums [N] int32");
+  torch::Tensor offsets = sums * kXOffset;
 
   std::vector<uint8_t> u(M * Kp);
   std::vector<QuantizedRow> rows(M);
   for (int64_t m = 0; m < M; ++m) rows[m] = quantize_row(x.data_ptr<float>() + m * K, u.data() + m * Kp, K, Kp);
-  torch::Tensor sums = torch::empty({M, Np}, x.options().dtype(torch::kInt));
-  int32_t* acc = sums.data_ptr<int32_t>();
+  torch::Tensor products = torch::empty({M, Np}, x.options().dtype(torch::kInt));
+  int32_t* acc = products.data_ptr<int32_t>();
   const int8_t* p = packed.data_ptr<int8_t>();
   const int64_t groups = Np / 16;
-  constexpr int64_t kGroups = 3;  // 48 columns per tile: 24 accumulators + 3 weight registers
   at::parallel_for(0, (groups + kGroups - 1) / kGroups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t group = t * kGroups;
@@ -229,7 +266,7 @@ bool screened_argmax_available() { return true; }
 namespace tokenmill {
 std::tuple<torch::Tensor, torch::Tensor> screened_argmax(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
                                                          torch::Tensor, torch::Tensor, torch::Tensor) {
-  TORCH_CHECK(false, "screened_argmax: built without AVX512-VNNI");
+  TORCH_CHECK(false, "screened_argmax: built without AVX512-VNNI or AVX2");
 }
 bool screened_argmax_available() { return false; }
 }  // namespace tokenmill

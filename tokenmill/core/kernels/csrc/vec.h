@@ -62,6 +62,10 @@ inline vfloat vfrom_bits(vint bits) { return _mm512_castsi512_ps(bits); }
 inline vint vbits(vfloat v) { return _mm512_castps_si512(v); }
 inline vint vbroadcast_i32(int32_t x) { return _mm512_set1_epi32(x); }
 inline vint vadd_i32(vint a, vint b) { return _mm512_add_epi32(a, b); }
+inline vint vsub_i32(vint a, vint b) { return _mm512_sub_epi32(a, b); }
+inline vfloat vcvt_i32(vint a) { return _mm512_cvtepi32_ps(a); }
+inline vfloat vabs(vfloat v) { return _mm512_abs_ps(v); }
+inline uint32_t vge_bits(vfloat a, vfloat b) { return _mm512_cmp_ps_mask(a, b, _CMP_GE_OQ); }  // lane i: a >= b
 inline vint vand_i(vint a, vint b) { return _mm512_and_si512(a, b); }
 inline vint vor_i(vint a, vint b) { return _mm512_or_si512(a, b); }
 inline vint vshl16(vint a) { return _mm512_slli_epi32(a, 16); }
@@ -141,6 +145,10 @@ inline vfloat vfrom_bits(vint bits) { return _mm256_castsi256_ps(bits); }
 inline vint vbits(vfloat v) { return _mm256_castps_si256(v); }
 inline vint vbroadcast_i32(int32_t x) { return _mm256_set1_epi32(x); }
 inline vint vadd_i32(vint a, vint b) { return _mm256_add_epi32(a, b); }
+inline vint vsub_i32(vint a, vint b) { return _mm256_sub_epi32(a, b); }
+inline vfloat vcvt_i32(vint a) { return _mm256_cvtepi32_ps(a); }
+inline vfloat vabs(vfloat v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), v); }
+inline uint32_t vge_bits(vfloat a, vfloat b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GE_OQ)); }
 inline vint vand_i(vint a, vint b) { return _mm256_and_si256(a, b); }
 inline vint vor_i(vint a, vint b) { return _mm256_or_si256(a, b); }
 inline vint vshl16(vint a) { return _mm256_slli_epi32(a, 16); }
