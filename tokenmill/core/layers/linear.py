@@ -37,11 +37,11 @@ class PrepackedLinearMethod:
     on every call; a prepacked weight skips that. Measured here (1 thread, the
     Llama shapes of benchmarks/, batch 1 to 2048): fp32 1.2x to 2.3x and bf16
     1.05x to 3x faster than ``F.linear``, the largest gains at decode batch
-    sizes. The packed tensor is opaque (``torch._mkldnn`` layout).
+    sizes. oneDNN's packed tensor is opaque (``torch._mkldnn`` layout).
 
     With ``panels`` (the C++ kernels module, on CPUs where ``packed_gemm_preferred``:
     AVX2 without AVX-512), fp32 GEMMs run tokenmill's own register-tiled kernel on
-    weights packed in column panels instead (``csrc/packed_gemm.cpp``: 1.1-1.3x
+    weights packed in column panels instead (``csrc/packed_gemm.cpp``: 1.05-1.25x
     oneDNN's there at the benchmark shapes).
 
     With ``gemv`` (the C++ kernels module), the plain weight is kept as well and
