@@ -42,7 +42,8 @@ class GreedyHead:
         self.norms = self.weight.double().norm(dim=1).float()
         # the byte products take x unsigned: the kernel offsets x's values and takes back offset * sum(w)
         self.sums = values.int().sum(dim=1).int()
-        # [ceil(N/16), ceil(K/4), 16 columns x 4 values]: one AVX-512 register (two AVX2 ones) per 16 outputs and 4 inputs
+        # [ceil(N/16), ceil(K/4), 16 columns x 4 values]: per 16 outputs and 4 inputs, one AVX-512
+        # register (two AVX2 ones)
         n, k = values.shape
         padded = torch.zeros(-(-n // 16) * 16, -(-k // 4) * 4, dtype=torch.int8)
         padded[:n, :k] = values
