@@ -36,7 +36,7 @@ def tokenmill_pass(path, prompt_sets, output_len, args) -> Callable[[], float]:
     """A built and warmed-up engine; each call times one pass over the next prompt set."""
     llm = LLM(str(path), dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
-              enforce_eager=args.enforce_eager, num_threads=args.threads)
+              enforce_eager=args.enforce_eager, num_threads=args.threads, kv_cache_dtype=args.kv_cache_dtype)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in prompt_sets[-1][:2]], params, use_tqdm=False)
     rounds = iter(prompt_sets)
@@ -87,6 +87,8 @@ def main() -> None:
                         help="auto: the checkpoint's (presets: 52m fp32, 350m bf16), or fp32 for bf16 where the "
                              "CPU has no bf16 arithmetic; HF computes in the same dtype")
     parser.add_argument("--enforce-eager", action="store_true", help="tokenmill without prepacked/fused ops")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16"],
+                        help="tokenmill's KV cache: auto is the compute dtype")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
     parser.add_argument("--attention-backend", default="auto")

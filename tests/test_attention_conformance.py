@@ -143,3 +143,26 @@ def test_cpu_prefill_kernel_at_head_dims_and_groups(head_dim, dtype, seed):
         backend = CpuSdpaAttention()
         assert backend._prefill_kernel(AttentionLayerSpec(heads, kv, head_dim, 1.0), case.dtype), "kernel path"
         check_backend(backend, case)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_cpu_kernels_read_a_bf16_cache_as_its_fp32_values(seed):
+    """Under fp32 queries the decode and prompt-chunk kernels widen a bf16 cache as they read
+    it, so the output equals, bit for bit, the fp32 kernels' over the same values stored in
+    fp32: a bf16 ``kv_cache_dtype`` costs its rounding on write and nothing else."""
+    import torch
+
+    from tokenmill.plugins.attention.cpu_sdpa import CpuSdpaAttention
+    from tokenmill.plugins.attention.torch_ref import TorchReferenceAttention
+    from tokenmill.testing.attention_conformance import AttentionCase, build_inputs
+
+    case = AttentionCase(seed=seed, num_heads=8, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32,
+                         requests=((0, 37), (40, 1), (19, 1), (23, 12)), sliding_window=(None, 20, None)[seed],
+                         cache_dtype=torch.bfloat16)
+    spec, q, k, v, cache, metadata = build_inputs(case, TorchReferenceAttention())
+    k, v = k.bfloat16().float(), v.bfloat16().float()  # values both caches hold exactly
+    backend = CpuSdpaAttention()
+    assert backend._kernels_take(torch.float32, torch.bfloat16) and backend._prefill_kernel(spec, torch.float32)
+    narrow = backend.forward(spec, q, k, v, cache.clone(), metadata)
+    wide = CpuSdpaAttention().forward(spec, q, k, v, cache.float(), metadata)
+    assert torch.equal(narrow, wide)

@@ -6,6 +6,7 @@ import json
 import shutil
 
 import pytest
+import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
@@ -46,6 +47,7 @@ def test_unknown_yaml_key_is_an_error_with_its_path(tmp_path):
     ({"dtype": "float8"}, "dtype"),
     ({"kv_cache_memory_bytes": "lots"}, "cache.kv_cache_memory"),
     ({"max_num_seq": 4}, "max_num_seq"),
+    ({"kv_cache_dtype": "fp8"}, "cache.kv_cache_dtype"),
 ])
 def test_bad_values_and_unknown_arguments_name_their_key(kwargs, key):
     """Out-of-range values and unknown vLLM-style arguments name the offending key."""
@@ -125,6 +127,18 @@ def test_kv_pool_smaller_than_one_sequence_is_refused(model_dir):
     """A KV cache that cannot hold one max_model_len sequence fails at startup with the numbers."""
     with pytest.raises(ConfigError, match="fewer than one sequence"):
         make_llm(model_dir("llama"), num_gpu_blocks_override=4, block_size=16)
+
+
+def test_a_bf16_kv_cache_holds_twice_the_blocks_in_the_same_memory(model_dir):
+    """cache.kv_cache_dtype sizes the pool: a bf16 cache under fp32 compute fits twice the blocks."""
+    def blocks(**args):
+        engine = make_llm(model_dir("llama"), kv_cache_memory_bytes=4 * 2**20, max_num_seqs=1024, **args).llm_engine
+        caches = [m.kv_cache for m in engine.runner.model.modules() if hasattr(m, "kv_cache")]
+        return engine.scheduler.kv_cache.pool.num_blocks, {c.dtype for c in caches}
+
+    fp32, bf16 = blocks(), blocks(kv_cache_dtype="bfloat16")
+    assert fp32[1] == {torch.float32} and bf16[1] == {torch.bfloat16}
+    assert bf16[0] == 2 * fp32[0]
 
 
 def test_unchunked_budget_below_context_is_refused(model_dir):

@@ -139,8 +139,9 @@ def build_engine(config: EngineConfig, pm: Optional[PluginManager] = None) -> LL
         for name, path in config.adapters.lora_modules.items():
             adapters.load(name, path)
 
-    num_blocks, bytes_per_block = _num_kv_blocks(config, model_config, backend)
-    layers = _bind_kv_caches(model, backend, num_blocks, config.cache.block_size, model_config.dtype)
+    cache_dtype = _kv_cache_dtype(config, model_config)
+    num_blocks, bytes_per_block = _num_kv_blocks(config, model_config, backend, cache_dtype)
+    layers = _bind_kv_caches(model, backend, num_blocks, config.cache.block_size, cache_dtype)
     kv_cache = KVCacheManager(num_blocks, config.cache.block_size, config.cache.prefix_caching)
     swap_space, swap_caches = None, None
     if config.scheduler.preemption_mode == "swap":
@@ -149,7 +150,7 @@ def build_engine(config: EngineConfig, pm: Optional[PluginManager] = None) -> LL
         # on a GPU this would be pinned host memory; on CPU it is a second pool
         swap_caches = SwapCaches(backend, [cache for _, cache in layers], [torch.zeros(
             backend.kv_cache_shape(num_host_blocks, config.cache.block_size, spec.num_kv_heads, spec.head_dim),
-            dtype=model_config.dtype) for spec, _ in layers])
+            dtype=cache_dtype) for spec, _ in layers])
     scheduler = Scheduler(config.scheduler, kv_cache, policy, swap_space,
                           max_adapters=adapters.max_active if adapters else None)
     greedy_head = None if config.enforce_eager or adapters else GreedyHead.for_model(model, cpu_kernels())
@@ -157,6 +158,7 @@ def build_engine(config: EngineConfig, pm: Optional[PluginManager] = None) -> LL
     engine = LLMEngine(config, model_config, tokenizer, scheduler, runner, pm, adapters)
     log.info("engine built", model=str(model_config.path), architecture=model_config.architecture,
              dtype=str(model_config.dtype).removeprefix("torch."), attention=backend.name,
+             kv_cache_dtype=str(cache_dtype).removeprefix("torch."),
              policy=config.scheduler.policy, kv_blocks=num_blocks,
              max_model_len=model_config.max_model_len)
     pm.hook.engine_started(engine=engine)
@@ -187,6 +189,10 @@ def _attention_backend(
     problems = []
     if model_config.dtype not in caps.dtypes:
         problems.append(f"dtype {model_config.dtype} not in {caps.dtypes}")
+    cache_dtype = _kv_cache_dtype(config, model_config)
+    if cache_dtype != model_config.dtype and cache_dtype not in caps.kv_cache_dtypes:
+        problems.append(f"cache.kv_cache_dtype {config.cache.kv_cache_dtype}: it keeps K/V in the compute "
+                        f"dtype ({model_config.dtype}) only")
     if caps.head_sizes is not None and model_config.head_dim not in caps.head_sizes:
         problems.append(f"head size {model_config.head_dim} not in {caps.head_sizes}")
     if caps.block_sizes is not None and config.cache.block_size not in caps.block_sizes:
@@ -230,13 +236,20 @@ def _log_weight_memory(model: torch.nn.Module, model_config: ModelConfig) -> Non
              quantization=(model_config.quantization_config or {}).get("quant_method"))
 
 
-def _num_kv_blocks(config: EngineConfig, model_config: ModelConfig, backend: AttentionBackend) -> tuple[int, int]:
+def _kv_cache_dtype(config: EngineConfig, model_config: ModelConfig) -> torch.dtype:
+    """What K/V are stored in: "auto" follows the compute dtype (vLLM's rule)."""
+    name = config.cache.kv_cache_dtype
+    return model_config.dtype if name == "auto" else getattr(torch, name)
+
+
+def _num_kv_blocks(config: EngineConfig, model_config: ModelConfig, backend: AttentionBackend,
+                   cache_dtype: torch.dtype) -> tuple[int, int]:
     """(number of KV blocks, bytes per block across all layers)."""
     block_size = config.cache.block_size
     per_layer = 1
     for dim in backend.kv_cache_shape(1, block_size, model_config.num_kv_heads, model_config.head_dim):
         per_layer *= dim
-    bytes_per_block = per_layer * model_config.num_layers * model_config.dtype.itemsize
+    bytes_per_block = per_layer * model_config.num_layers * cache_dtype.itemsize
     blocks_per_seq = -(-model_config.max_model_len // block_size)
     if config.cache.num_blocks is not None:
         num_blocks, source = config.cache.num_blocks, "cache.num_blocks"

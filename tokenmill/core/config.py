@@ -45,6 +45,10 @@ class CacheConfig(BaseModel):
     #: max_num_seqs sequences of max_model_len tokens could use
     kv_cache_memory: ByteSize = ByteSize(2 * 1024**3)
     prefix_caching: bool = True
+    #: what K/V are stored in: "auto" is the compute dtype; "bfloat16" halves an fp32
+    #: model's cache (memory, and the bytes decode attention reads every step) at bf16's
+    #: 8-bit mantissa, with scores and softmax still fp32 (vLLM's --kv-cache-dtype)
+    kv_cache_dtype: Literal["auto", "bfloat16"] = "auto"
     #: host memory for swapped-out KV blocks (used with scheduler.preemption_mode: swap)
     swap_space: ByteSize = ByteSize(1024**3)
 
@@ -167,6 +171,7 @@ VLLM_NAMES: dict[str, str] = {
     "enable_prefix_caching": "cache.prefix_caching",
     "num_gpu_blocks_override": "cache.num_blocks",
     "kv_cache_memory_bytes": "cache.kv_cache_memory",
+    "kv_cache_dtype": "cache.kv_cache_dtype",
     "swap_space": "cache.swap_space",
     "max_num_seqs": "scheduler.max_num_seqs",
     "max_num_batched_tokens": "scheduler.max_num_batched_tokens",

@@ -31,6 +31,9 @@ class AttentionCapabilities:
     #: go to ``slot_mapping``, and decode rows are computed by tokenmill.core.kernels'
     #: ``paged_decode_attention``: a fused decode stack may then do both itself
     fused_decode: bool = False
+    #: cache dtypes besides the compute dtype it can keep K/V in (``cache.kv_cache_dtype``):
+    #: new K/V rounded to it on write, widened again on read
+    kv_cache_dtypes: tuple[torch.dtype, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

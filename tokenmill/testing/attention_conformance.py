@@ -40,16 +40,26 @@ class AttentionCase:
     requests: tuple[tuple[int, int], ...]
     sliding_window: Optional[int] = None
     soft_cap: Optional[float] = None
+    #: what K/V are stored in (cache.kv_cache_dtype); None: dtype
+    cache_dtype: Optional[torch.dtype] = None
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return self.cache_dtype or self.dtype
 
     def __str__(self) -> str:
         kind = str(self.dtype).removeprefix("torch.")
+        if self.cache_dtype is not None:
+            kind += "-kv" + str(self.cache_dtype).removeprefix("torch.")
         extra = (f"-w{self.sliding_window}" if self.sliding_window else "") + (f"-cap{self.soft_cap}" if self.soft_cap else "")
         return f"s{self.seed}-h{self.num_heads}kv{self.num_kv_heads}d{self.head_dim}-b{self.block_size}-{kind}{extra}"
 
 
 def conformance_cases(count: int = 200, seed: int = 0, dtypes=(torch.float32, torch.bfloat16),
                       scale: float = 1.0) -> list[AttentionCase]:
-    """``count`` cases; ``scale`` < 1 shrinks lengths and head counts (for interpreted kernels)."""
+    """``count`` cases; ``scale`` < 1 shrinks lengths and head counts (for interpreted kernels).
+    fp32 cases at index % 4 == 2 keep their cache in bf16 (cache.kv_cache_dtype; the reference
+    reads the same bf16 values, so fp32's tolerance still holds)."""
     rng = random.Random(seed)
     cases = []
 
@@ -76,6 +86,7 @@ def conformance_cases(count: int = 200, seed: int = 0, dtypes=(torch.float32, to
             block_size=block, dtype=dtypes[index % len(dtypes)], requests=tuple(requests),
             sliding_window=rng.choice([None, None, rng.randint(1, 24)]),
             soft_cap=rng.choice([None, None, None, 20.0]),
+            cache_dtype=torch.bfloat16 if dtypes[index % len(dtypes)] == torch.float32 and index % 4 == 2 else None,
         ))
     return cases
 
@@ -83,6 +94,7 @@ def conformance_cases(count: int = 200, seed: int = 0, dtypes=(torch.float32, to
 def supports(backend: AttentionBackend, case: AttentionCase) -> bool:
     caps = backend.capabilities
     return (case.dtype in caps.dtypes
+            and (case.cache_dtype in (None, case.dtype) or case.cache_dtype in caps.kv_cache_dtypes)
             and (caps.head_sizes is None or case.head_dim in caps.head_sizes)
             and (caps.block_sizes is None or case.block_size in caps.block_sizes)
             and (case.sliding_window is None or caps.sliding_window)
@@ -103,7 +115,7 @@ def build_inputs(case: AttentionCase, shape_of: AttentionBackend, device: str = 
         tables.append(order[cursor:cursor + count])
         cursor += count
     cache = torch.randn(shape_of.kv_cache_shape(num_blocks, bs, case.num_kv_heads, case.head_dim),
-                        generator=g).to(case.dtype)
+                        generator=g).to(case.kv_dtype)
     total = sum(new for _, new in case.requests)
 
     def rand(*shape):

@@ -25,6 +25,9 @@ log = structlog.get_logger(__name__)
 
 #: dtypes the fused layer kernels (rms_norm, silu_and_mul, rotary_embedding) implement
 FUSED_DTYPES = (torch.float32, torch.bfloat16)
+#: (compute dtype, cache dtype) pairs the attention kernels take besides equal ones: a bf16
+#: cache under fp32 compute (cache.kv_cache_dtype), widened as it is read
+MIXED_CACHE_DTYPES = ((torch.float32, torch.bfloat16),)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ("bindings.cpp", "paged_decode.cpp", "layer_ops.cpp", "gemv.cpp", "decode_stack.cpp",

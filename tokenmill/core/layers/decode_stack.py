@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from tokenmill.core.kernels import FUSED_DTYPES
+from tokenmill.core.kernels import FUSED_DTYPES, MIXED_CACHE_DTYPES
 from tokenmill.core.layers.activation import GatedActivation
 from tokenmill.core.layers.attention import Attention
 from tokenmill.core.layers.linear import Linear, PrepackedLinearMethod
@@ -100,5 +100,5 @@ def _fusable(parts: DecodeLayerParts, first: DecodeLayerParts) -> bool:
         and parts.attn.backend.capabilities.fused_decode and spec.logits_soft_cap is None
         and (spec.num_heads, spec.num_kv_heads, spec.head_dim)
         == (first_spec.num_heads, first_spec.num_kv_heads, first_spec.head_dim)
-        and cache is not None and cache.dtype == dtype
+        and cache is not None and (cache.dtype == dtype or (dtype, cache.dtype) in MIXED_CACHE_DTYPES)
     )

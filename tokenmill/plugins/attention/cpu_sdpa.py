@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from tokenmill.core.kernels import cpu_kernels
+from tokenmill.core.kernels import MIXED_CACHE_DTYPES, cpu_kernels
 from tokenmill.interfaces.attention import AttentionCapabilities, AttentionLayerSpec, AttentionMetadata
 from tokenmill.interfaces.hookspecs import hookimpl
 from tokenmill.plugins.attention.torch_ref import TorchReferenceAttention
@@ -47,6 +47,7 @@ class CpuSdpaAttention(TorchReferenceAttention):
         dtypes=(torch.float32, torch.bfloat16, torch.float16),
         sliding_window=True,
         logits_soft_cap=False,
+        kv_cache_dtypes=(torch.bfloat16,),
     )
 
     def __init__(self, use_kernels: bool = True) -> None:
@@ -60,15 +61,16 @@ class CpuSdpaAttention(TorchReferenceAttention):
         self._planned: AttentionMetadata | None = None
         self._plan = _StepPlan([], torch.empty(0, dtype=torch.long), None, torch.empty(0, dtype=torch.long), None)
 
-    def _step_plan(self, metadata: AttentionMetadata) -> "_StepPlan":
-        """What every layer of this step shares, worked out by the first one."""
+    def _step_plan(self, metadata: AttentionMetadata, kernels: bool) -> "_StepPlan":
+        """What every layer of this step shares, worked out by the first one (kernels: whether
+        the C++ kernels take this model's query and cache dtypes)."""
         if self._planned is not metadata:
             starts = metadata.query_start_loc_cpu
             num_seqs = len(starts) - 1
             keep = metadata.slot_mapping >= 0
             kept = None if bool(keep.all()) else keep.nonzero().flatten()
             slots = metadata.slot_mapping if kept is None else metadata.slot_mapping[kept]
-            if self._kernels is None:
+            if not kernels:
                 everything = list(range(num_seqs))
                 self._plan = _StepPlan(everything, torch.tensor(everything, dtype=torch.long), None, slots, kept)
             else:
@@ -86,6 +88,9 @@ class CpuSdpaAttention(TorchReferenceAttention):
                 self._plan = _StepPlan(others, torch.tensor(others, dtype=torch.long), batch, slots, kept)
             self._planned = metadata
         return self._plan
+
+    def _kernels_take(self, dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+        return self._kernels is not None and (cache_dtype == dtype or (dtype, cache_dtype) in MIXED_CACHE_DTYPES)
 
     def _prefill_kernel(self, layer: AttentionLayerSpec, dtype: torch.dtype) -> bool:
         """Whether prompt chunks go to the kernel (paged_prefill.cpp: ~2x SDPA's speed here,
@@ -111,11 +116,12 @@ class CpuSdpaAttention(TorchReferenceAttention):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        plan = self._step_plan(metadata)
+        kernels = self._kernels_take(query.dtype, key_cache.dtype)
+        plan = self._step_plan(metadata, kernels)
         if plan.kept is not None:
             key, value = key[plan.kept], value[plan.kept]
-        key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, plan.slots, key)
-        value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, plan.slots, value)
+        key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, plan.slots, key.to(key_cache.dtype))
+        value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, plan.slots, value.to(value_cache.dtype))
         block_shape = key_cache.shape[1:]  # [block_size, num_kv_heads, head_dim]
         block_numel = key_cache[0].numel()
         output = torch.empty_like(query)
@@ -126,7 +132,7 @@ class CpuSdpaAttention(TorchReferenceAttention):
             self._kernels.paged_decode_attention(
                 output, query.contiguous(), key_cache, value_cache, block_table, seq_lens, rows,
                 layer.scale, layer.sliding_window or 0, 0.0)
-        if plan.others and self._prefill_kernel(layer, query.dtype):
+        if plan.others and kernels and self._prefill_kernel(layer, query.dtype):
             self._kernels.paged_prefill_attention(
                 output, query.contiguous(), key_cache, value_cache, metadata.block_table, metadata.seq_lens,
                 metadata.query_start_loc, plan.others_index, layer.scale, layer.sliding_window or 0)
@@ -152,6 +158,7 @@ class CpuSdpaAttention(TorchReferenceAttention):
                 causal = q_len > 1
             elif q_len > 1:  # a chunk on top of a cached prefix
                 mask = torch.arange(seq_len)[None, :] <= torch.arange(seq_len - q_len, seq_len)[:, None]
+            k, v = k.to(q.dtype), v.to(q.dtype)  # a narrower cache.kv_cache_dtype, widened
             out = F.scaled_dot_product_attention(
                 q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
                 attn_mask=mask, is_causal=causal, scale=layer.scale, enable_gqa=layer.num_heads != layer.num_kv_heads,

@@ -23,6 +23,7 @@ class TorchReferenceAttention:
         dtypes=(torch.float32, torch.bfloat16, torch.float16),
         sliding_window=True,
         logits_soft_cap=True,
+        kv_cache_dtypes=(torch.bfloat16,),
     )
 
     def kv_cache_shape(
@@ -77,11 +78,12 @@ def write_kv(
     value: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens]; -1 = skip
 ) -> None:
-    """Scatter new K/V into their slots (slot = block_id * block_size + offset)."""
+    """Scatter new K/V into their slots (slot = block_id * block_size + offset), rounded
+    to the cache's dtype."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    key_cache.view(-1, *key_cache.shape[2:])[slots] = key[keep]
-    value_cache.view(-1, *value_cache.shape[2:])[slots] = value[keep]
+    key_cache.view(-1, *key_cache.shape[2:])[slots] = key[keep].to(key_cache.dtype)
+    value_cache.view(-1, *value_cache.shape[2:])[slots] = value[keep].to(value_cache.dtype)
 
 
 @hookimpl

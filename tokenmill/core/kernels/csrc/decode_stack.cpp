@@ -25,8 +25,16 @@ struct Layer {
   int64_t window;
 };
 
-// cache[slots[r]] = row r of src ([rows, kv_heads * head_dim], rows strided); a slot < 0 is not written
+// cache[slots[r]] = row r of src (rows strided, each kv_heads * head_dim contiguous values), rounded
+// to the cache's dtype (a bf16 cache.kv_cache_dtype); a slot < 0 is not written
 void write_cache(torch::Tensor& cache, const torch::Tensor& src, const int64_t* slots, int64_t rows) {
+  if (cache.scalar_type() != src.scalar_type()) {
+    const int64_t row_size = cache.size(2) * cache.size(3);
+    torch::Tensor flat = cache.view({-1, row_size}), from = src.reshape({rows, row_size});
+    for (int64_t r = 0; r < rows; ++r)
+      if (slots[r] >= 0) flat[slots[r]].copy_(from[r]);
+    return;
+  }
   const int64_t row_bytes = cache.stride(1) * cache.element_size();
   char* base = static_cast<char*>(cache.data_ptr());
   const char* from = static_cast<const char*>(src.data_ptr());

@@ -25,12 +25,12 @@ namespace {
 constexpr int64_t kMaxRows = 8;  // (query token, head) rows per block: 2 x 8 accumulators per kPair values
 
 // out[m][offset, offset + kPair) = sum over t of p[m][t] * v_t[offset, offset + kPair)
-template <typename T, int64_t M>
-void pv_chunk(const float* p, int64_t p_stride, const T* const* v_rows, int64_t n, int64_t offset, T* const* out) {
+template <typename Q, typename T, int64_t M>
+void pv_chunk(const float* p, int64_t p_stride, const T* const* v_rows, int64_t n, int64_t offset, Q* const* out) {
   Pair acc[M];
   for (int64_t m = 0; m < M; ++m) acc[m] = {vzero(), vzero()};
   for (int64_t t = 0; t < n; ++t) {
-    const Pair v = load_pair(v_rows[t] + offset);
+    const Pair v = load_pair_for<Q>(v_rows[t] + offset);
     for (int64_t m = 0; m < M; ++m) {
       const vfloat pm = vset1(p[m * p_stride + t]);
       acc[m].a = vfmadd(pm, v.a, acc[m].a);
@@ -42,14 +42,14 @@ void pv_chunk(const float* p, int64_t p_stride, const T* const* v_rows, int64_t 
 
 // One block: rows m = (query token j0 + m / group, head kv_head * group + m % group) at positions
 // row_pos[m]; k_rows/v_rows: that KV head's rows of positions lo, lo + 1, ... row_pos[rows - 1].
-template <typename T, int64_t kChunks>  // head_dim / 32
-void prefill_block(const T* query, int64_t q_row_stride, const T* const* k_rows, const T* const* v_rows, int64_t lo,
+template <typename Q, typename T, int64_t kChunks>  // query and output, cache; head_dim / 32
+void prefill_block(const Q* query, int64_t q_row_stride, const T* const* k_rows, const T* const* v_rows, int64_t lo,
                    const int64_t* row_pos, int64_t rows, int64_t group, int64_t kv_head, int64_t j0, float scale,
-                   int64_t window, float* scores, T* out) {
+                   int64_t window, float* scores, Q* out) {
   constexpr int64_t head_dim = kChunks * 32;
   const int64_t n = row_pos[rows - 1] + 1 - lo;  // rows are in position order
-  T* out_rows[kMaxRows];
-  const T* q_rows[kMaxRows];
+  Q* out_rows[kMaxRows];
+  const Q* q_rows[kMaxRows];
   int64_t first[kMaxRows], last[kMaxRows];  // each row's keys, relative to lo; the rest get p = 0
   for (int64_t m = 0; m < rows; ++m) {
     const int64_t offset = (j0 + m / group) * q_row_stride + (kv_head * group + m % group) * head_dim;
@@ -69,7 +69,7 @@ void prefill_block(const T* query, int64_t q_row_stride, const T* const* k_rows,
     for (int64_t m = 0; m < rows; ++m) {
       if (t0 > last[m] || t0 + kTile <= first[m]) continue;
       // head_dim outermost: one q vector in a register serves the whole tile
-      constexpr int64_t step = kDotStep<T, T>;
+      constexpr int64_t step = kDotStep<Q, T>;
       vfloat part[kTile];
       for (int64_t i = 0; i < kTile; ++i) part[i] = vzero();
       for (int64_t d = 0; d < head_dim; d += step)
@@ -87,14 +87,14 @@ void prefill_block(const T* query, int64_t q_row_stride, const T* const* k_rows,
     std::fill(s + last[m] + 1, s + n, 0.f);
   }
   for (int64_t offset = 0; offset < head_dim; offset += kPair) {
-    auto run = [&](auto m) { pv_chunk<T, decltype(m)::value>(scores, n, v_rows, n, offset, out_rows); };
+    auto run = [&](auto m) { pv_chunk<Q, T, decltype(m)::value>(scores, n, v_rows, n, offset, out_rows); };
     with_constant_1_to_8(rows, run);
   }
 }
 
-template <typename T>
-void prefill_kernel(const T* q, const T* kc, const T* vc, const int32_t* table, const int32_t* lens,
-                    const int32_t* starts, const int64_t* seq_ids, int64_t num_seqs, T* o, int64_t max_blocks,
+template <typename Q, typename T>
+void prefill_kernel(const Q* q, const T* kc, const T* vc, const int32_t* table, const int32_t* lens,
+                    const int32_t* starts, const int64_t* seq_ids, int64_t num_seqs, Q* o, int64_t max_blocks,
                     int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale,
                     int64_t window) {
   const int64_t group = num_heads / num_kv_heads, tokens_per_block = kMaxRows / group;
@@ -128,7 +128,7 @@ void prefill_kernel(const T* q, const T* kc, const T* vc, const int32_t* table, 
       }
       scores.resize(rows * n);
       auto run = [&](auto chunks) {
-        prefill_block<T, decltype(chunks)::value>(q + starts[s] * q_row_stride, q_row_stride, k_rows.data(),
+        prefill_block<Q, T, decltype(chunks)::value>(q + starts[s] * q_row_stride, q_row_stride, k_rows.data(),
                                                   v_rows.data(), lo, row_pos, rows, group, kv, j,
                                                   static_cast<float>(scale), window, scores.data(),
                                                   o + starts[s] * q_row_stride);
@@ -158,8 +158,11 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tens
   TORCH_CHECK(query.is_contiguous() && out.is_contiguous() && key_cache.is_contiguous() &&
                   value_cache.is_contiguous() && block_table.is_contiguous(),
               "paged_prefill_attention: contiguous tensors");
-  TORCH_CHECK(key_cache.scalar_type() == query.scalar_type() && out.scalar_type() == query.scalar_type(),
-              "paged_prefill_attention: query, out and cache dtypes differ");
+  const bool mixed = query.scalar_type() == torch::kFloat && key_cache.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK((key_cache.scalar_type() == query.scalar_type() || mixed) && out.scalar_type() == query.scalar_type() &&
+                  value_cache.scalar_type() == key_cache.scalar_type(),
+              "paged_prefill_attention: out and query of one dtype, the caches of the same or (under float32) "
+              "bfloat16");
   TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32 &&
                   query_start.scalar_type() == torch::kInt32 && seqs.scalar_type() == torch::kInt64,
               "paged_prefill_attention: int32 tables, int64 sequence list");
@@ -171,16 +174,19 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tens
               "paged_prefill_attention: 1 to 8 query heads per KV head");
   bool done = false;
 #if defined(TOKENMILL_SIMD)
-  auto run = [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
-    prefill_kernel<T>(query.data_ptr<T>(), key_cache.data_ptr<T>(), value_cache.data_ptr<T>(),
-                      block_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), query_start.data_ptr<int32_t>(),
-                      seqs.data_ptr<int64_t>(), seqs.numel(), out.data_ptr<T>(), block_table.size(1), block_size,
-                      num_heads, num_kv_heads, head_dim, scale, window);
+  auto run = [&](auto* query_tag, auto* cache_tag) {
+    using Q = std::remove_pointer_t<decltype(query_tag)>;
+    using T = std::remove_pointer_t<decltype(cache_tag)>;
+    prefill_kernel<Q, T>(query.data_ptr<Q>(), key_cache.data_ptr<T>(), value_cache.data_ptr<T>(),
+                         block_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
+                         query_start.data_ptr<int32_t>(), seqs.data_ptr<int64_t>(), seqs.numel(), out.data_ptr<Q>(),
+                         block_table.size(1), block_size, num_heads, num_kv_heads, head_dim, scale, window);
     done = true;
   };
-  if (query.scalar_type() == torch::kFloat) run(static_cast<float*>(nullptr));
-  if (query.scalar_type() == torch::kBFloat16) run(static_cast<c10::BFloat16*>(nullptr));
+  if (mixed) run(static_cast<float*>(nullptr), static_cast<c10::BFloat16*>(nullptr));
+  else if (query.scalar_type() == torch::kFloat) run(static_cast<float*>(nullptr), static_cast<float*>(nullptr));
+  else if (query.scalar_type() == torch::kBFloat16)
+    run(static_cast<c10::BFloat16*>(nullptr), static_cast<c10::BFloat16*>(nullptr));
 #endif
   TORCH_CHECK(done, "paged_prefill_attention: ", query.scalar_type(), " is not built on this CPU (see prefill_dtypes)");
 }

@@ -236,6 +236,13 @@ inline Pair load_pair(const c10::BFloat16* x) {
   return {vfrom_bits(vshl16(bits)), vfrom_bits(vand_i(bits, vbroadcast_i32(static_cast<int32_t>(0xFFFF0000u))))};
 }
 inline void store_pair(c10::BFloat16* out, Pair v) { vstore_bits(out, vor_i(vshr16(vbf16_bits(v.a)), vbf16_bits(v.b))); }
+// 2 * kLanes values of a T row in the layout store_pair(Out*) expects: load_pair's own where
+// Out is T (bf16: even/odd), else both halves widened in order (a bf16 cache under fp32 queries)
+template <typename Out, typename T>
+inline Pair load_pair_for(const T* x) {
+  if constexpr (std::is_same_v<Out, T>) return load_pair(x);
+  else return {vload(x), vload(x + kLanes)};
+}
 
 // acc + lane-wise products of a and b over kDotStep<A, B> values (reduce acc's lanes for the dot)
 template <typename A, typename B>

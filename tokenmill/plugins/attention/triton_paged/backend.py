@@ -24,6 +24,7 @@ class TritonPagedAttention:
         sliding_window=True,
         logits_soft_cap=True,
         requires_device=None if _INTERPRETED else "cuda",
+        kv_cache_dtypes=(torch.bfloat16,),  # K/V rounded before the write kernel; loads widen to fp32
     )
 
     def __init__(self, tokens_per_split: int = 256) -> None:

@@ -120,7 +120,10 @@ def write_kv(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_m
     tokens = key.shape[0]
     if tokens == 0:
         return
-    key, value = key.reshape(tokens, -1).contiguous(), value.reshape(tokens, -1).contiguous()
+    # rounded to a narrower cache.kv_cache_dtype by torch (to nearest even) rather than by the
+    # kernel's store: Triton's interpreter truncates fp32 -> bf16, a GPU rounds to nearest
+    key = key.reshape(tokens, -1).to(cache.dtype).contiguous()
+    value = value.reshape(tokens, -1).to(cache.dtype).contiguous()
     row = key.shape[1]
     _write_kv_kernel[(tokens,)](key, value, cache, slot_mapping, key.stride(0), value.stride(0),
                                 cache.stride(0), cache.stride(1), cache.stride(2),
