@@ -219,13 +219,12 @@ void decode_kernel(const Q* query, const T* key_cache, const T* value_cache, con
   const int64_t q_row_stride = num_heads * head_dim;
   const int64_t token_stride = num_kv_heads * head_dim;
   const int64_t block_stride = block_size * token_stride;
-  // bf16 with AVX512-BF16: the tiled path (head_dim a multiple of 32, up to 256), which
-  // prefetches the next tile while computing on this one. The row-at-a-time path leaves
-  // reads to the hardware prefetcher: with the cache on huge pages, prefetching rows 4 KB
-  // ahead through the block table made it 1.1-1.4x slower (128 sequences x 320 tokens, fp32;
-  // 3-5% faster on 4 KB pages).
+  // bf16 with AVX512-BF16: the bf16 pair-dot path (head_dim a multiple of 32, up to 256); any
+  // other cache type on a vector build: decode_seq_tiled. Both prefetch the next tile while
+  // computing on this one (the tiled bf16 pass without it ran slower than the row loop on Zen 3:
+  // 8 rows read a head's slice at a time lose the hardware prefetcher). The row-at-a-time loop
+  // (no vectors, or head_dim not a multiple of kLanes) leaves reads to the hardware prefetcher.
   const bool tiled = kBf16Dot<T> && std::is_same_v<Q, T> && head_dim % 32 == 0 && head_dim <= 256;
-  // everything else with vector loads for T: decode_seq_tiled
 #if defined(TOKENMILL_SIMD)
   const bool generic_tiled = !tiled && head_dim % kLanes == 0;
 #else
