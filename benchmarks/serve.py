@@ -140,7 +140,7 @@ def launch(engine: str, model_path: str, port: int, threads: int, max_num_seqs: 
     if engine == "tokenmill":
         command = [sys.executable, "-m", "tokenmill.cli", "serve", model_path, "--port", str(port),
                    "--served-model-name", "bench", "--max-num-seqs", str(max_num_seqs), "--num-threads", str(threads),
-                   "--log-level", "warning"]
+                   "--kv-cache-dtype", args.kv_cache_dtype, "--log-level", "warning"]
     elif engine == "transformers":
         command = ["transformers", "serve", model_path, "--port", str(port), "--continuous-batching"]
     elif engine == "llama.cpp":
@@ -181,6 +181,8 @@ def main() -> None:
     parser.add_argument("--request-rate", type=float, default=float("inf"))
     parser.add_argument("--max-concurrency", type=int, default=32)
     parser.add_argument("--max-num-seqs", type=int, default=256, help="tokenmill's batch limit when launched")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16"],
+                        help="tokenmill's KV cache when launched: auto is the compute dtype")
     parser.add_argument("--seed", type=int, default=0)
     add_llama_cpp_args(parser)
     args = parser.parse_args()
