@@ -61,6 +61,17 @@ inline float softmax_unnormalized(float* s, int64_t n, double soft_cap) {
   return 1.f / exp_shifted(s, n, mx);
 }
 
+// Whether the caches hold bf16 under float32 queries (cache.kv_cache_dtype); checks that
+// otherwise the caches share the query's dtype, and out always does.
+inline bool bf16_cache_under_fp32(const char* kernel, const torch::Tensor& out, const torch::Tensor& query,
+                                  const torch::Tensor& key_cache, const torch::Tensor& value_cache) {
+  const bool mixed = query.scalar_type() == torch::kFloat && key_cache.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK((key_cache.scalar_type() == query.scalar_type() || mixed) && out.scalar_type() == query.scalar_type() &&
+                  value_cache.scalar_type() == key_cache.scalar_type(),
+              kernel, ": out and query of one dtype, the caches of the same or (under float32) bfloat16");
+  return mixed;
+}
+
 // f(std::integral_constant<int64_t, value>{}) for value in 1..8: kernels specialised per
 // head_dim / 32 (or rows per block) keep their accumulators in registers
 template <typename F>

@@ -316,10 +316,7 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
   TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && block_table.is_contiguous(), "block_table: int32");
   TORCH_CHECK(seq_lens.scalar_type() == torch::kInt32, "seq_lens: int32");
   TORCH_CHECK(query_rows.scalar_type() == torch::kInt64, "query_rows: int64");
-  const bool mixed = query.scalar_type() == torch::kFloat && key_cache.scalar_type() == torch::kBFloat16;
-  TORCH_CHECK((query.scalar_type() == key_cache.scalar_type() || mixed) && out.scalar_type() == query.scalar_type() &&
-                  value_cache.scalar_type() == key_cache.scalar_type(),
-              "paged_decode_attention: out and query of one dtype, the caches of the same or (under float32) bfloat16");
+  const bool mixed = bf16_cache_under_fp32("paged_decode_attention", out, query, key_cache, value_cache);
   const int64_t num_heads = query.size(1), head_dim = query.size(2);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");

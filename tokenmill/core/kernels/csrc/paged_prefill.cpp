@@ -158,11 +158,7 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tens
   TORCH_CHECK(query.is_contiguous() && out.is_contiguous() && key_cache.is_contiguous() &&
                   value_cache.is_contiguous() && block_table.is_contiguous(),
               "paged_prefill_attention: contiguous tensors");
-  const bool mixed = query.scalar_type() == torch::kFloat && key_cache.scalar_type() == torch::kBFloat16;
-  TORCH_CHECK((key_cache.scalar_type() == query.scalar_type() || mixed) && out.scalar_type() == query.scalar_type() &&
-                  value_cache.scalar_type() == key_cache.scalar_type(),
-              "paged_prefill_attention: out and query of one dtype, the caches of the same or (under float32) "
-              "bfloat16");
+  const bool mixed = bf16_cache_under_fp32("paged_prefill_attention", out, query, key_cache, value_cache);
   TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32 &&
                   query_start.scalar_type() == torch::kInt32 && seqs.scalar_type() == torch::kInt64,
               "paged_prefill_attention: int32 tables, int64 sequence list");
