@@ -18,6 +18,9 @@ granted to tokenmill.
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -63,6 +66,17 @@ def test_dtype_auto_takes_the_checkpoint_dtype_where_the_cpu_computes_it(native,
     assert engine.model_config.dtype == expected
     caches = [m.kv_cache for m in engine.runner.model.modules() if hasattr(m, "kv_cache")]
     assert caches and all(c.dtype == expected for c in caches)
+
+
+@pytest.mark.skipif(not Path("/proc/cpuinfo").is_file(), reason="reads the CPU's flags from Linux's /proc/cpuinfo")
+def test_native_bf16_means_the_bf16_instructions_not_just_avx512():
+    """An AVX-512 core without AVX512-BF16 or AMX (Ice Lake, Skylake-X) runs oneDNN's bf16 GEMMs
+    emulated, ~4x slower than fp32, though oneDNN calls bf16 supported there: dtype auto must
+    then compute a bf16 checkpoint in fp32. The flags come from the kernel, not from torch."""
+    from tokenmill.core.cpu_dtypes import native_bf16
+
+    flags = set(re.search(r"^flags\s*:(.*)$", Path("/proc/cpuinfo").read_text(), re.M).group(1).split())
+    assert native_bf16() == bool(torch.backends.mkldnn.is_available() and flags & {"avx512_bf16", "amx_bf16"})
 
 
 def test_bf16_checkpoint_in_fp32_streams_bf16_weights_and_matches_hf_fp32(tmp_path):
