@@ -150,12 +150,15 @@ def test_packed_gemm_equals_f_linear(rows, shape):
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize("width", [200, 512])
-def test_gemv_widens_bf16_weights_under_fp32_activations(rows, width):
+@pytest.mark.parametrize("outputs", [3, 101])
+def test_gemv_widens_bf16_weights_under_fp32_activations(rows, width, outputs):
     """fp32 x against a bf16 weight: the fp32 GEMV of the widened weight (widening bf16 is
-    exact) and F.linear's result, up to summation order."""
+    exact) and F.linear's result, up to summation order. Output counts below and off the
+    number of weight streams the GEMV reads at once (4 / rows on AVX2) leave rows to its
+    one-stream pass."""
     torch.manual_seed(rows)
-    weight = torch.randn(101, width).to(torch.bfloat16)
-    bias, x = torch.randn(101), torch.randn(rows, width)
+    weight = torch.randn(outputs, width).to(torch.bfloat16)
+    bias, x = torch.randn(outputs), torch.randn(rows, width)
     got = KERNELS.gemv(x, weight, bias)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, KERNELS.gemv(x, weight.float(), bias), rtol=1e-6, atol=2e-5)

@@ -1,14 +1,16 @@
 // out = x W^T (+ bias) for 1 to 4 rows of x, W the plain [N, K] row-major weight.
 //
-// Decode at batch 1-4 is bound by reading the weights once per step. W is read
-// as one sequential stream (row after row, four accumulators along k), which the
-// hardware prefetcher follows at the memory's bandwidth where oneDNN's prepacked
-// GEMM stays at ~15 GB/s (350M-model shapes, cold weights). Software prefetches
-// ahead of the stream (4 KB, tried from 512 B to 8 KB) made it 1.1-1.2x slower
-// on the AVX-512 host once weights sit on huge pages (core/huge_pages.py), and
-// slower on 4 KB pages too. Accumulation is fp32; bf16 x bf16 uses the AVX512-BF16
+// Decode at batch 1-4 is bound by reading the weights once per step. W is read as a
+// few sequential streams (kMaxStreams below), which the hardware prefetcher follows
+// where oneDNN's prepacked GEMM stays at ~15 GB/s (350M-model shapes, cold weights).
+// Software prefetches ahead of a stream (512 B to 8 KB) made it 1.1-1.2x slower on
+// the AVX-512 host once weights sit on huge pages (core/huge_pages.py), and slower on
+// 4 KB pages too; on Zen 3 1 KB ahead of one bf16 stream gained 10-15%, which the
+// streams below more than replace. Accumulation is fp32; bf16 x bf16 uses the AVX512-BF16
 // pair dot product where the CPU has it (each product exact in fp32), else widens both.
 #include <ATen/Parallel.h>
+
+#include <algorithm>
 
 #include "kernels.h"
 #include "vec.h"
@@ -16,48 +18,66 @@
 namespace tokenmill {
 namespace {
 
-constexpr int64_t kUnroll = 4;              // accumulators per row of x
-
-// Bytes ahead of the weight stream to prefetch in software: only bf16 weights on CPUs without
-// AVX-512. There (Zen 3) a 16-bit stream ran at 12-14 GB/s against fp32's 14-17 (more
-// instructions per byte, so fewer cache misses in flight); prefetching 1 KB ahead gave 14-15.5
-// (512 B to 8 KB tried). fp32 weights there, and any weights on the AVX-512 host, ran slower.
-template <typename W>
-constexpr int64_t kPrefetchAhead =
+// Weight rows read at once, as separate sequential streams: a task's rows are split into
+// kMaxStreams / M contiguous ranges (M: rows of x), one row of each per pass. On Zen 3 (AVX2, 1
+// thread, the 350M model's weights on huge pages) the core keeps more cache misses in flight
+// across streams than the hardware prefetcher does along one: 1 row of x, bf16 weights 14.5 ->
+// 21.7 GB/s, fp32 15.5 -> 20.6; 2 rows (2 streams) bf16 13.5 -> 16.2, fp32 13.1 -> 18.4.
+// Adjacent rows as the streams (2 KB apart) ran at 9-12. Not measured on an AVX-512 host,
+// where one stream stays.
 #if defined(__AVX512F__)
-    0;
+constexpr int kMaxStreams = 1;
 #else
-    sizeof(W) == 2 ? 1024 : 0;
+constexpr int kMaxStreams = 4;
 #endif
 
-template <typename T, typename W, int M>
-void gemv_rows(const T* x, const W* w, const T* bias, T* out, int64_t N, int64_t K, int64_t begin, int64_t end) {
-  for (int64_t n = begin; n < end; ++n) {
-    const W* wr = w + n * K;
-    float sums[M] = {};
-    int64_t k = 0;
+// rows first + s * stride (s < S) of out = x W^T (+ bias); kUnroll accumulators per (x row,
+// stream) pair along k, 4 for a single stream (its only source of independent FMA chains)
+template <typename T, typename W, int M, int S>
+void gemv_streams(const T* x, const W* w, const T* bias, T* out, int64_t N, int64_t K, int64_t first, int64_t stride) {
+  constexpr int kUnroll = S == 1 ? 4 : 2;
+  const W* wr[S];
+  for (int s = 0; s < S; ++s) wr[s] = w + (first + s * stride) * K;
+  float sums[M][S] = {};
+  int64_t k = 0;
 #if defined(TOKENMILL_SIMD)
-    if constexpr (kVectorized<T> && kVectorized<W>) {
-      constexpr int64_t lanes = kDotStep<T, W>;  // elements per dot step
-      constexpr int64_t step = lanes * kUnroll;
-      vfloat acc[M][kUnroll];
-      for (int m = 0; m < M; ++m)
-        for (int u = 0; u < kUnroll; ++u) acc[m][u] = vzero();
-      for (; k + step <= K; k += step) {
-        if constexpr (kPrefetchAhead<W> > 0) __builtin_prefetch(reinterpret_cast<const char*>(wr + k) + kPrefetchAhead<W>);
-        for (int u = 0; u < kUnroll; ++u)
-          for (int m = 0; m < M; ++m) acc[m][u] = dot_step(acc[m][u], x + m * K + k + u * lanes, wr + k + u * lanes);
+  if constexpr (kVectorized<T> && kVectorized<W>) {
+    constexpr int64_t lanes = kDotStep<T, W>;  // elements per dot step
+    constexpr int64_t step = lanes * kUnroll;
+    vfloat acc[M][S][kUnroll];
+    for (int m = 0; m < M; ++m)
+      for (int s = 0; s < S; ++s)
+        for (int u = 0; u < kUnroll; ++u) acc[m][s][u] = vzero();
+    for (; k + step <= K; k += step)
+      for (int u = 0; u < kUnroll; ++u)
+        for (int s = 0; s < S; ++s)
+          for (int m = 0; m < M; ++m)
+            acc[m][s][u] = dot_step(acc[m][s][u], x + m * K + k + u * lanes, wr[s] + k + u * lanes);
+    for (int m = 0; m < M; ++m)
+      for (int s = 0; s < S; ++s) {
+        vfloat total = acc[m][s][0];
+        for (int u = 1; u < kUnroll; ++u) total = vadd(total, acc[m][s][u]);
+        sums[m][s] = vsum(total);
       }
-      for (int m = 0; m < M; ++m) sums[m] = vsum(vadd(vadd(acc[m][0], acc[m][1]), vadd(acc[m][2], acc[m][3])));
-    }
+  }
 #endif
-    for (int m = 0; m < M; ++m) {
-      float sum = sums[m];
-      for (int64_t j = k; j < K; ++j) sum += to_float(x[m * K + j]) * to_float(wr[j]);
+  for (int m = 0; m < M; ++m)
+    for (int s = 0; s < S; ++s) {
+      const int64_t n = first + s * stride;
+      float sum = sums[m][s];
+      for (int64_t j = k; j < K; ++j) sum += to_float(x[m * K + j]) * to_float(wr[s][j]);
       if (bias != nullptr) sum += to_float(bias[n]);
       out[m * N + n] = static_cast<T>(sum);
     }
-  }
+}
+
+// rows [begin, end): S streams of (end - begin) / S rows each, the rest one at a time
+template <typename T, typename W, int M>
+void gemv_rows(const T* x, const W* w, const T* bias, T* out, int64_t N, int64_t K, int64_t begin, int64_t end) {
+  constexpr int S = std::max(1, kMaxStreams / M);
+  const int64_t per_stream = (end - begin) / S;
+  for (int64_t i = 0; i < per_stream; ++i) gemv_streams<T, W, M, S>(x, w, bias, out, N, K, begin + i, per_stream);
+  for (int64_t n = begin + S * per_stream; n < end; ++n) gemv_streams<T, W, M, 1>(x, w, bias, out, N, K, n, 0);
 }
 
 template <typename T, typename W>
