@@ -123,12 +123,13 @@ def test_prepacked_linear_equals_f_linear(dtype, rows):
         torch.testing.assert_close(layer(x), expected, **tolerance)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 5, 6, 7, 13, 64, 131])
+@pytest.mark.parametrize("rows", [1, 3, 5, 6, 7, 13, 64, 131, 389, 901])
 @pytest.mark.parametrize("shape", [(200, 101), (64, 32), (7, 1), (512, 300)])
 def test_packed_gemm_equals_f_linear(rows, shape):
     """The panel GEMM (used on AVX2-only CPUs, tested on every CPU): every row-tile tail
-    (1-5 of 6 rows, 13 of 14), output widths off the panel width and a single column, with
-    and without bias, x with leading dimensions."""
+    (1-5 of 6 rows, 13 of 14), more rows than one chunk of 384 (AVX2) or 896 (AVX-512) with a
+    partial last chunk, output widths off the panel width and a single column, with and
+    without bias, x with leading dimensions."""
     torch.manual_seed(rows)
     k, n = shape
     weight, bias, x = torch.randn(n, k), torch.randn(n), torch.randn(rows, k)
