@@ -11,7 +11,7 @@
 // kChunkRows of x's packed rows while it sits in L1/L2, then the next chunk: a prompt chunk of
 // 4096 rows is 8-16 MB of x (K = 512-1024), which every panel streamed from memory when it
 // passed over all rows; in chunks of 384 rows the GEMMs of the 52M and 350M models ran
-// 1.05-1.3x faster at 4096 rows (1 thread, Zen 3, in one process), the same at 128. Splitting
+// 1.02-1.22x faster at 4096 rows (1 thread, Zen 3, in one process), the same at 128. Splitting
 // K into blocks of 256 or 512 as well (the sums reloaded between blocks) gained nothing more.
 #include <ATen/Parallel.h>
 
