@@ -76,3 +76,5 @@ def test_embeddings_endpoint_float_and_base64(model_dir):
             client.embeddings.create(model="tiny-bert", input=[])
         with pytest.raises(openai.BadRequestError):
             client.embeddings.create(model="tiny-bert", input="x " * 600)
+        with pytest.raises(openai.NotFoundError, match="tiny-gpt"):
+            client.embeddings.create(model="tiny-gpt", input="x")

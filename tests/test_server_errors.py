@@ -54,7 +54,31 @@ CASES = [
     ("huge n", C, completion(n=100000), AUTH, 400, "n"),
     ("logprobs too many", C, completion(logprobs=50), AUTH, 400, "logprobs"),
     ("suffix unsupported", C, completion(suffix="x"), AUTH, 400, "suffix"),
-    ("logit_bias unsupported", C, completion(logit_bias={"5": 1.0}), AUTH, 400, "logit_bias"),
+    ("logit_bias token outside vocab", C, completion(logit_bias={"99999999": 1.0}), AUTH, 400, "logit_bias"),
+    ("logit_bias key not a token id", C, completion(logit_bias={"five": 1.0}), AUTH, 400, "logit_bias"),
+    ("logit_bias value out of range", C, completion(logit_bias={"5": 101}), AUTH, 400, "logit_bias"),
+    ("seed past 64 bits", C, completion(seed=2**64), AUTH, 400, "seed"),
+    ("seed below 64 bits", C, completion(seed=-(2**63) - 1), AUTH, 400, "seed"),
+    ("n past 64 bits", C, completion(n=2**70), AUTH, 400, "n"),
+    ("max_tokens past 64 bits", C, completion(max_tokens=2**70), AUTH, 400, "max_tokens"),
+    ("min_tokens past 64 bits", C, completion(min_tokens=2**70), AUTH, 400, "min_tokens"),
+    ("token id past 64 bits", C, completion(prompt=[2**70]), AUTH, 400, "prompt_token_ids"),
+    ("stop token outside vocab", C, completion(min_tokens=2, stop_token_ids=[99999999]), AUTH, 400,
+     "stop_token_ids"),
+    ("stop token outside vocab, chat", CH, chat(stop_token_ids=[99999999]), AUTH, 400, "stop_token_ids"),
+    ("NaN temperature", C, b'{"prompt": "hi", "max_tokens": 2, "temperature": NaN}', AUTH, 400, "temperature"),
+    ("infinite top_p", C, b'{"prompt": "hi", "max_tokens": 2, "top_p": Infinity}', AUTH, 400, "top_p"),
+    ("temperature past float", C, b'{"prompt": "hi", "max_tokens": 2, "temperature": 1e400}', AUTH, 400,
+     "temperature"),
+    ("lone surrogate in prompt", C, b'{"prompt": "a\\ud800b", "max_tokens": 2}', AUTH, 400, "prompt"),
+    ("lone surrogate in chat", CH, b'{"messages": [{"role": "user", "content": "\\udfff"}]}', AUTH, 400,
+     "messages.0.content"),
+    ("lone surrogate in a key", C, b'{"prompt": "hi", "\\ud800": 1}', AUTH, 400, None),
+    ("deeply nested JSON", C, b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", AUTH, 400, None),
+    ("nested past the depth bound", CH, b'{"messages": [{"role": "user", "content": "x"}], "tools": '
+     + b'[{"a": ' * 70 + b"1" + b"}]" * 70 + b"}", AUTH, 400, None),
+    ("spaces_between_special_tokens off", C, completion(spaces_between_special_tokens=False), AUTH, 400,
+     "spaces_between_special_tokens"),
     ("stop wrong type", C, completion(stop=5), AUTH, 400, None),
     ("seed wrong type", C, completion(seed="x"), AUTH, 400, "seed"),
     ("missing prompt", C, {"model": MODEL}, AUTH, 400, "prompt"),
@@ -151,3 +175,42 @@ def test_error_after_stream_started_is_an_sse_error_event(model_dir):
         assert "event: error" in lines
         error = json.loads(lines[lines.index("event: error") + 1][6:])["error"]
         assert error["code"] == 503
+
+
+def test_denormal_temperature_is_greedy(url):
+    """A temperature below vLLM's epsilon (1e-5) samples like temperature 0, not token 0 every step."""
+    texts = []
+    for temperature in (0, 1e-40, 5e-324):
+        body = completion(prompt="The quick brown fox", max_tokens=8, temperature=temperature, ignore_eos=True)
+        response = httpx.post(url + C, json=body, headers=AUTH, timeout=60)
+        assert response.status_code == 200, response.text
+        texts.append(response.json()["choices"][0]["text"])
+    assert texts[0] and texts == [texts[0]] * 3
+
+
+def test_requests_that_used_to_stop_the_engine_get_400_and_it_serves_on(url):
+    """The requests that once killed the engine thread are refused, and /health stays 200."""
+    for body in (completion(seed=18446744073709551616), completion(min_tokens=2, stop_token_ids=[99999999]),
+                 completion(logit_bias={"99999999": 5})):
+        response = httpx.post(url + C, json=body, headers=AUTH, timeout=60)
+        assert response.status_code == 400, response.text
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+    assert httpx.post(url + C, json=completion(), headers=AUTH, timeout=60).status_code == 200
+
+
+def test_client_request_ids_cannot_collide(url):
+    """Two requests with the same client id (one with n=2, whose sequences the engine names) both run."""
+    bodies = [completion(request_id="0_same", n=1), completion(request_id="same", n=2)]
+    results: list = [None, None]
+
+    def post(i):
+        results[i] = httpx.post(url + C, json=bodies[i], headers=AUTH, timeout=60)
+
+    threads = [threading.Thread(target=post, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert [r.status_code for r in results] == [200, 200]
+    assert [r.json()["id"] for r in results] == ["0_same", "same"]
+    assert len(results[1].json()["choices"]) == 2

@@ -251,7 +251,11 @@ def _serve(args: argparse.Namespace) -> int:
     config = resolve_config(args)
     configure_logging(config.server.log_level, config.server.log_format)
     if config.model is None:
-        config = config.model_copy(update={"model": str(demo_model_dir())})
+        demo = demo_model_dir()
+        # clients name the demo model, not its cache path
+        server = config.server.model_copy(update={"served_model_name": config.server.served_model_name
+                                                  or [demo.name]})
+        config = config.model_copy(update={"model": str(demo), "server": server})
     engine = build_engine(config)
     served = AsyncLLM(engine, config.server.max_queued_requests) if isinstance(engine, LLMEngine) else engine
     app = create_app(served, config.server)

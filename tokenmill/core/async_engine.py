@@ -37,6 +37,14 @@ class EngineDead(TokenmillError):
     """The engine loop stopped after an internal error; no request can be served."""
 
 
+class RequestFailed(TokenmillError):
+    """Processing this one request failed inside the engine (HTTP 500); the engine serves on."""
+
+    def __init__(self, request_id: str, reason: str) -> None:
+        super().__init__(f"request {request_id} failed: {reason}")
+        self.request_id = request_id
+
+
 @dataclass(frozen=True)
 class _Add:
     request_id: str
@@ -139,6 +147,8 @@ class AsyncLLM:
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
+                if item.error is not None:
+                    raise RequestFailed(request_id, item.error)
                 yield item
                 if finished:
                     return
@@ -175,8 +185,7 @@ class AsyncLLM:
                     self._wake.clear()
                     continue
                 outputs = engine.step()
-                for observer in self.observers:
-                    observer(engine, outputs)
+                self._observe(outputs)
                 for output in outputs:
                     self._deliver(output.request_id, output, final=output.finished)
         except BaseException as exc:  # the loop must never die silently
@@ -202,6 +211,9 @@ class AsyncLLM:
                                             arrival_time=command.arrival_time, adapter_name=command.adapter_name)
                 except TokenmillError as exc:
                     self._deliver(command.request_id, exc, final=True)
+                except Exception as exc:  # a bug met by this request alone: it fails, the loop goes on
+                    log.error("adding a request failed", request_id=command.request_id, exc_info=exc)
+                    self._deliver(command.request_id, RequestFailed(command.request_id, repr(exc)), final=True)
             elif isinstance(command, _Call):
                 try:
                     result, error = command.fn(self.engine), None
@@ -209,11 +221,17 @@ class AsyncLLM:
                     result, error = None, exc
                 command.loop.call_soon_threadsafe(_settle, command.future, result, error)
             else:
-                outputs = self.engine.abort_request(command.request_id)
-                for observer in self.observers:
-                    observer(self.engine, outputs)
+                self._observe(self.engine.abort_request(command.request_id))
                 with self._lock:
                     self._streams.pop(command.request_id, None)
+
+    def _observe(self, outputs: list[RequestOutput]) -> None:
+        """Metrics and logs see every step; one of them failing costs a data point, not the engine."""
+        for observer in self.observers:
+            try:
+                observer(self.engine, outputs)
+            except Exception:
+                log.exception("a step observer failed", observer=getattr(observer, "__name__", repr(observer)))
 
     def _deliver(self, request_id: str, item: object, final: bool) -> None:
         with self._lock:

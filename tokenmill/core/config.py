@@ -94,7 +94,8 @@ class ServerConfig(BaseModel):
     port: int = Field(8000, ge=0, le=65535)
     #: bearer token for /v1/*; unset falls back to the TOKENMILL_API_KEY env var, then to none
     api_key: Optional[SecretStr] = None
-    #: names clients use in "model"; default: the model directory's name
+    #: names clients use in "model"; default (vLLM's rule): the model argument as given, the
+    #: first name is the one responses report; the directory's own name is accepted as well
     served_model_name: Optional[list[str]] = None
     #: waiting requests beyond this get HTTP 503; None = unbounded
     max_queued_requests: Optional[int] = Field(None, ge=1)

@@ -1,4 +1,11 @@
-"""LLMEngine: add_request / step / abort over scheduler, model runner and outputs."""
+"""LLMEngine: add_request / step / abort over scheduler, model runner and outputs.
+
+A request is checked against the model once, when it is added; after that, an
+exception while one request is processed (its sampling, detokenizing, stop
+check, a plugin hook) finishes that request with ``finish_reason="error"`` and
+the engine serves on. Only errors in the scheduler's own bookkeeping propagate
+out of ``step``: those leave the engine's state unusable.
+"""
 
 from __future__ import annotations
 
@@ -16,7 +23,7 @@ from tokenmill.core.plugins import PluginManager
 from tokenmill.core.request import Request
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.interfaces.adapters import AdapterType
-from tokenmill.interfaces.batch import SchedulerStats
+from tokenmill.interfaces.batch import ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from tokenmill.interfaces.errors import InvalidRequest
 from tokenmill.interfaces.types import FinishReason, RequestOutput, SamplingParams
 
@@ -109,13 +116,19 @@ class LLMEngine:
     ) -> None:
         params = params or SamplingParams()
         text, token_ids = self.tokenize_prompt(prompt)
+        vocab = self.model_config.vocab_size
+        for param, token in params.token_ids():
+            if not 0 <= token < vocab:
+                raise InvalidRequest(param, f"token ids must be in [0, {vocab}), got {token}")
         if len(token_ids) >= self.max_model_len:
             raise InvalidRequest(
                 "prompt",
                 f"the prompt has {len(token_ids)} tokens; this model's context is "
                 f"{self.max_model_len} tokens, so at most {self.max_model_len - 1} fit",
             )
-        if request_id in self.outputs.states:
+        child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
+        if request_id in self.outputs.states or any(self.outputs.parent_of(c) or c in self.scheduler.requests
+                                                    for c in child_ids):
             raise InvalidRequest("request_id", f"request id {request_id!r} is already in use")
         if priority and not self._warned_priority and not getattr(self.scheduler.policy, "uses_priority", False):
             self._warned_priority = True
@@ -129,10 +142,10 @@ class LLMEngine:
                                               + ("" if self.adapters else " (the engine runs without enable_lora)"))
             adapter_key = f"{adapter_name}\x00{loaded[adapter_name]}"
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
         self.outputs.add(request_id, text, token_ids, params, child_ids, arrival_time)
         for index, child_id in enumerate(child_ids):
-            seed = None if params.seed is None else params.seed + index
+            # a generator takes any 64-bit pattern; wrapping keeps seed + index inside that
+            seed = None if params.seed is None else (params.seed + index) % 2**64
             self.scheduler.add_request(Request(
                 child_id, token_ids, params,
                 arrival_time=arrival_time,
@@ -164,28 +177,82 @@ class LLMEngine:
 
     # --- the step ----------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, and return outputs of requests that advanced."""
+        """Schedule, run the model once, and return outputs of requests that advanced or failed."""
         batch = self.scheduler.schedule()
         self.last_scheduler_stats = batch.stats
-        result = self.runner.execute(batch)
+        result, failures = self._execute(batch)
+        failed: dict[str, None] = {}  # user requests that failed in this step
+        for child_id, exc in failures.items():
+            failed.update(dict.fromkeys(self._fail(child_id, exc)))
         advanced = self.scheduler.update(batch, result)
 
-        touched: dict[str, None] = {}
         for child_id, entries in result.prompt_logprobs.items():
-            self.outputs.add_prompt_logprobs(child_id, entries)
+            if self.outputs.parent_of(child_id) in failed:
+                continue
+            try:
+                self.outputs.add_prompt_logprobs(child_id, entries)
+            except Exception as exc:
+                failed.update(dict.fromkeys(self._fail(child_id, exc)))
+        touched: dict[str, None] = {}
         for request in advanced:
-            stop = self.outputs.add_token(request, result.logprobs.get(request.request_id))
+            parent = self.outputs.parent_of(request.request_id)
+            if parent in failed:
+                continue
+            try:
+                stop = self.outputs.add_token(request, result.logprobs.get(request.request_id))
+            except Exception as exc:
+                failed.update(dict.fromkeys(self._fail(request.request_id, exc)))
+                continue
             if stop is not None and not request.is_finished:
                 self.scheduler.finish_requests([request.request_id], FinishReason.STOP, stop)
             elif stop is not None:  # a token-level stop in the same step: the string wins
                 request.finish_reason, request.stop_reason = FinishReason.STOP, stop
             if request.is_finished:
                 self.outputs.finish(request)
-            touched[self.outputs.parent_of(request.request_id)] = None
+            touched[parent] = None
+        touched.update(failed)
         return [self._emit(request_id) for request_id in touched]
+
+    def _execute(self, batch: SchedulerOutput) -> tuple[ModelRunnerOutput, dict[str, BaseException]]:
+        """Run the batch; if that raises, run its requests one at a time to find the ones that fail.
+
+        A retry recomputes the same KV into the same slots, so it is safe; a seeded
+        request that sampled before the failure draws its step again.
+        """
+        try:
+            return self.runner.execute(batch), {}
+        except Exception as exc:
+            if len(batch.scheduled) <= 1:
+                return ModelRunnerOutput({}, {}, {}), {item.request_id: exc for item in batch.scheduled}
+        sampled, logprobs, prompt_logprobs, failures = {}, {}, {}, {}
+        for item in batch.scheduled:
+            single = SchedulerOutput(scheduled=(item,), new_requests=(), finished_request_ids=frozenset(),
+                                     num_scheduled_tokens=len(item.new_token_ids))
+            try:
+                part = self.runner.execute(single)
+            except Exception as exc:
+                failures[item.request_id] = exc
+                continue
+            sampled.update(part.sampled_token_ids)
+            logprobs.update(part.logprobs)
+            prompt_logprobs.update(part.prompt_logprobs)
+        return ModelRunnerOutput(sampled, logprobs, prompt_logprobs), failures
+
+    def _fail(self, child_id: str, exc: BaseException) -> list[str]:
+        """Finish the user request ``child_id`` belongs to, all its sequences, as failed."""
+        parent = self.outputs.parent_of(child_id)
+        if parent is None:
+            return []
+        log.error("request failed; the engine serves on", request_id=parent, exc_info=exc)
+        self.outputs.fail(parent, f"{type(exc).__name__}: {exc}")
+        self.scheduler.finish_requests(self.outputs.child_ids(parent), FinishReason.ERROR)
+        return [parent]
 
     def _emit(self, request_id: str) -> RequestOutput:
         output = self.outputs.output(request_id)
         if output.finished:
-            self.plugin_manager.hook.request_finished(output=output, metrics=output.metrics)
+            try:
+                self.plugin_manager.hook.request_finished(output=output, metrics=output.metrics)
+            except Exception:  # a plugin's bookkeeping must not take the engine down
+                log.exception("a request_finished hook failed", request_id=request_id)
         return output

@@ -131,6 +131,9 @@ class ModelRunner:
                 if len(sample_rows) < len(rows):
                     logits = logits[torch.tensor(sample_rows)]
                 tokens, token_logprobs = self.sampler(logits, sampling_rows)
+        # the request states change only once the whole step succeeded, so a failed step can be retried
+        for item, _, first, count in prompt_spans:
+            self._states[item.request_id].num_prompt_logprobs_done = first + count
         sampled: dict[str, int] = {}
         logprobs: dict[str, PositionLogprobs] = {}
         for item, state, token, entry in zip(sample_items, states, tokens or [], token_logprobs):
@@ -200,5 +203,4 @@ class ModelRunner:
             result[item.request_id] = gather_logprobs(
                 logits[row0:row0 + count].log_softmax(dim=-1), targets, [k] * count
             )
-            state.num_prompt_logprobs_done = first + count
         return result

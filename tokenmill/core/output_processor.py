@@ -14,6 +14,7 @@ from tokenmill.core.detokenizer import IncrementalDetokenizer
 from tokenmill.core.request import Request
 from tokenmill.interfaces.types import (
     CompletionOutput,
+    FinishReason,
     Logprob,
     PositionLogprobs,
     RequestMetrics,
@@ -45,6 +46,8 @@ class RequestState:
     metrics: RequestMetrics
     prompt_logprobs: Optional[list[Optional[PositionLogprobs]]] = None
     num_cached_tokens: int = 0
+    #: why processing this request failed, once it did
+    error: Optional[str] = None
 
     @property
     def finished(self) -> bool:
@@ -104,6 +107,14 @@ class OutputProcessor:
             seq.cumulative_logprob += logprobs[token].logprob
         return seq.detokenizer.update([token])
 
+    def fail(self, request_id: str, error: str) -> None:
+        """Finish a request's unfinished sequences as failed, with the reason."""
+        state = self.states[request_id]
+        state.error = error
+        for seq in state.sequences.values():
+            if seq.finish_reason is None:
+                seq.finish_reason = str(FinishReason.ERROR)
+
     def finish(self, request: Request) -> None:
         state = self.states[self._parent_of[request.request_id]]
         seq = state.sequences[request.request_id]
@@ -141,6 +152,7 @@ class OutputProcessor:
             finished=finished,
             num_cached_tokens=state.num_cached_tokens,
             metrics=state.metrics,
+            error=state.error,
         )
 
     def _decode_logprob_tokens(self, entries: list[Optional[PositionLogprobs]]) -> None:

@@ -1,6 +1,6 @@
 """Turning a batch of logits into tokens, each row with its own SamplingParams.
 
-Order follows vLLM: min_tokens masking and penalties on the raw logits, then
+Order follows vLLM: min_tokens masking, logit_bias and penalties on the raw logits, then
 greedy argmax or temperature -> min-p -> top-k/top-p -> a draw. Reported
 logprobs are those of the raw distribution. A seeded row draws only from its
 own generator, so its samples do not depend on what else is in the batch.
@@ -39,6 +39,7 @@ class Sampler:
         want_logprobs = any(row.params.logprobs is not None for row in rows)
         raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
         logits = self._mask_min_tokens(logits, rows)
+        logits = self._apply_logit_bias(logits, rows)
         logits = self._apply_penalties(logits, rows)
 
         greedy = [row.params.greedy for row in rows]
@@ -64,7 +65,7 @@ class Sampler:
         """Whether each row's token is the argmax of its raw logits and nothing else of
         them is reported, so the logits themselves need not be computed (GreedyHead)."""
         return all(row.params.greedy and row.params.logprobs is None and not _penalized(row.params)
-                   and not _masks_stop_tokens(row) for row in rows)
+                   and not row.params.logit_bias and not _masks_stop_tokens(row) for row in rows)
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         temperature = torch.tensor([row.params.temperature for row in rows]).unsqueeze(1)
@@ -100,6 +101,18 @@ class Sampler:
                     masked = logits.clone()
                 masked[i, list(row.stop_token_ids)] = float("-inf")
         return logits if masked is None else masked
+
+    @staticmethod
+    def _apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        biased = [i for i, row in enumerate(rows) if row.params.logit_bias]
+        if not biased:
+            return logits
+        logits = logits.clone()
+        for i in biased:
+            bias = rows[i].params.logit_bias
+            tokens = torch.tensor(list(bias), dtype=torch.long)
+            logits[i].index_add_(0, tokens, torch.tensor(list(bias.values()), dtype=logits.dtype))
+        return logits
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:

@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Mapping, Optional
 
 from tokenmill.interfaces.errors import InvalidRequest
 
 #: vLLM's sentinel for "sample from the whole vocabulary".
 ALL_TOKENS = -1
+
+#: temperatures below this are greedy, as in vLLM (dividing by them overflows)
+SAMPLING_EPS = 1e-5
+
+#: seeds are 64-bit signed integers, as torch's generators and vLLM take them
+SEED_RANGE = (-(2**63), 2**63 - 1)
+
+#: OpenAI's bound on a logit_bias value
+MAX_LOGIT_BIAS = 100.0
 
 
 class FinishReason(str, enum.Enum):
@@ -18,6 +28,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token or a stop string
     LENGTH = "length"  # max_tokens or the context window
     ABORT = "abort"  # cancelled by the caller or a disconnect
+    ERROR = "error"  # processing this request failed; the engine served on
 
     def __str__(self) -> str:
         return self.value
@@ -27,7 +38,7 @@ class FinishReason(str, enum.Enum):
 class SamplingParams:
     """How to sample one request; validated once, at construction.
 
-    ``temperature == 0`` means greedy. ``logprobs=0`` returns the sampled
+    ``temperature`` below ``SAMPLING_EPS`` means greedy (it is stored as 0). ``logprobs=0`` returns the sampled
     token's logprob only; ``logprobs=k`` adds the top-k. Logprobs are those of
     the model's raw distribution (before penalties and temperature), as vLLM does.
     A ``seed`` makes a request's samples reproducible whatever else is batched with it.
@@ -52,6 +63,8 @@ class SamplingParams:
     prompt_logprobs: Optional[int] = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    #: token id -> bias added to its logit before penalties and sampling (OpenAI's logit_bias)
+    logit_bias: Optional[Mapping[int, float]] = None
 
     #: the largest ``logprobs``/``prompt_logprobs`` accepted (vLLM's default cap)
     MAX_LOGPROBS = 20
@@ -63,6 +76,10 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         self._validate()
+        if self.temperature < SAMPLING_EPS:
+            object.__setattr__(self, "temperature", 0.0)
+        if self.logit_bias is not None:
+            object.__setattr__(self, "logit_bias", dict(self.logit_bias) or None)
 
     def _validate(self) -> None:
         def check(ok: bool, param: str, message: str) -> None:
@@ -71,6 +88,10 @@ class SamplingParams:
 
         for name in ("n", "top_k", "min_tokens"):
             check(_is_int(getattr(self, name)), name, "must be an integer")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            value = getattr(self, name)
+            check(_is_finite(value), name, f"must be a finite number, got {value!r}")
         check(self.n >= 1, "n", f"must be at least 1, got {self.n}")
         check(self.temperature >= 0, "temperature", f"must be non-negative, got {self.temperature}")
         check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
@@ -82,7 +103,8 @@ class SamplingParams:
             check(-2 <= value <= 2, name, f"must be in [-2, 2], got {value}")
         check(self.repetition_penalty > 0, "repetition_penalty",
               f"must be greater than 0, got {self.repetition_penalty}")
-        check(self.seed is None or _is_int(self.seed), "seed", "must be an integer")
+        check(self.seed is None or (_is_int(self.seed) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]), "seed",
+              f"must be a 64-bit integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed!r}")
         if self.max_tokens is not None:
             check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
                   f"must be at least 1, got {self.max_tokens}")
@@ -99,14 +121,37 @@ class SamplingParams:
               "must be non-empty strings")
         check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
               "must be non-negative integers")
+        check(self.spaces_between_special_tokens is True, "spaces_between_special_tokens",
+              "only true is supported: the fast tokenizers decode special tokens without added spaces")
+        if self.logit_bias is not None:
+            check(isinstance(self.logit_bias, Mapping), "logit_bias", "must map token ids to biases")
+            for token, bias in self.logit_bias.items():
+                check(_is_int(token) and token >= 0, "logit_bias", f"keys must be token ids, got {token!r}")
+                check(_is_finite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS, "logit_bias",
+                      f"biases must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def token_ids(self) -> tuple[tuple[str, int], ...]:
+        """(parameter, token id) for every token id the request names, to check against a vocabulary."""
+        return tuple([("stop_token_ids", t) for t in self.stop_token_ids]
+                     + [("logit_bias", t) for t in self.logit_bias or ()])
+
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_finite(value: object) -> bool:
+    """A real number a float holds: not NaN or infinite, and no integer past float's range."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +195,8 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: Optional["RequestMetrics"] = None
+    #: set when processing this request failed (its finish_reason is "error"); not in vLLM
+    error: Optional[str] = None
 
 
 @dataclass

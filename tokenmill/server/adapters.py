@@ -10,23 +10,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fastapi import FastAPI, Request
-from pydantic import Field
+from fastapi import FastAPI
 
 from tokenmill.core.async_engine import AsyncLLM
 from tokenmill.core.engine import LLMEngine
 from tokenmill.server.errors import APIError
-from tokenmill.server.generation import parse_body
-from tokenmill.server.protocol import OpenAIModel
-
-
-class LoadAdapterRequest(OpenAIModel):
-    lora_name: str = Field(min_length=1, max_length=256)
-    lora_path: str = Field(min_length=1, max_length=4096)
-
-
-class UnloadAdapterRequest(OpenAIModel):
-    lora_name: str = Field(min_length=1, max_length=256)
+from tokenmill.server.protocol import LoadAdapterRequest, UnloadAdapterRequest
+from tokenmill.server.responses import AdapterResponse
 
 
 def confine(path: str, allowed_dirs: list[str]) -> Path:
@@ -45,9 +35,9 @@ def confine(path: str, allowed_dirs: list[str]) -> Path:
 
 
 def add_adapter_routes(app: FastAPI, llm: AsyncLLM, allowed_dirs: list[str]) -> None:
-    @app.post("/v1/load_lora_adapter")
-    async def load_adapter(request: Request):
-        body = await parse_body(request, LoadAdapterRequest)
+    @app.post("/v1/load_lora_adapter", response_model=AdapterResponse)
+    async def load_adapter(body: LoadAdapterRequest):
+        """vLLM: load a LoRA adapter from inside allowed_lora_dirs; clients then name it in `model`."""
         path = confine(body.lora_path, allowed_dirs)
 
         def load(engine: LLMEngine) -> None:
@@ -56,9 +46,9 @@ def add_adapter_routes(app: FastAPI, llm: AsyncLLM, allowed_dirs: list[str]) -> 
         await llm.run_on_engine(load)
         return {"status": "ok", "lora_name": body.lora_name}
 
-    @app.post("/v1/unload_lora_adapter")
-    async def unload_adapter(request: Request):
-        body = await parse_body(request, UnloadAdapterRequest)
+    @app.post("/v1/unload_lora_adapter", response_model=AdapterResponse)
+    async def unload_adapter(body: UnloadAdapterRequest):
+        """vLLM: unload an adapter no running request uses."""
 
         def unload(engine: LLMEngine) -> None:
             if engine.adapters.in_use(body.lora_name):

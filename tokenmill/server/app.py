@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import tokenmill
@@ -20,11 +20,31 @@ from tokenmill.server.chat import chat_prompt_ids, create_chat_completion
 from tokenmill.server.completions import create_completion
 from tokenmill.server.embeddings import EmbeddingService
 from tokenmill.server.errors import APIError, install_error_handlers
-from tokenmill.server.generation import ServingContext, parse_body
+from tokenmill.server.generation import ServingContext
 from tokenmill.server.logging import log_finished_requests
 from tokenmill.server.metrics import ServerMetrics
-from tokenmill.server.middleware import APIKeyAuth, BodySizeLimit
-from tokenmill.server.protocol import DetokenizeRequest, TokenizeRequest, now
+from tokenmill.server.middleware import APIKeyAuth, BodySizeLimit, JSONBodyCheck
+from tokenmill.server.openapi import ERROR_RESPONSES, install_openapi, streamed
+from tokenmill.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    EmbeddingRequest,
+    TokenizeRequest,
+    now,
+)
+from tokenmill.server.responses import (
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    CompletionResponse,
+    CompletionStreamResponse,
+    DetokenizeResponse,
+    EmbeddingResponse,
+    HealthResponse,
+    ModelList,
+    TokenizeResponse,
+    VersionResponse,
+)
 
 
 def resolve_api_key(config: ServerConfig) -> Optional[str]:
@@ -34,12 +54,18 @@ def resolve_api_key(config: ServerConfig) -> Optional[str]:
     return os.environ.get("TOKENMILL_API_KEY") or None
 
 
+def default_model_names(model: str) -> list[str]:
+    """vLLM's rule: the ``model`` argument as given; its last path part is also accepted."""
+    short = Path(model).name
+    return [model] if short in ("", model) else [model, short]
+
+
 def create_app(llm: AsyncLLM | EmbeddingEngine, config: Optional[ServerConfig] = None) -> FastAPI:
     """The app for a generation engine (wrapped in AsyncLLM) or an embedding engine."""
     config = config or ServerConfig()
     generating = isinstance(llm, AsyncLLM)
     engine = llm.engine if generating else llm
-    names = config.served_model_name or [Path(engine.config.model).name]
+    names = config.served_model_name or default_model_names(str(engine.config.model))
     ctx = ServingContext(llm if generating else None, names, engine.max_model_len, engine.tokenizer)
     metrics = ServerMetrics(names[0])
     embeddings = None if generating else EmbeddingService(engine, names[0])
@@ -57,28 +83,38 @@ def create_app(llm: AsyncLLM | EmbeddingEngine, config: Optional[ServerConfig] =
         if generating:
             llm.shutdown(config.drain_timeout)
 
-    app = FastAPI(title="tokenmill", version=tokenmill.__version__, lifespan=lifespan)
+    app = FastAPI(title="tokenmill", version=tokenmill.__version__, lifespan=lifespan,
+                  description="An OpenAI-compatible API with vLLM's extras. Every error is OpenAI's "
+                              "envelope `{\"error\": {message, type, param, code}}`.",
+                  responses=ERROR_RESPONSES)
     app.state.serving = ctx
     app.state.metrics = metrics
     install_error_handlers(app)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
+    @app.post("/v1/completions", response_model=CompletionResponse,
+              responses=streamed(CompletionStreamResponse, "The completion"))
+    async def completions(body: CompletionRequest, request: Request):
+        """OpenAI's legacy completions, with vLLM's sampling extras."""
         require("generation")
-        return await create_completion(request, ctx)
+        return await create_completion(body, request, ctx)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+              responses=streamed(ChatCompletionChunk, "The chat completion"))
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        """OpenAI's chat completions over the model's chat template, with vLLM's sampling extras."""
         require("generation")
-        return await create_chat_completion(request, ctx)
+        return await create_chat_completion(body, request, ctx)
 
-    @app.post("/v1/embeddings")
-    async def create_embeddings(request: Request):
+    @app.post("/v1/embeddings", response_model=EmbeddingResponse)
+    async def create_embeddings(body: EmbeddingRequest):
+        """Embeddings from an encoder model (the server must serve one)."""
         require("embeddings")
-        return await embeddings.create(request)
+        ctx.check_model(body.model)
+        return await embeddings.create(body)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=ModelList)
     async def models():
+        """The served model names, then the loaded LoRA adapters."""
         created = now()
         base = [{"id": name, "object": "model", "created": created, "owned_by": "tokenmill",
                  "root": str(engine.config.model), "parent": None, "max_model_len": engine.max_model_len}
@@ -88,9 +124,9 @@ def create_app(llm: AsyncLLM | EmbeddingEngine, config: Optional[ServerConfig] =
                     for name, path in sorted(ctx.adapters().items())]
         return {"object": "list", "data": base + adapters}
 
-    @app.post("/tokenize")
-    async def tokenize(request: Request):
-        body = await parse_body(request, TokenizeRequest)
+    @app.post("/tokenize", response_model=TokenizeResponse)
+    async def tokenize(body: TokenizeRequest):
+        """vLLM: the token ids of a prompt, or of a conversation rendered by the chat template."""
         ctx.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", "prompt")
@@ -100,9 +136,9 @@ def create_app(llm: AsyncLLM | EmbeddingEngine, config: Optional[ServerConfig] =
             tokens = ctx.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
 
-    @app.post("/detokenize")
-    async def detokenize(request: Request):
-        body = await parse_body(request, DetokenizeRequest)
+    @app.post("/detokenize", response_model=DetokenizeResponse)
+    async def detokenize(body: DetokenizeRequest):
+        """vLLM: the text of token ids."""
         ctx.check_model(body.model)
         vocab = engine.model_config.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
@@ -110,24 +146,29 @@ def create_app(llm: AsyncLLM | EmbeddingEngine, config: Optional[ServerConfig] =
             raise APIError(400, f"token ids must be in [0, {vocab}); got {bad[:5]}", "tokens")
         return {"prompt": ctx.tokenizer.decode(body.tokens)}
 
-    @app.get("/health")
+    @app.get("/health", response_model=HealthResponse, response_model_exclude_none=True,
+             responses={503: {"model": HealthResponse}})
     async def health():
+        """200 while the engine serves; 503 with the reason once it stopped."""
         if generating and llm.error is not None:
             return JSONResponse({"status": "error", "detail": repr(llm.error)}, status_code=503)
         return {"status": "ok"}
 
-    @app.get("/version")
+    @app.get("/version", response_model=VersionResponse)
     async def version():
         return {"version": tokenmill.__version__}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus():
+        """Prometheus text format, vLLM's metric names with the ``tokenmill:`` prefix."""
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     if generating and engine.config.adapters.allow_runtime_lora_updating:
         add_adapter_routes(app, llm, engine.config.adapters.allowed_lora_dirs)
     engine.plugin_manager.hook.extend_server(app=app)
-    # outermost first: size limit, then auth, then routing
+    install_openapi(app, [CompletionStreamResponse, ChatCompletionChunk])
+    # added innermost first, so a request meets: size limit, auth, JSON check, routing
+    app.add_middleware(JSONBodyCheck)
     app.add_middleware(APIKeyAuth, api_key=resolve_api_key(config))
     app.add_middleware(BodySizeLimit, max_bytes=int(config.max_request_body_bytes))
     return app

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, AsyncIterator, Optional
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from tokenmill.interfaces.types import CompletionOutput, PositionLogprobs, RequestOutput, SamplingParams
 from tokenmill.server.errors import APIError, sse_error
@@ -13,7 +13,7 @@ from tokenmill.server.generation import (
     MAX_SEQUENCES_PER_REQUEST,
     SSE_DONE,
     ServingContext,
-    parse_body,
+    safe_logprob,
     sse,
     unless_disconnected,
 )
@@ -41,19 +41,16 @@ def _logprobs_content(token_ids: list[int], entries: list[PositionLogprobs], top
         ranked = sorted((lp for t, lp in entry.items() if lp.rank is not None and lp.rank <= top),
                         key=lambda lp: lp.rank)
         content.append({
-            "token": chosen.decoded_token, "logprob": chosen.logprob,
+            "token": chosen.decoded_token, "logprob": safe_logprob(chosen.logprob),
             "bytes": list(chosen.decoded_token.encode()),
-            "top_logprobs": [{"token": lp.decoded_token, "logprob": lp.logprob,
+            "top_logprobs": [{"token": lp.decoded_token, "logprob": safe_logprob(lp.logprob),
                               "bytes": list(lp.decoded_token.encode())} for lp in ranked[:top]],
         })
     return content
 
 
-async def create_chat_completion(request: Request, ctx: ServingContext):
-    body = await parse_body(request, ChatCompletionRequest)
+async def create_chat_completion(body: ChatCompletionRequest, request: Request, ctx: ServingContext):
     model, adapter = ctx.resolve_model(body.model)
-    if body.logit_bias:
-        raise APIError(400, "logit_bias is not supported", "logit_bias")
     if body.tools:
         raise APIError(400, "tools are not supported", "tools")
     if body.n > MAX_SEQUENCES_PER_REQUEST:
@@ -64,9 +61,11 @@ async def create_chat_completion(request: Request, ctx: ServingContext):
     max_tokens = ctx.max_tokens_for(len(token_ids), body.max_completion_tokens or body.max_tokens)
     top = body.top_logprobs or 0
     params = body.sampling_params(max_tokens, top if body.logprobs else None)
-    request_id = body.request_id or new_id("chatcmpl")
-    [stream] = ctx.start([(request_id, {"prompt": None, "prompt_token_ids": token_ids}, params)],
-                         priority=body.priority, user=body.user, adapter=adapter)
+    internal_id = new_id("chatcmpl")
+    request_id = body.request_id or internal_id
+    prompt = {"prompt": None, "prompt_token_ids": token_ids}
+    [stream] = ctx.start(internal_id, [(prompt, params)], priority=body.priority, user=body.user,
+                         adapter=adapter)
     created = now()
     if body.stream:
         return StreamingResponse(_stream(body, request_id, model, created, stream, params),
@@ -74,11 +73,11 @@ async def create_chat_completion(request: Request, ctx: ServingContext):
     final = await unless_disconnected(request, _last(stream))
     choices = [_choice(c, body.logprobs, top) for c in final.outputs]
     completion_tokens = sum(len(c.token_ids) for c in final.outputs)
-    return JSONResponse({
+    return {
         "id": request_id, "object": "chat.completion", "created": created, "model": model, "choices": choices,
         "usage": {"prompt_tokens": len(token_ids), "completion_tokens": completion_tokens,
                   "total_tokens": len(token_ids) + completion_tokens},
-    })
+    }
 
 
 async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, AsyncIterator, Optional
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from tokenmill.interfaces.types import PositionLogprobs, RequestOutput
 from tokenmill.server.errors import APIError, sse_error
@@ -14,7 +14,7 @@ from tokenmill.server.generation import (
     SSE_DONE,
     ServingContext,
     merge_streams,
-    parse_body,
+    safe_logprob,
     sse,
     unless_disconnected,
 )
@@ -53,25 +53,22 @@ class _LogprobsBuilder:
                 self.token_logprobs.append(None)
                 self.top_logprobs.append(None)
                 continue
-            self.token_logprobs.append(entry[token].logprob)
+            self.token_logprobs.append(safe_logprob(entry[token].logprob))
             top = sorted(entry.values(), key=lambda lp: lp.rank or 0)[: max(k, 1) if k else 1]
-            self.top_logprobs.append({lp.decoded_token: lp.logprob for lp in top} if k else
-                                     {entry[token].decoded_token: entry[token].logprob})
+            self.top_logprobs.append({lp.decoded_token: safe_logprob(lp.logprob) for lp in top} if k else
+                                     {entry[token].decoded_token: safe_logprob(entry[token].logprob)})
 
     def as_dict(self) -> dict:
         return {"tokens": self.tokens, "token_logprobs": self.token_logprobs,
                 "top_logprobs": self.top_logprobs, "text_offset": self.text_offset}
 
 
-async def create_completion(request: Request, ctx: ServingContext):
-    body = await parse_body(request, CompletionRequest)
+async def create_completion(body: CompletionRequest, request: Request, ctx: ServingContext):
     model, adapter = ctx.resolve_model(body.model)
     if body.suffix is not None:
         raise APIError(400, "suffix is not supported", "suffix")
     if body.best_of is not None and body.best_of != body.n:
         raise APIError(400, "best_of other than n is not supported", "best_of")
-    if body.logit_bias:
-        raise APIError(400, "logit_bias is not supported", "logit_bias")
     if body.echo and body.stream and body.logprobs is not None:
         raise APIError(400, "echo with logprobs is not supported when streaming", "echo")
     prompts = [ctx.llm.prepare_prompt(p) for p in _prompts(body.prompt)]
@@ -83,15 +80,16 @@ async def create_completion(request: Request, ctx: ServingContext):
         max_tokens = ctx.max_tokens_for(len(prompt["prompt_token_ids"]), body.max_tokens)
         prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
         params.append(body.sampling_params(max_tokens, body.logprobs, prompt_logprobs))
-    request_id = body.request_id or new_id("cmpl")
-    streams = ctx.start([(f"{request_id}-{i}", prompt, p) for i, (prompt, p) in enumerate(zip(prompts, params))],
-                        priority=body.priority, user=body.user, adapter=adapter)
+    internal_id = new_id("cmpl")
+    request_id = body.request_id or internal_id
+    streams = ctx.start(internal_id, list(zip(prompts, params)), priority=body.priority, user=body.user,
+                        adapter=adapter)
     created = now()
     if body.stream:
         return StreamingResponse(_stream(body, ctx, request_id, model, created, prompts, streams),
                                  media_type="text/event-stream")
     finals = await unless_disconnected(request, _collect(streams))
-    return JSONResponse(_response(body, ctx, request_id, model, created, prompts, finals))
+    return _response(body, ctx, request_id, model, created, prompts, finals)
 
 
 async def _collect(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:

@@ -6,11 +6,8 @@ import asyncio
 import base64
 import threading
 
-from fastapi import Request
-
 from tokenmill.core.embedding_engine import EmbeddingEngine
 from tokenmill.server.errors import APIError
-from tokenmill.server.generation import parse_body
 from tokenmill.server.protocol import EmbeddingRequest
 
 #: inputs per request, as OpenAI limits them
@@ -29,8 +26,7 @@ class EmbeddingService:
         with self._lock:
             return self.engine.embed(token_ids)
 
-    async def create(self, request: Request) -> dict:
-        body = await parse_body(request, EmbeddingRequest)
+    async def create(self, body: EmbeddingRequest) -> dict:
         raw = body.input
         if isinstance(raw, str) or (raw and all(isinstance(t, int) for t in raw)):
             items = [raw]

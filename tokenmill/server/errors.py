@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tokenmill.core.async_engine import EngineDead, EngineOverloaded
+from tokenmill.core.async_engine import EngineDead, EngineOverloaded, RequestFailed
 from tokenmill.interfaces.errors import InvalidRequest
 
 log = structlog.get_logger("tokenmill.server")
@@ -28,6 +28,7 @@ _TYPES = {
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    500: "internal_error",
     503: "server_overloaded",
 }
 
@@ -47,10 +48,15 @@ def error_response(status: int, message: str, param: Optional[str] = None) -> JS
     return JSONResponse(error_body(status, message, param), status_code=status)
 
 
+def _is_union_tag(part: object) -> bool:
+    """pydantic names the member of a union it tried ("str", "list[int]") inside ``loc``."""
+    return isinstance(part, str) and ("[" in part or part in {"str", "int", "float", "bool", "none"})
+
+
 def validation_message(exc: ValidationError | RequestValidationError) -> tuple[str, Optional[str]]:
     """The first problem as (message, dotted parameter)."""
     first = exc.errors()[0]
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    loc = [str(part) for part in first.get("loc", ()) if part != "body" and not _is_union_tag(part)]
     param = ".".join(loc) or None
     return (f"{param}: {first['msg']}" if param else first["msg"]), param
 
@@ -65,6 +71,8 @@ def api_error_from(exc: Exception) -> APIError:
         return APIError(400, *validation_message(exc))
     if isinstance(exc, (EngineOverloaded, EngineDead)):
         return APIError(503, str(exc))
+    if isinstance(exc, RequestFailed):
+        return APIError(500, str(exc))
     log.error("internal error", exc_info=exc)
     return APIError(500, "internal server error")
 
@@ -79,7 +87,7 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(exc.status_code, message)
 
     for exc_type in (APIError, InvalidRequest, RequestValidationError, ValidationError,
-                     EngineOverloaded, EngineDead, Exception):
+                     EngineOverloaded, EngineDead, RequestFailed, Exception):
         app.add_exception_handler(exc_type, handle)
     app.add_exception_handler(StarletteHTTPException, handle_http)
 

@@ -5,16 +5,14 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Optional, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Optional
 
 from fastapi import Request
-from pydantic import BaseModel, ValidationError
 
 from tokenmill.core.async_engine import AsyncLLM
-from tokenmill.interfaces.types import RequestOutput
-from tokenmill.server.errors import APIError, validation_message
-
-T = TypeVar("T", bound=BaseModel)
+from tokenmill.interfaces.types import RequestOutput, SamplingParams
+from tokenmill.server.errors import APIError
+from tokenmill.server.responses import LOGPROB_FLOOR
 
 #: the most sequences one request may ask for (n x prompts)
 MAX_SEQUENCES_PER_REQUEST = 128
@@ -29,16 +27,21 @@ class ServingContext:
     max_model_len: int
     tokenizer: Any
 
-    def start(self, requests: list[tuple[str, dict, Any]], priority: int, user: Optional[str],
-              adapter: Optional[str] = None) -> list[AsyncIterator[RequestOutput]]:
-        """Admit several engine requests at once: all of them, or (on an error) none."""
+    def start(self, internal_id: str, requests: list[tuple[dict, SamplingParams]], priority: int,
+              user: Optional[str], adapter: Optional[str] = None) -> list[AsyncIterator[RequestOutput]]:
+        """Admit several engine requests at once: all of them, or (on an error) none.
+
+        Their engine ids are ``{internal_id}-{i}``: made by the server, so no id a client
+        chooses can collide with another request's.
+        """
         streams: list[AsyncIterator[RequestOutput]] = []
+        ids = [f"{internal_id}-{i}" for i in range(len(requests))]
         try:
-            for request_id, prompt, params in requests:
+            for request_id, (prompt, params) in zip(ids, requests):
                 streams.append(self.llm.generate(request_id, prompt, params, priority=priority, user=user,
                                                  adapter_name=adapter))
         except Exception:
-            for request_id, _, _ in requests[: len(streams)]:
+            for request_id in ids[: len(streams)]:
                 self.llm.abort(request_id)
             raise
         return streams
@@ -73,23 +76,6 @@ class ServingContext:
                 "max_tokens" if room >= 1 else "prompt",
             )
         return requested if requested is not None else room
-
-
-async def parse_body(request: Request, model: type[T]) -> T:
-    """JSON body -> model; invalid UTF-8, invalid JSON and schema errors are 400s."""
-    raw = await request.body()
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise APIError(400, "the request body is not valid UTF-8") from None
-    except json.JSONDecodeError as exc:
-        raise APIError(400, f"the request body is not valid JSON: {exc.msg} at position {exc.pos}") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise APIError(400, *validation_message(exc)) from None
 
 
 async def merge_streams(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -151,6 +137,11 @@ async def unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
         await asyncio.gather(task, return_exceptions=True)
         raise APIError(499, "client disconnected")
     return task.result()
+
+
+def safe_logprob(value: float) -> float:
+    """A logprob JSON can carry: -inf (a token the model rules out) becomes the floor."""
+    return max(value, LOGPROB_FLOOR)
 
 
 def sse(data: Any) -> str:

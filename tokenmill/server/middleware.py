@@ -1,8 +1,9 @@
-"""ASGI middleware: request-body size limit and API-key authentication.
+"""ASGI middleware: request-body size limit, API-key authentication, the JSON body check.
 
-Both run before a route reads the body: an oversized upload is refused from
+All run before a route reads the body: an oversized upload is refused from
 its Content-Length, or cut off once a chunked body passes the limit, never
-buffered whole.
+buffered whole; an unauthenticated body is never parsed; and a body FastAPI's
+parser must not see (not UTF-8, not JSON, too deep, lone surrogates) is a 400.
 """
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ from typing import Optional
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenmill.server.errors import error_body
+from tokenmill.server.json_body import BodyProblem, check_json_body
 
 #: routes that need the API key (health, version and metrics stay open for probes)
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 
 
-async def _send_error(send: Send, status: int, message: str) -> None:
-    body = json.dumps(error_body(status, message)).encode()
+async def _send_error(send: Send, status: int, message: str, param: Optional[str] = None) -> None:
+    body = json.dumps(error_body(status, message, param)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if status == 401:
         headers.append((b"www-authenticate", b"Bearer"))
@@ -87,3 +89,41 @@ class APIKeyAuth:
             await _send_error(send, 401, "invalid or missing API key")
             return
         await self.app(scope, receive, send)
+
+
+class JSONBodyCheck:
+    """Reads a POST body (the size limit runs first) and refuses it unless it is a sound
+    JSON object; a sound one is replayed to the route unchanged."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("method") != "POST":
+            await self.app(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left before its body arrived
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        if body:
+            try:
+                check_json_body(body)
+            except BodyProblem as problem:
+                await _send_error(send, 400, problem.message, problem.param)
+                return
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()  # later reads wait for the disconnect
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)

@@ -1,14 +1,25 @@
-"""OpenAI-shaped request and response models (with vLLM's sampling extras)."""
+"""OpenAI-shaped request models (with vLLM's sampling extras), published in the OpenAPI schema.
+
+Types and shapes are checked here; the ranges of sampling values are checked
+once, by ``SamplingParams``, and values that depend on the model (token ids,
+the context window) by the engine at admission, so each rule has one home.
+"""
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tokenmill.interfaces.types import SamplingParams
+from tokenmill.interfaces.errors import InvalidRequest
+from tokenmill.interfaces.types import SEED_RANGE, SamplingParams
+
+
+#: a logit_bias key: a token id in decimal (bounded, so int() never sees thousands of digits)
+_TOKEN_ID = re.compile(r"-?[0-9]{1,19}")
 
 
 class OpenAIModel(BaseModel):
@@ -17,34 +28,48 @@ class OpenAIModel(BaseModel):
 
 
 class StreamOptions(OpenAIModel):
-    include_usage: bool = False
+    include_usage: bool = Field(False, description="Send a last chunk with the token usage of the request.")
+
+
+TokenIds = list[int]
+Prompt = Union[str, list[str], TokenIds, list[TokenIds]]
 
 
 class SamplingFields(OpenAIModel):
     """Fields shared by completions and chat completions."""
 
-    model: Optional[str] = None
-    n: int = 1
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: Optional[int] = None
-    stop: Union[str, list[str], None] = None
-    stream: bool = False
+    model: Optional[str] = Field(None, description="A served model name or a loaded LoRA adapter; "
+                                                   "omitted means the first served name.")
+    n: int = Field(1, description="Sequences to generate per prompt (at least 1).")
+    temperature: Optional[float] = Field(None, description="Sampling temperature, >= 0; below 1e-5 is greedy. "
+                                                           "Default 1.")
+    top_p: Optional[float] = Field(None, description="Nucleus sampling mass in (0, 1]. Default 1.")
+    presence_penalty: float = Field(0.0, description="In [-2, 2]: subtracted once from every generated token's logit.")
+    frequency_penalty: float = Field(0.0, description="In [-2, 2]: subtracted per occurrence of a generated token.")
+    seed: Optional[int] = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1],
+                                description="Makes this request's samples reproducible, whatever else is batched.")
+    stop: Union[str, list[str], None] = Field(None, description="Strings that end a sequence (not included).")
+    stream: bool = Field(False, description="Stream server-sent events, ending with `data: [DONE]`.")
     stream_options: Optional[StreamOptions] = None
-    user: Optional[str] = None
+    user: Optional[str] = Field(None, description="An end-user id, for logs.")
+    logit_bias: Optional[dict[str, float]] = Field(
+        None, description="Token id (as a string) -> bias in [-100, 100], added to its logit before sampling.")
     # vLLM extras
-    top_k: Optional[int] = None
-    min_p: Optional[float] = None
-    repetition_penalty: Optional[float] = None
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    stop_token_ids: Optional[list[int]] = None
-    priority: int = 0
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    request_id: Optional[str] = None
+    top_k: Optional[int] = Field(None, description="vLLM: sample among the k most likely tokens; -1 = all.")
+    min_p: Optional[float] = Field(None, description="vLLM: drop tokens below min_p x the top probability, "
+                                                     "in [0, 1].")
+    repetition_penalty: Optional[float] = Field(None, description="vLLM: > 0; divides the logits of tokens "
+                                                                  "seen in the prompt or output (1 = off).")
+    min_tokens: int = Field(0, description="vLLM: EOS and stop_token_ids are masked until this many tokens.")
+    ignore_eos: bool = Field(False, description="vLLM: keep generating past the EOS token.")
+    stop_token_ids: Optional[list[int]] = Field(None, description="vLLM: token ids that end a sequence.")
+    priority: int = Field(0, description="vLLM: lower runs first under the priority scheduling policy.")
+    include_stop_str_in_output: bool = Field(False, description="vLLM: keep the matched stop string in the text.")
+    skip_special_tokens: bool = Field(True, description="vLLM: leave special tokens out of the text.")
+    spaces_between_special_tokens: bool = Field(
+        True, description="vLLM: only true is supported (the fast tokenizers' decoding); false is refused.")
+    request_id: Optional[str] = Field(None, max_length=256, description="vLLM: the id to report in the response; "
+                                                                        "the engine keeps its own internal ids.")
 
     def sampling_params(self, max_tokens: int, logprobs: Optional[int],
                         prompt_logprobs: Optional[int] = None) -> SamplingParams:
@@ -67,17 +92,30 @@ class SamplingFields(OpenAIModel):
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            logit_bias=self._logit_bias(),
         )
+
+    def _logit_bias(self) -> Optional[dict[int, float]]:
+        """OpenAI sends token ids as JSON object keys, so as strings."""
+        if not self.logit_bias:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            if not _TOKEN_ID.fullmatch(key):
+                raise InvalidRequest("logit_bias", f"keys must be token ids, got {key[:32]!r}")
+            bias[int(key)] = value
+        return bias
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: Optional[int] = 16
-    logprobs: Optional[int] = None
-    echo: bool = False
-    suffix: Optional[str] = None
-    best_of: Optional[int] = None
-    logit_bias: Optional[dict[str, float]] = None
+    prompt: Prompt = Field(description="Text, a list of texts, token ids, or a list of token-id lists.")
+    max_tokens: Optional[int] = Field(16, description="Tokens to generate at most; null = the rest of the context.")
+    logprobs: Optional[int] = Field(None, description="Report the sampled token's logprob and the top-k "
+                                                      "(0-20) alternatives.")
+    echo: bool = Field(False, description="Prepend the prompt (and its logprobs) to the completion.")
+    suffix: Optional[str] = Field(None, description="Not supported: refused with a 400.")
+    best_of: Optional[int] = Field(None, description="Only equal to n is supported.")
 
 
 class ContentPart(OpenAIModel):
@@ -99,37 +137,47 @@ class ChatMessage(OpenAIModel):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: Optional[int] = None
-    max_completion_tokens: Optional[int] = None
-    logprobs: bool = False
-    top_logprobs: Optional[int] = None
-    add_generation_prompt: bool = True
-    chat_template: Optional[str] = None
-    logit_bias: Optional[dict[str, float]] = None
-    tools: Optional[list[Any]] = None
+    messages: list[ChatMessage] = Field(min_length=1, description="The conversation, rendered by the "
+                                                                  "model's chat template.")
+    max_tokens: Optional[int] = Field(None, description="Deprecated by OpenAI for max_completion_tokens.")
+    max_completion_tokens: Optional[int] = Field(None, description="Tokens to generate at most; "
+                                                                   "null = the rest of the context.")
+    logprobs: bool = Field(False, description="Report each generated token's logprob.")
+    top_logprobs: Optional[int] = Field(None, description="With logprobs: the 0-20 most likely alternatives.")
+    add_generation_prompt: bool = Field(True, description="vLLM: end the prompt with the assistant's turn header.")
+    chat_template: Optional[str] = Field(None, description="vLLM: a Jinja chat template to use instead "
+                                                           "of the model's.")
+    tools: Optional[list[dict[str, Any]]] = Field(None, description="Not supported yet: refused with a 400.")
 
 
 class TokenizeRequest(OpenAIModel):
     model: Optional[str] = None
-    prompt: Optional[str] = None
-    messages: Optional[list[ChatMessage]] = None
+    prompt: Optional[str] = Field(None, description="Text to tokenize (or give messages).")
+    messages: Optional[list[ChatMessage]] = Field(None, description="A conversation, rendered by the chat "
+                                                                    "template, then tokenized.")
     add_special_tokens: bool = True
 
 
 class DetokenizeRequest(OpenAIModel):
     model: Optional[str] = None
-    tokens: list[int]
+    tokens: TokenIds = Field(description="Token ids inside the vocabulary.")
 
 
 class EmbeddingRequest(OpenAIModel):
     model: Optional[str] = None
-    input: Union[str, list[str], list[int], list[list[int]]]
+    input: Prompt = Field(description="Text, a list of texts, token ids, or a list of token-id lists.")
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Optional[int] = None
+    dimensions: Optional[int] = Field(None, description="Only the model's own dimension is supported.")
     user: Optional[str] = None
 
 
+class LoadAdapterRequest(OpenAIModel):
+    lora_name: str = Field(min_length=1, max_length=256, description="The name clients put in `model`.")
+    lora_path: str = Field(min_length=1, max_length=4096, description="A directory inside allowed_lora_dirs.")
+
+
+class UnloadAdapterRequest(OpenAIModel):
+    lora_name: str = Field(min_length=1, max_length=256)
 
 
 def new_id(prefix: str) -> str:

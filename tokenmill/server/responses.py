@@ -1,0 +1,182 @@
+"""Response models of every route, so the OpenAPI schema is the contract clients and tests read.
+
+Handlers build plain dicts; FastAPI validates each non-streaming response
+against its model. Streaming routes send one chunk model per SSE ``data:`` line.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional, Union
+
+from pydantic import BaseModel, Field
+
+#: the floor of a reported logprob: JSON has no -Infinity (vLLM reports the same floor)
+LOGPROB_FLOOR = -9999.0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int = 0
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions logprobs object."""
+
+    tokens: list[str]
+    token_logprobs: list[Optional[float]]
+    top_logprobs: list[Optional[dict[str, float]]]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogprobs] = None
+    finish_reason: Optional[str] = Field(None, description="stop, length, abort or error; null while streaming.")
+    stop_reason: Union[int, str, None] = Field(None, description="vLLM: the stop token id or string that matched.")
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class CompletionStreamResponse(BaseModel):
+    """One SSE chunk of a streamed completion; the usage chunk has no choices."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[Usage] = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: Optional[ChatLogprobs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class DeltaMessage(BaseModel):
+    role: Optional[Literal["assistant"]] = None
+    content: Optional[str] = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: Optional[ChatLogprobs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One SSE chunk of a streamed chat completion; the usage chunk has no choices."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Optional[Usage] = None
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: Union[list[float], str] = Field(description="Floats, or base64 of little-endian float32.")
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: Usage
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+    root: str = Field(description="The model directory, or the adapter's path.")
+    parent: Optional[str] = Field(None, description="For a LoRA adapter: the base model's name.")
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class AdapterResponse(BaseModel):
+    status: Literal["ok"] = "ok"
+    lora_name: str
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok", "error"]
+    detail: Optional[str] = Field(None, description="Why the engine stopped, when it did.")
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: Optional[str] = Field(None, description="The request field the error is about, dotted.")
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error envelope, for every 4xx and 5xx."""
+
+    error: ErrorInfo
