@@ -26,10 +26,15 @@ def confine(path: str, allowed_dirs: list[str]) -> Path:
     roots = [Path(d).resolve() for d in allowed_dirs]
     candidates = [Path(path)] if Path(path).is_absolute() else [root / path for root in roots]
     for candidate in candidates:
-        resolved = candidate.resolve()  # follows symlinks and '..'
-        if any(resolved.is_relative_to(root) for root in roots):
-            if not resolved.is_dir():
+        try:
+            resolved = candidate.resolve()  # follows symlinks and '..'
+            inside = any(resolved.is_relative_to(root) for root in roots)
+            if inside and not resolved.is_dir():
                 raise APIError(400, f"adapter directory {path!r} does not exist", "lora_path")
+        except (OSError, ValueError) as exc:  # a name too long, a NUL byte, a symlink loop
+            raise APIError(400, f"adapter path {path[:64]!r} cannot be used: {exc.__class__.__name__}",
+                           "lora_path") from None
+        if inside:
             return resolved
     raise APIError(400, f"adapter path {path!r} is outside the allowed directories", "lora_path")
 

@@ -57,7 +57,13 @@ def _build(app: FastAPI, extra_models: list[type[BaseModel]]) -> dict[str, Any]:
                          routes=app.routes)
     for path_item in schema.get("paths", {}).values():
         for operation in path_item.values():
-            operation.get("responses", {}).pop("422", None)  # answered as a 400, declared there
+            responses = operation.get("responses", {})
+            responses.pop("422", None)  # answered as a 400, declared there
+            for status in map(str, ERROR_RESPONSES):
+                # errors are JSON even where the route's own answer is not (/metrics)
+                content = responses.get(status, {}).get("content", {})
+                if content and "application/json" not in content:
+                    responses[status]["content"] = {"application/json": content.popitem()[1]}
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     for name in ("HTTPValidationError", "ValidationError"):
         components.pop(name, None)

@@ -23,8 +23,10 @@ _TOKEN_ID = re.compile(r"-?[0-9]{1,19}")
 
 
 class OpenAIModel(BaseModel):
-    # Unknown fields are ignored, as OpenAI and vLLM do: clients send vendor extras.
-    model_config = ConfigDict(extra="ignore")
+    """Unknown fields are ignored, as OpenAI and vLLM do: clients send vendor extras. Known ones
+    are strict: ``true`` is no token id and ``"5"`` no integer, as the schema says."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(OpenAIModel):
