@@ -85,6 +85,10 @@ class LLMEngine:
             else:
                 raise InvalidRequest("prompt", "a dict prompt needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, str):
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InvalidRequest("prompt", "the prompt is not valid Unicode (it has a lone surrogate)") from None
             ids = self.tokenizer.encode(prompt)
             if not ids:
                 raise InvalidRequest("prompt", "the prompt is empty")

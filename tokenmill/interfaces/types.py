@@ -76,10 +76,14 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         self._validate()
+        # integers are accepted where floats are meant, and stored as floats: torch would make an
+        # int64 tensor of them, which 2**63 overflows
+        for name in _FLOAT_FIELDS:
+            object.__setattr__(self, name, float(getattr(self, name)))
         if self.temperature < SAMPLING_EPS:
             object.__setattr__(self, "temperature", 0.0)
         if self.logit_bias is not None:
-            object.__setattr__(self, "logit_bias", dict(self.logit_bias) or None)
+            object.__setattr__(self, "logit_bias", {t: float(b) for t, b in self.logit_bias.items()} or None)
 
     def _validate(self) -> None:
         def check(ok: bool, param: str, message: str) -> None:
@@ -88,8 +92,7 @@ class SamplingParams:
 
         for name in ("n", "top_k", "min_tokens"):
             check(_is_int(getattr(self, name)), name, "must be an integer")
-        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty"):
+        for name in _FLOAT_FIELDS:
             value = getattr(self, name)
             check(_is_finite(value), name, f"must be a finite number, got {value!r}")
         check(self.n >= 1, "n", f"must be at least 1, got {self.n}")
@@ -138,6 +141,9 @@ class SamplingParams:
         """(parameter, token id) for every token id the request names, to check against a vocabulary."""
         return tuple([("stop_token_ids", t) for t in self.stop_token_ids]
                      + [("logit_bias", t) for t in self.logit_bias or ()])
+
+
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 def _is_int(value: object) -> bool:
