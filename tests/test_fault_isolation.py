@@ -1,0 +1,90 @@
+"""A failure while one request is processed fails that request alone: the others stream on and
+finish correctly, the failing one gets an error that names it, and /health stays 200."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import openai
+import pytest
+
+from conftest import make_llm
+from server_harness import running_server
+from tokenmill.core.detokenizer import IncrementalDetokenizer
+from tokenmill.core.sampler import Sampler
+
+MODEL = "tiny"
+#: the markers that make the injected faults fire for one request only
+STOP_FAULT = "<fail-in-stop-check>"
+SAMPLER_FAULT_TOKEN, SAMPLER_FAULT_BIAS = 77, 13.0
+
+
+@pytest.fixture
+def faults(monkeypatch):
+    """A stop check that raises for requests with STOP_FAULT among their stop strings, and a
+    sampler that raises for rows whose logit_bias carries the sentinel."""
+    update, bias = IncrementalDetokenizer.update, Sampler._apply_logit_bias
+
+    def failing_update(self, token_ids):
+        if STOP_FAULT in self._stop:
+            raise RuntimeError("injected stop-check failure")
+        return update(self, token_ids)
+
+    def failing_bias(logits, rows):
+        if any((row.params.logit_bias or {}).get(SAMPLER_FAULT_TOKEN) == SAMPLER_FAULT_BIAS for row in rows):
+            raise RuntimeError("injected sampler failure")
+        return bias(logits, rows)
+
+    monkeypatch.setattr(IncrementalDetokenizer, "update", failing_update)
+    monkeypatch.setattr(Sampler, "_apply_logit_bias", staticmethod(failing_bias))
+
+
+def test_one_failing_request_fails_alone_while_others_stream(model_dir, faults):
+    engine = make_llm(model_dir("llama")).llm_engine
+    prompts = ["The quick brown fox", "Once upon a time", "In a galaxy far away"]
+    with running_server(engine, served_model_name=[MODEL]) as (url, llm):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        greedy = dict(model=MODEL, max_tokens=40, temperature=0, extra_body={"ignore_eos": True})
+        expected = [client.completions.create(prompt=p, **greedy).choices[0].text for p in prompts]
+
+        streamed: dict[int, str] = {}
+        failures: dict[str, object] = {}
+
+        def stream(i):
+            chunks = client.completions.create(prompt=prompts[i], stream=True, **greedy)
+            streamed[i] = "".join(chunk.choices[0].text for chunk in chunks)
+
+        def failing_stream():
+            body = {"model": MODEL, "prompt": "x", "max_tokens": 40, "stream": True, "stop": [STOP_FAULT]}
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
+                failures["stream"] = [line for line in response.iter_lines() if line]
+
+        def failing_sample():
+            body = {"model": MODEL, "prompt": "x", "max_tokens": 40,
+                    "logit_bias": {str(SAMPLER_FAULT_TOKEN): SAMPLER_FAULT_BIAS}}
+            failures["sample"] = httpx.post(url + "/v1/completions", json=body, timeout=60)
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(prompts))]
+        threads += [threading.Thread(target=failing_stream), threading.Thread(target=failing_sample)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+
+        assert [streamed[i] for i in range(len(prompts))] == expected
+        lines = failures["stream"]
+        assert lines[-1] == "data: [DONE]" and "event: error" in lines
+        error = json.loads(lines[lines.index("event: error") + 1].removeprefix("data: "))["error"]
+        assert error["code"] == 500 and "injected stop-check failure" in error["message"]
+        assert "request cmpl-" in error["message"]
+        response = failures["sample"]
+        assert response.status_code == 500
+        assert "injected sampler failure" in response.json()["error"]["message"]
+        assert response.json()["error"]["message"].startswith("request cmpl-")
+
+        assert httpx.get(url + "/health").json() == {"status": "ok"}
+        assert llm.error is None
+        assert client.completions.create(prompt=prompts[0], **greedy).choices[0].text == expected[0]
+        assert engine.scheduler.kv_cache.pool.usage() == 0.0
