@@ -134,7 +134,7 @@ def _count_head_calls(llm, monkeypatch) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2-tied", "gpt2", "gemma", "mixtral-mqa-tied"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2-tied", "gpt2", "gpt2-untied", "gemma", "mixtral-mqa-tied"])
 def test_engine_greedy_tokens_come_from_the_head_and_match_hf(arch, model_dir, hf_reference, monkeypatch):
     """Greedy rows without logprobs take every token from the head (prompts and decode
     steps alike); the tokens are HF's. With logprobs the same tokens come from all logits."""

@@ -115,6 +115,30 @@ def test_unsupported_adapters_fail_at_load_with_a_list(model_dir, adapters, tmp_
         llm.generate("x", GREEDY, use_tqdm=False, lora_request=LoRARequest("big", 10, str(big)))
 
 
+def test_adapter_tensors_that_do_not_fit_fail_at_load_with_a_list(model_dir, adapters, tmp_path):
+    """A lora_A without its lora_B, a stray tensor, and an A sized for another base model are
+    refused when loading, all listed (the first used to be a KeyError, the last a failed step)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "bad"
+    shutil.copytree(adapters["qv-r4"][0], bad)
+    tensors = load_file(bad / "adapter_model.safetensors")
+    prefix = "base_model.model.model.layers"
+    del tensors[f"{prefix}.0.self_attn.q_proj.lora_B.weight"]
+    tensors[f"{prefix}.0.self_attn.v_proj.extra.weight"] = torch.zeros(2)
+    tensors[f"{prefix}.1.self_attn.q_proj.lora_A.weight"] = torch.zeros(4, 128)
+    save_file(tensors, bad / "adapter_model.safetensors")
+    with pytest.raises(InvalidRequest) as info:
+        lora_llm(model_dir).generate("x", GREEDY, use_tqdm=False, lora_request=LoRARequest("bad", 9, str(bad)))
+    message = str(info.value)
+    assert "model.layers.0.self_attn.q_proj has lora_A but no lora_B" in message
+    assert f"{prefix}.0.self_attn.v_proj.extra.weight" in message
+    assert "model.layers.1.self_attn.q_proj: lora_A (4, 128)" in message
+
+
 def test_lora_request_needs_enable_lora(model_dir, adapters):
     """Without enable_lora a LoRARequest is a clear error, not a silent base-model answer."""
     with pytest.raises(InvalidRequest, match="enable_lora"):

@@ -219,3 +219,28 @@ def test_own_quantizer_round_trips_through_the_loader(method, bits, model_dir, t
     got = prompt_logits(LLM(config=config).llm_engine, prompt)
     expected = prompt_logits(make_llm(tmp_path / "dense").llm_engine, prompt)
     assert relative_error(got, expected) < 1e-4
+
+
+@pytest.mark.parametrize("arch,sizes", [
+    ("llama", dict(hidden_size=192, intermediate_size=320)),  # parts of 192, 96 and 320 rows; K 192 and 320
+    ("phi3", dict(hidden_size=192, intermediate_size=320)),  # qkv_proj and gate_up_proj fused on disk
+    # fused on disk, gate_up's blocks straddle gate and up with as many block rows as per-part blocks
+    ("phi3", dict(hidden_size=128, intermediate_size=100, num_key_value_heads=4)),
+], ids=["llama-192-320", "phi3-192-320", "phi3-128-100"])
+def test_block_fp8_with_partial_blocks_equals_the_dequantized_weights(arch, sizes, tmp_path):
+    """128x128 blocks over dims that are not multiples of 128, in N and K: the last block of
+    each row and column is partial. Logits equal a dense model holding fp8 * scale expanded
+    per block (weight-only, fp32)."""
+    from tokenmill.testing.quantize import quantize_model
+    from tokenmill.testing.tiny_models import make_tiny_model
+
+    base = make_tiny_model(arch, tmp_path / "base", **sizes)
+    quantized = quantize_model(base, tmp_path / "q", "fp8", weight_block_size=(128, 128),
+                               dense_copy=tmp_path / "dense")
+    prompt = list(range(6, 60))
+    config = load_config(model=str(quantized), kv_cache_memory_bytes=2**24)
+    config.quantization.quantize_activations = False
+    got = prompt_logits(LLM(config=config).llm_engine, prompt)
+    expected = prompt_logits(make_llm(tmp_path / "dense").llm_engine, prompt)
+    assert relative_error(got, expected) < 1e-5
+    assert (got.log_softmax(-1) - expected.log_softmax(-1)).abs().max().item() < 1e-4

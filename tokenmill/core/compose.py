@@ -26,6 +26,7 @@ from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.layers.attention import Attention
 from tokenmill.core.layers.fused import enable_fused_ops
 from tokenmill.core.layers.linear import prepack_linear_weights
+from tokenmill.core.layers.weights import load_strictly
 from tokenmill.core.loader import iterate_weights
 from tokenmill.core.model_config import ModelConfig, load_model_config
 from tokenmill.core.model_runner import ModelRunner, SwapCaches
@@ -218,11 +219,7 @@ def _quantization(config: EngineConfig, model_config: ModelConfig, components: C
 
 
 def _load_checkpoint(model: torch.nn.Module, model_config: ModelConfig) -> None:
-    loaded = model.load_weights(iterate_weights(model_config.path))
-    missing = sorted(set(name for name, _ in model.named_parameters()) - loaded)
-    if missing:
-        raise ConfigError("model", f"checkpoint {model_config.path} lacks weights for: {', '.join(missing[:10])}"
-                          + (f" and {len(missing) - 10} more" if len(missing) > 10 else ""))
+    load_strictly(model, iterate_weights(model_config.path), str(model_config.path))
     for module in model.modules():
         method = getattr(module, "method", None)
         if method is not None and hasattr(method, "process_weights_after_loading"):

@@ -28,14 +28,14 @@ class FusedMoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inter, dtype=dtype), requires_grad=False)
         self.gate.weight.requires_grad_(False)
 
-    def load_expert(self, expert: int, part: str, tensor: torch.Tensor) -> None:
-        """``part``: "gate", "up" or "down" (one expert's checkpoint matrix)."""
+    def expert_weight(self, expert: int, part: str) -> torch.Tensor:
+        """The view of ``w13``/``w2`` that holds one expert's checkpoint matrix ``part``
+        ("gate", "up" or "down")."""
         if part == "gate":
-            self.w13.data[expert, : self.inter].copy_(tensor)
-        elif part == "up":
-            self.w13.data[expert, self.inter:].copy_(tensor)
-        else:
-            self.w2.data[expert].copy_(tensor)
+            return self.w13.data[expert, : self.inter]
+        if part == "up":
+            return self.w13.data[expert, self.inter:]
+        return self.w2.data[expert]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
         probs = F.softmax(self.gate(x).float(), dim=-1)

@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from tokenmill.core.layers.linear import Linear
+from tokenmill.core.layers.weights import name_list
 from tokenmill.interfaces.errors import ConfigError, InvalidRequest
 from tokenmill.interfaces.hookspecs import hookimpl
 
@@ -45,6 +46,16 @@ class LoRALayer:
         self.A = torch.zeros(slots, parts * max_rank, linear.input_size, dtype=dtype)
         self.B = torch.zeros(slots, sum(self.sizes), parts * max_rank, dtype=dtype)
         self.step = step
+
+    def mismatch(self, part: int, a: torch.Tensor, b: torch.Tensor) -> Optional[str]:
+        """Why ``a``/``b`` cannot be part ``part`` of this layer (None when they fit): checked
+        at load, since an adapter for another base model would otherwise fail mid-step."""
+        rank = a.shape[0]
+        want_a, want_b = (rank, self.A.shape[2]), (self.sizes[part], rank)
+        if rank > self.max_rank or tuple(a.shape) != want_a or tuple(b.shape) != want_b:
+            return (f"lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, where the layer takes "
+                    f"{want_a} and {want_b} (rank at most {self.max_rank})")
+        return None
 
     def set_slot(self, slot: int, weights: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
         self.A[slot].zero_()
@@ -125,18 +136,31 @@ class LoRAAdapters:
         if any("lora_embedding" in key for key in tensors):
             problems.append("embedding LoRA")
         scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+        paired = {key.replace(".lora_A.", ".lora_B.") for key in tensors if ".lora_A." in key}
+        stray = sorted(key for key in tensors if ".lora_A." not in key and key not in paired
+                       and "lora_embedding" not in key)
+        if stray:
+            problems.append(f"tensors that are no lora_A/lora_B pair: {name_list(stray)}")
         weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for key, a in tensors.items():
             if ".lora_A." not in key:
                 continue
             module = key.removeprefix("base_model.model.").split(".lora_A.")[0]
-            b = tensors[key.replace(".lora_A.", ".lora_B.")]
+            b = tensors.get(key.replace(".lora_A.", ".lora_B."))
             if module not in self._layers:
                 problems.append(f"target module {module} (not a supported linear layer)")
                 continue
+            if b is None:
+                problems.append(f"{module} has lora_A but no lora_B")
+                continue
+            layer, part = self._layers[module]
+            mismatch = layer.mismatch(part, a, b)
+            if mismatch is not None:
+                problems.append(f"{module}: {mismatch}")
+                continue
             weights[module] = (a.float(), b.float() * scaling)
         if problems:
-            raise InvalidRequest("lora_path", f"adapter {name!r} uses unsupported features: " + "; ".join(problems))
+            raise InvalidRequest("lora_path", f"adapter {name!r} cannot be loaded: " + "; ".join(problems))
         if name in self._loaded and self._loaded[name][0] != str(path):
             raise InvalidRequest("lora_name", f"adapter {name!r} is already loaded from another path; unload it first")
         self._loaded[name] = (str(path), weights)

@@ -1,4 +1,4 @@
-"""Gemma and Gemma-2: (1 + w) RMSNorm, scaled embeddings, GeGLU, tied embeddings.
+"""Gemma and Gemma-2: (1 + w) RMSNorm, scaled embeddings, GeGLU, tied embeddings by default.
 
 Gemma-2 adds norms around the attention and MLP outputs, a query scale of
 ``query_pre_attn_scalar ** -0.5``, attention and final-logit soft-capping, and
@@ -17,6 +17,7 @@ from tokenmill.plugins.models.llama import LlamaForCausalLM
 
 class GemmaForCausalLM(LlamaForCausalLM):
     norm_class = GemmaRMSNorm
+    tie_word_embeddings_default = True
 
     @staticmethod
     def embed_scale(cfg: Mapping[str, Any]) -> Optional[float]:

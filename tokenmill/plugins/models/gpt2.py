@@ -1,8 +1,12 @@
-"""GPT-2: learned positions, pre-LayerNorm blocks, Conv1D (transposed) weights, GELU (tanh)."""
+"""GPT-2: learned positions, pre-LayerNorm blocks, Conv1D (transposed) weights, GELU (tanh).
+
+The head is tied to ``wte`` unless the config says ``tie_word_embeddings: false``
+(HF's GPT-2 default is tied, and checkpoints saved with the default omit the key).
+"""
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Optional
 
 import torch
 from torch import nn
@@ -59,6 +63,9 @@ class GPT2LMHeadModel(nn.Module):
         self.ln_f = nn.LayerNorm(hidden, eps=cfg.get("layer_norm_epsilon", 1e-5), dtype=ctx.dtype)
         for param in (*self.wte.parameters(), *self.wpe.parameters(), *self.ln_f.parameters()):
             param.requires_grad_(False)
+        self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", True))
+        if not self.tie_word_embeddings:
+            self.lm_head = Linear(hidden, [cfg["vocab_size"]], bias=False, dtype=ctx.dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         x = self.wte(input_ids) + self.wpe(positions)
@@ -67,16 +74,20 @@ class GPT2LMHeadModel(nn.Module):
         return self.ln_f(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(hidden, self.wte.weight).float()  # GPT-2 always ties
+        if self.tie_word_embeddings:
+            return nn.functional.linear(hidden, self.wte.weight).float()
+        return self.lm_head(hidden).float()
 
-    def output_projection(self) -> torch.Tensor:
-        return self.wte.weight
+    def output_projection(self) -> Optional[torch.Tensor]:
+        if self.tie_word_embeddings:
+            return self.wte.weight
+        return getattr(self.lm_head, "weight", None)  # prepacking without the GEMV drops it
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         def renamed():
             for name, tensor in weights:
-                if name.startswith("lm_head.") or name.endswith((".attn.bias", ".attn.masked_bias")):
-                    continue  # tied head; old checkpoints' causal-mask buffers
+                if name.endswith((".attn.bias", ".attn.masked_bias")):
+                    continue  # old checkpoints' causal-mask buffers
                 if name.endswith(_CONV1D):
                     tensor = tensor.t()
                 name = name.removeprefix("transformer.")
@@ -84,7 +95,8 @@ class GPT2LMHeadModel(nn.Module):
                 name = name.replace(".mlp.c_fc.", ".c_fc.").replace(".mlp.c_proj.", ".mlp_proj.")
                 yield name, tensor
 
-        return load_weights(self, renamed())
+        # a tied head is wte itself: some checkpoints store the copy anyway
+        return load_weights(self, renamed(), skip=["lm_head."] if self.tie_word_embeddings else [])
 
 
 @hookimpl

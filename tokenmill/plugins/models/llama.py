@@ -159,13 +159,16 @@ class LlamaForCausalLM(nn.Module):
     qk_norm = False
     #: Gemma-2's extra norms around attention and MLP outputs
     sandwich_norms = False
+    #: HF's ``tie_word_embeddings`` default for the family: transformers 4 omits the key
+    #: from config.json when it equals that default
+    tie_word_embeddings_default = False
 
     def __init__(self, ctx: ModelContext) -> None:
         super().__init__()
         cfg = ctx.hf_config
         self.model = LlamaModel(self, ctx)
         self.final_logit_softcapping = cfg.get("final_logit_softcapping")
-        self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
+        self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", self.tie_word_embeddings_default))
         if not self.tie_word_embeddings:
             self.lm_head = Linear(cfg["hidden_size"], [cfg["vocab_size"]], bias=False, dtype=ctx.dtype)
 

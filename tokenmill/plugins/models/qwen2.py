@@ -10,7 +10,7 @@ from torch import nn
 
 from tokenmill.core.layers.activation import activation
 from tokenmill.core.layers.moe import FusedMoE
-from tokenmill.core.layers.weights import load_weights
+from tokenmill.core.layers.weights import copy_tensor, load_weights
 from tokenmill.interfaces.hookspecs import hookimpl
 from tokenmill.interfaces.models import ModelContext
 from tokenmill.plugins.models.llama import LlamaForCausalLM, LlamaMLP
@@ -49,31 +49,47 @@ _FUSED_EXPERTS = re.compile(r"(.*\.mlp)\.experts\.(gate_up_proj|down_proj)$")
 def load_moe_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], expert_pattern: re.Pattern,
                      parts: Mapping[str, str], stacked, skip, rename: Mapping[str, str] = {}) -> set[str]:
     """Route per-expert tensors (or transformers-5 fused 3D ones) into FusedMoE modules;
-    everything else goes through the generic loader."""
+    everything else goes through the generic loader, which also reports expert tensors
+    no MoE module takes (a dense layer's, an expert beyond ``num_experts``).
+
+    A module's ``w13`` counts as filled once every expert's gate and up have arrived,
+    ``w2`` once every expert's down has.
+    """
     modules = dict(model.named_modules())
     loaded: set[str] = set()
+    arrived: dict[str, set[tuple[int, str]]] = {}  # MoE module -> its (expert, part)s loaded
 
     def others():
         for name, tensor in weights:
             for old, new in rename.items():
                 name = name.replace(old, new)
             match = expert_pattern.match(name)
-            if match:
+            if match and _takes_expert(modules.get(match.group(1)), int(match.group(2))):
                 moe, expert, part = match.groups()
-                modules[moe].load_expert(int(expert), parts[part], tensor)
-                loaded.update({f"{moe}.w13", f"{moe}.w2"})
+                copy_tensor(name, modules[moe].expert_weight(int(expert), parts[part]), tensor)
+                arrived.setdefault(moe, set()).add((int(expert), parts[part]))
                 continue
             fused = _FUSED_EXPERTS.match(name)
-            if fused:
+            if fused and isinstance(modules.get(fused.group(1)), FusedMoE):
                 moe, kind = fused.groups()
-                target = modules[moe].w13 if kind == "gate_up_proj" else modules[moe].w2
-                target.data.copy_(tensor)
-                loaded.add(f"{moe}.{'w13' if kind == 'gate_up_proj' else 'w2'}")
+                param = "w13" if kind == "gate_up_proj" else "w2"
+                copy_tensor(name, getattr(modules[moe], param), tensor)
+                loaded.add(f"{moe}.{param}")
                 continue
             yield name, tensor
+        # the checkpoint is exhausted: this runs before load_weights reports what it lacks
+        for moe, seen in arrived.items():
+            experts = range(modules[moe].num_experts)
+            if {(e, p) for e in experts for p in ("gate", "up")} <= seen:
+                loaded.add(f"{moe}.w13")
+            if {(e, "down") for e in experts} <= seen:
+                loaded.add(f"{moe}.w2")
 
-    loaded |= load_weights(model, others(), stacked, skip)
-    return loaded
+    return load_weights(model, others(), stacked, skip, loaded)
+
+
+def _takes_expert(module: Optional[nn.Module], expert: int) -> bool:
+    return isinstance(module, FusedMoE) and expert < module.num_experts
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):

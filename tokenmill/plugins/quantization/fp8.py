@@ -3,10 +3,9 @@ checkpoints, and online quantization of unquantized checkpoints.
 
 CPUs have no FP8 arithmetic, so weights are dequantized once, at load, to the
 compute dtype (the log reports the resulting weight memory). When the
-checkpoint's scheme quantizes activations (W8A8: static per-tensor, dynamic
-per-token, or per-token groups of 128 for block-wise checkpoints), the same
-quantize-dequantize is applied to activations, unless
-``quantization.quantize_activations`` is off.
+checkpoint's scheme quantizes activations (W8A8: static per-tensor, or dynamic
+per-token, block-wise checkpoints included), the same quantize-dequantize is
+applied to activations, unless ``quantization.quantize_activations`` is off.
 """
 
 from __future__ import annotations
@@ -67,8 +66,9 @@ class Fp8LinearMethod:
         else:
             bn, bk = scheme.block
             rows = [-(-size // bn) for size in output_sizes]
+            layer.quant_block_sizes = output_sizes
             add(scheme.scale_name, torch.ones(sum(rows), -(-input_size // bk), dtype=torch.float32),
-                output_shard_loader([sum(rows[:i]) for i in range(shards)], rows, 0))
+                _block_scale_loader(layer, output_sizes, bn))
         if scheme.activations == "static":
             add("input_scale", torch.ones(shards, dtype=torch.float32), _scalar_per_shard(shards))
 
@@ -87,12 +87,11 @@ class Fp8LinearMethod:
         scale = getattr(layer, self.scheme.scale_name).data
         if self.scheme.weights == "channel":
             return scale
-        sizes = layer.quant_output_sizes
         if self.scheme.weights == "tensor":
-            return torch.repeat_interleave(scale, torch.tensor(sizes)).unsqueeze(1)
+            return torch.repeat_interleave(scale, torch.tensor(layer.quant_output_sizes)).unsqueeze(1)
         bn, bk = self.scheme.block
         parts, block_row = [], 0
-        for size in sizes:
+        for size in layer.quant_block_sizes:
             rows = -(-size // bn)
             part = scale[block_row:block_row + rows].repeat_interleave(bn, 0)[:size]
             parts.append(part.repeat_interleave(bk, 1)[:, : shape[1]])
@@ -113,6 +112,29 @@ class Fp8LinearMethod:
             return out if bias is None else out + bias
         scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12).to(x.dtype)
         return nn.functional.linear(fake_quantize(x, scale), layer.weight, bias)
+
+
+def _block_scale_loader(layer: nn.Module, output_sizes: list[int], block_n: int):
+    """Block scales of a fused layer: per-part tensors stack their block rows, each part's
+    last block partial where its size is not a multiple of ``block_n``. A checkpoint that
+    fused the layer on disk (Phi-3's qkv_proj) has one scale whose blocks run over the
+    fused rows instead, so they straddle the parts; ``layer.quant_block_sizes`` records
+    which blocking was loaded, for the expansion."""
+    rows = [-(-size // block_n) for size in output_sizes]
+    per_part = output_shard_loader([sum(rows[:i]) for i in range(len(rows))], rows, 0)
+    fused_rows = -(-sum(output_sizes) // block_n)  # never more than sum(rows)
+
+    def load(param: torch.Tensor, loaded: torch.Tensor, shard_id: Optional[int]) -> None:
+        if shard_id is not None:
+            per_part(param, loaded, shard_id)
+            return
+        target = param.data[:fused_rows]
+        if target.shape != loaded.shape:
+            raise ValueError(f"shape mismatch: parameter {tuple(target.shape)}, checkpoint {tuple(loaded.shape)}")
+        target.copy_(loaded)
+        layer.quant_block_sizes = [sum(output_sizes)]
+
+    return load
 
 
 def _scalar_per_shard(shards: int):
