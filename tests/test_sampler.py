@@ -103,6 +103,32 @@ def test_repetition_presence_and_frequency_penalties_are_exact():
     assert penalised.tolist() == [[2.0, -2.0, 0.25, 0.5, 2.0]]
 
 
+def test_logit_bias_is_added_before_sampling_and_logprobs_stay_raw():
+    """OpenAI's logit_bias: +100 makes a token certain, -100 rules it out; reported logprobs are
+    those of the raw logits, as vLLM reports them."""
+    logits = logits_from(3)
+    raw = logits.log_softmax(-1)
+    best = int(logits.argmax())
+    forced = SamplingParams(temperature=0, logit_bias={7: 100.0}, logprobs=0)
+    tokens, logprobs = Sampler(0)(logits, [row(forced)])
+    assert tokens == [7] and logprobs[0][7].logprob == pytest.approx(float(raw[0, 7]))
+    banned = SamplingParams(temperature=0, logit_bias={best: -100.0})
+    tokens, _ = Sampler(0)(logits, [row(banned)])
+    assert tokens == [int(logits[0].clone().index_fill_(0, torch.tensor([best]), -1e9).argmax())]
+    sampled = SamplingParams(temperature=1.0, logit_bias={11: 100.0}, seed=1)
+    assert Sampler(0)(logits, [row(sampled, generator=torch.Generator().manual_seed(1))])[0] == [11]
+    assert not Sampler.argmax_only([row(banned)])
+
+
+def test_temperatures_below_epsilon_are_greedy():
+    """vLLM's rule: a temperature under 1e-5 is greedy (dividing by it overflows to inf / NaN)."""
+    for temperature in (1e-6, 1e-40, 5e-324):
+        assert SamplingParams(temperature=temperature).greedy
+    assert not SamplingParams(temperature=1e-5).greedy
+    assert SamplingParams(temperature=2).temperature == 2.0 and isinstance(SamplingParams(temperature=2).temperature,
+                                                                           float)
+
+
 def test_min_tokens_masks_stop_tokens_until_reached():
     """Before min_tokens outputs exist, EOS and stop tokens cannot be sampled."""
     logits = torch.tensor([[0.0, 10.0, 1.0]])
@@ -118,6 +144,9 @@ def test_min_tokens_masks_stop_tokens_until_reached():
     ("presence_penalty", 3.0), ("frequency_penalty", -2.5), ("repetition_penalty", 0.0),
     ("max_tokens", 0), ("n", 0), ("logprobs", 21), ("prompt_logprobs", -1), ("min_tokens", -1),
     ("stop", [""]), ("stop_token_ids", [-3]), ("seed", 1.5), ("n", True),
+    ("seed", 2**64), ("seed", -(2**63) - 1), ("temperature", float("nan")), ("top_p", float("inf")),
+    ("repetition_penalty", float("inf")), ("temperature", 10**400), ("logit_bias", {3: 100.5}),
+    ("logit_bias", {-1: 1.0}), ("logit_bias", {3: float("nan")}), ("spaces_between_special_tokens", False),
 ])
 def test_out_of_range_parameters_name_the_parameter(field, value):
     """Every bad sampling parameter fails at construction with its name in the error."""

@@ -246,3 +246,16 @@ def test_metrics_parse_and_move(server, client):
                  "tokenmill:inter_token_latency_seconds_count", "tokenmill:request_queue_time_seconds_count",
                  "tokenmill:num_requests_swapped", "tokenmill:iteration_tokens_total_count"):
         assert name in after
+
+
+def test_default_served_name_is_the_model_argument_as_given(model_dir):
+    """vLLM's rule: with no served_model_name, clients send the model argument as given; the
+    directory's own name is accepted as an alias, and responses report the first name."""
+    path = model_dir("llama")
+    engine = make_llm(path).llm_engine
+    with running_server(engine) as (url, _):
+        assert [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]] == [str(path), path.name]
+        for name in (str(path), path.name):
+            response = httpx.post(url + "/v1/completions", json={"model": name, "prompt": "hi", "max_tokens": 2})
+            assert response.status_code == 200 and response.json()["model"] == str(path)
+        assert httpx.post(url + "/v1/completions", json={"model": "other", "prompt": "hi"}).status_code == 404

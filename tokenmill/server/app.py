@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 from fastapi import FastAPI, Request
+from fastapi_offline import FastAPIOffline
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -83,7 +84,9 @@ def create_app(llm: AsyncLLM | EmbeddingEngine, config: Optional[ServerConfig] =
         if generating:
             llm.shutdown(config.drain_timeout)
 
-    app = FastAPI(title="tokenmill", version=tokenmill.__version__, lifespan=lifespan,
+    # /docs and /redoc from packaged Swagger UI and ReDoc files: a serving host often has no
+    # route to a CDN
+    app = FastAPIOffline(title="tokenmill", version=tokenmill.__version__, lifespan=lifespan,
                   description="An OpenAI-compatible API with vLLM's extras. Every error is OpenAI's "
                               "envelope `{\"error\": {message, type, param, code}}`.",
                   responses=ERROR_RESPONSES)
