@@ -6,10 +6,13 @@ import argparse
 import json
 import os
 import random
+import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import httpx
 import torch
 
 from tokenmill.core.model_config import load_model_config
@@ -91,3 +94,19 @@ def write_json(path: str | None, results: dict[str, Any]) -> None:
         results = {**results, "machine": {"load_average": os.getloadavg(), "cpus": os.cpu_count(),
                                           "torch": torch.__version__}}
         Path(path).write_text(json.dumps(results, indent=2, default=str))
+
+
+def wait_ready(url: str, process: subprocess.Popen, timeout: float = 300) -> None:
+    """Until ``url``/health answers 200; a server that exits first ends the benchmark."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            detail = process.stderr.read().decode()[-2000:] if process.stderr else f"exit code {process.returncode}"
+            raise SystemExit(f"server exited: {detail}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit("server did not become ready")

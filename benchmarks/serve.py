@@ -31,7 +31,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from common import add_common_args, prepare, write_json
+from common import add_common_args, prepare, wait_ready, write_json
 from llama_cpp import add_llama_cpp_args, server_command
 
 
@@ -152,20 +152,6 @@ def launch(engine: str, model_path: str, port: int, threads: int, max_num_seqs: 
     else:
         raise SystemExit(f"unknown engine to launch: {engine}")
     return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-
-
-def wait_ready(url: str, process: subprocess.Popen, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"server exited: {process.stderr.read().decode()[-2000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit("server did not become ready")
 
 
 def main() -> None:

@@ -28,7 +28,7 @@ from typing import Callable
 
 import httpx
 
-from common import add_common_args, prepare, write_json
+from common import add_common_args, prepare, wait_ready, write_json
 
 KINDS = ("complete", "stream", "chat_stream", "n_best", "long", "abandon", "cancel", "reject")
 
@@ -210,7 +210,7 @@ def main() -> int:
     server = subprocess.Popen(command)
     base_url = f"http://127.0.0.1:{args.port}"
     try:
-        _wait_ready(base_url, server)
+        wait_ready(base_url, server)
         report = asyncio.run(soak(base_url, args.num_requests, args.concurrency,
                                   lambda: process_rss_mib(server.pid), args.max_model_len, args.seed))
     finally:
@@ -221,20 +221,6 @@ def main() -> int:
     ok = report["lost"] == report["duplicated"] == 0 and report["kv_cache_usage_after"] == 0.0 \
         and not report["problems"]
     return 0 if ok else 1
-
-
-def _wait_ready(base_url: str, server: subprocess.Popen, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"the server exited with {server.returncode}")
-        try:
-            if httpx.get(base_url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError("the server did not come up")
 
 
 if __name__ == "__main__":

@@ -205,6 +205,15 @@ def test_triton_dequant_gemm_matches_the_torch_path(seed, bits, act_order, m):
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
+def weight_only_and_dense_logits(quantized: Path, dense: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompt logits of the quantized checkpoint (weights only, activations unquantized) and of
+    the dense model holding its dequantized weights."""
+    prompt = list(range(6, 60))
+    config = load_config(model=str(quantized), kv_cache_memory_bytes=2**24)
+    config.quantization.quantize_activations = False
+    return prompt_logits(LLM(config=config).llm_engine, prompt), prompt_logits(make_llm(dense).llm_engine, prompt)
+
+
 @pytest.mark.parametrize("method,bits", [("gptq", 4), ("gptq", 8), ("awq", 4), ("fp8", 8)])
 def test_own_quantizer_round_trips_through_the_loader(method, bits, model_dir, tmp_path):
     """tokenmill.testing's quantizer writes the real layouts: the loaded quantized model equals
@@ -213,11 +222,7 @@ def test_own_quantizer_round_trips_through_the_loader(method, bits, model_dir, t
 
     quantized = quantize_model(model_dir("llama"), tmp_path / "q", method, bits=bits, group_size=32,
                                dense_copy=tmp_path / "dense")
-    prompt = list(range(6, 60))
-    config = load_config(model=str(quantized), kv_cache_memory_bytes=2**24)
-    config.quantization.quantize_activations = False
-    got = prompt_logits(LLM(config=config).llm_engine, prompt)
-    expected = prompt_logits(make_llm(tmp_path / "dense").llm_engine, prompt)
+    got, expected = weight_only_and_dense_logits(quantized, tmp_path / "dense")
     assert relative_error(got, expected) < 1e-4
 
 
@@ -237,10 +242,6 @@ def test_block_fp8_with_partial_blocks_equals_the_dequantized_weights(arch, size
     base = make_tiny_model(arch, tmp_path / "base", **sizes)
     quantized = quantize_model(base, tmp_path / "q", "fp8", weight_block_size=(128, 128),
                                dense_copy=tmp_path / "dense")
-    prompt = list(range(6, 60))
-    config = load_config(model=str(quantized), kv_cache_memory_bytes=2**24)
-    config.quantization.quantize_activations = False
-    got = prompt_logits(LLM(config=config).llm_engine, prompt)
-    expected = prompt_logits(make_llm(tmp_path / "dense").llm_engine, prompt)
+    got, expected = weight_only_and_dense_logits(quantized, tmp_path / "dense")
     assert relative_error(got, expected) < 1e-5
     assert (got.log_softmax(-1) - expected.log_softmax(-1)).abs().max().item() < 1e-4
