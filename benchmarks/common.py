@@ -16,6 +16,7 @@ import httpx
 import torch
 
 from tokenmill.core.model_config import load_model_config
+from tokenmill.plugins.platforms.cpu.platform import CpuPlatform
 from tokenmill.testing.tiny_models import make_tiny_model
 
 #: shapes of the issue tracker's reference workloads (random weights, Llama family)
@@ -78,7 +79,7 @@ def hf_dtype(name: str, model: Path) -> torch.dtype:
     """``--dtype`` for transformers' ``from_pretrained``: "auto" is what tokenmill's "auto"
     computes in (the checkpoint's dtype, or fp32 for bf16 where the CPU has no bf16
     arithmetic), so that both run the same arithmetic at the speed this CPU gives it."""
-    return load_model_config(model, name).dtype
+    return load_model_config(model, name, resolve_dtype=CpuPlatform(None).resolve_dtype).dtype
 
 
 def random_prompts(count: int, length: int, model: Path, seed: int) -> list[list[int]]:

@@ -54,14 +54,17 @@ def test_dtype_auto_takes_the_checkpoint_dtype_where_the_cpu_computes_it(native,
     """A bf16 checkpoint runs in bf16 (KV cache included) without being asked to, on a CPU
     with bf16 arithmetic; elsewhere in fp32, which runs the same weights several times
     faster. (Both CPUs are played here by the one predicate the choice reads.)"""
-    from tokenmill.core import model_config
+    from tokenmill.core.model_config import load_model_config
+    from tokenmill.plugins.platforms.cpu import platform
     from tokenmill.testing.tiny_models import make_tiny_model
 
-    monkeypatch.setattr(model_config, "native_bf16", lambda: native)
+    monkeypatch.setattr(platform, "native_bf16", lambda: native)
     path = make_tiny_model("llama", tmp_path / "bf16", dtype=torch.bfloat16)
     expected = torch.bfloat16 if native else torch.float32
-    assert model_config.load_model_config(path).dtype == expected
-    assert model_config.load_model_config(path, "bfloat16").dtype == torch.bfloat16  # asked for: honoured
+    resolve = platform.CpuPlatform(None).resolve_dtype
+    assert load_model_config(path, resolve_dtype=resolve).dtype == expected
+    assert load_model_config(path, "bfloat16", resolve_dtype=resolve).dtype == torch.bfloat16  # asked for
+    assert load_model_config(path).dtype == torch.bfloat16  # without a platform: the stored dtype
     engine = make_llm(path).llm_engine
     assert engine.model_config.dtype == expected
     caches = [m.kv_cache for m in engine.runner.model.modules() if hasattr(m, "kv_cache")]

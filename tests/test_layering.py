@@ -43,3 +43,16 @@ def test_nothing_unpickles():
     for path in PACKAGE.rglob("*.py"):
         assert "torch.load(" not in path.read_text(), path
         assert not {"pickle", "dill", "cloudpickle"} & imported_modules(path), path
+
+
+def test_only_platform_plugins_import_platform_modules():
+    """The core asks its Platform; nothing outside plugins/platforms reaches a platform's code."""
+    platforms = PACKAGE / "plugins" / "platforms"
+    offenders = [
+        f"{path.relative_to(PACKAGE)} imports {module}"
+        for path in PACKAGE.rglob("*.py")
+        if platforms not in path.parents
+        for module in imported_modules(path)
+        if module.startswith("tokenmill.plugins.platforms")
+    ]
+    assert not offenders, offenders

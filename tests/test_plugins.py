@@ -194,9 +194,10 @@ def test_lora_without_an_adapter_plugin_fails_at_startup(model_dir):
     """enable_lora needs a registered 'lora' adapter type; without one the engine refuses to start."""
     from tokenmill.plugins.attention import torch_ref
     from tokenmill.plugins.models import llama
+    from tokenmill.plugins.platforms import cpu
     from tokenmill.plugins.schedulers import fifo
 
-    pm = fresh_manager(fifo, torch_ref, llama)
+    pm = fresh_manager(fifo, torch_ref, llama, cpu)
     config = load_config(model=str(model_dir("llama")), enable_lora=True, kv_cache_memory_bytes=2**24)
     with pytest.raises(UnknownComponent, match="adapter type 'lora'"):
         LLM(config=config, plugin_manager=pm)

@@ -18,18 +18,13 @@ from transformers import AutoTokenizer
 from tokenmill.core.config import EngineConfig
 from tokenmill.core.embedding_engine import EmbeddingEngine
 from tokenmill.core.engine import LLMEngine
-from tokenmill.core.freed_memory import keep_freed_memory
-from tokenmill.core.greedy_head import GreedyHead
-from tokenmill.core.huge_pages import move_parameters_to_huge_pages
-from tokenmill.core.kernels import cpu_kernels
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.layers.attention import Attention
-from tokenmill.core.layers.fused import enable_fused_ops
-from tokenmill.core.layers.linear import prepack_linear_weights
 from tokenmill.core.layers.weights import load_strictly
 from tokenmill.core.loader import iterate_weights
 from tokenmill.core.model_config import ModelConfig, load_model_config
 from tokenmill.core.model_runner import ModelRunner, SwapCaches
+from tokenmill.core.platform_selection import select_platform
 from tokenmill.core.plugins import PluginManager, make_plugin_manager
 from tokenmill.core.pooling import Pooler
 from tokenmill.core.registry import Registry
@@ -38,6 +33,7 @@ from tokenmill.core.swap_space import SwapSpace
 from tokenmill.interfaces.attention import AttentionBackend, AttentionLayerSpec
 from tokenmill.interfaces.errors import ConfigError
 from tokenmill.interfaces.models import ModelContext
+from tokenmill.interfaces.platform import Platform
 
 log = structlog.get_logger("tokenmill.compose")
 
@@ -51,9 +47,11 @@ class Components:
     quantization_methods: Registry
     model_architectures: Registry
     adapter_types: Registry
+    platforms: Registry
 
     def by_kind(self) -> dict[str, Registry]:
         return {
+            "platforms": self.platforms,
             "scheduling_policies": self.scheduling_policies,
             "attention_backends": self.attention_backends,
             "quantization_methods": self.quantization_methods,
@@ -68,6 +66,7 @@ _REGISTRATION_HOOKS = {
     "quantization_methods": ("register_quantization_methods", "quantization method"),
     "model_architectures": ("register_model_architectures", "model architecture"),
     "adapter_types": ("register_adapter_types", "adapter type"),
+    "platforms": ("register_platforms", "platform"),
 }
 
 
@@ -98,14 +97,14 @@ def build_engine(config: EngineConfig, pm: Optional[PluginManager] = None) -> LL
     """A generation engine, or an embedding engine when the architecture is an encoder."""
     if config.model is None:
         raise ConfigError("model", "no model given: pass a model directory or set 'model' in the YAML")
-    if config.num_threads is not None:
-        torch.set_num_threads(config.num_threads)
     pm = pm or make_plugin_manager()
     components = collect_components(pm)
-    model_config = load_model_config(config.model, config.dtype, config.max_model_len)
+    platform = select_platform(config.platform.name, components.platforms, config)
+    platform.setup_process()
+    model_config = load_model_config(config.model, config.dtype, config.max_model_len, platform.resolve_dtype)
     _check_scheduler_limits(config, model_config)
 
-    backend = _attention_backend(config, model_config, components, pm)
+    backend = _attention_backend(config, model_config, components, pm, platform)
     policy = components.scheduling_policies.get(config.scheduler.policy)(config.scheduler)
     quantization = _quantization(config, model_config, components)
 
@@ -113,13 +112,9 @@ def build_engine(config: EngineConfig, pm: Optional[PluginManager] = None) -> LL
     torch.manual_seed(config.seed)
     model = model_cls(ModelContext(model_config.hf_config, model_config.dtype, backend, quantization))
     _load_checkpoint(model, model_config)
-    if config.keep_freed_memory:  # before prepacking, whose temporaries then come from the heap
-        keep_freed_memory()
     if not config.enforce_eager:
-        prepack_linear_weights(model, cpu_kernels(), gemv=config.small_batch_gemv)
-        enable_fused_ops(model)
-    if config.huge_pages:  # after prepacking: the plain weights it keeps are the ones streamed
-        move_parameters_to_huge_pages(model)
+        platform.optimize_model(model)
+    platform.place_model(model)
     _log_weight_memory(model, model_config)
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(
@@ -141,23 +136,23 @@ def build_engine(config: EngineConfig, pm: Optional[PluginManager] = None) -> LL
             adapters.load(name, path)
 
     cache_dtype = _kv_cache_dtype(config, model_config)
-    num_blocks, bytes_per_block = _num_kv_blocks(config, model_config, backend, cache_dtype)
+    num_blocks, bytes_per_block = _num_kv_blocks(config, model_config, backend, cache_dtype, platform)
     layers = _bind_kv_caches(model, backend, num_blocks, config.cache.block_size, cache_dtype)
     kv_cache = KVCacheManager(num_blocks, config.cache.block_size, config.cache.prefix_caching)
     swap_space, swap_caches = None, None
     if config.scheduler.preemption_mode == "swap":
         num_host_blocks = int(config.cache.swap_space) // bytes_per_block
         swap_space = SwapSpace(num_host_blocks)
-        # on a GPU this would be pinned host memory; on CPU it is a second pool
-        swap_caches = SwapCaches(backend, [cache for _, cache in layers], [torch.zeros(
+        swap_caches = SwapCaches(backend, [cache for _, cache in layers], [platform.host_buffer(
             backend.kv_cache_shape(num_host_blocks, config.cache.block_size, spec.num_kv_heads, spec.head_dim),
-            dtype=cache_dtype) for spec, _ in layers])
+            cache_dtype) for spec, _ in layers])
     scheduler = Scheduler(config.scheduler, kv_cache, policy, swap_space,
                           max_adapters=adapters.max_active if adapters else None)
-    greedy_head = None if config.enforce_eager or adapters else GreedyHead.for_model(model, cpu_kernels())
+    greedy_head = None if config.enforce_eager or adapters else platform.greedy_head(model)
     runner = ModelRunner(model, config.cache.block_size, config.seed, swap_caches, adapters, greedy_head)
-    engine = LLMEngine(config, model_config, tokenizer, scheduler, runner, pm, adapters)
-    log.info("engine built", model=str(model_config.path), architecture=model_config.architecture,
+    engine = LLMEngine(config, model_config, tokenizer, scheduler, runner, pm, adapters, platform)
+    log.info("engine built", **platform.describe(), model=str(model_config.path),
+             architecture=model_config.architecture,
              dtype=str(model_config.dtype).removeprefix("torch."), attention=backend.name,
              kv_cache_dtype=str(cache_dtype).removeprefix("torch."),
              policy=config.scheduler.policy, kv_blocks=num_blocks,
@@ -177,11 +172,11 @@ def _check_scheduler_limits(config: EngineConfig, model_config: ModelConfig) -> 
 
 
 def _attention_backend(
-    config: EngineConfig, model_config: ModelConfig, components: Components, pm: PluginManager
+    config: EngineConfig, model_config: ModelConfig, components: Components, pm: PluginManager, platform: Platform
 ) -> AttentionBackend:
     name = config.attention.backend
     if name == "auto":
-        name = pm.hook.select_attention_backend(device="cpu", model_config=model_config)
+        name = pm.hook.select_attention_backend(device=platform.device_type, model_config=model_config)
         if name is None:
             raise ConfigError("attention.backend", "'auto' found no backend; available: "
                               + ", ".join(components.attention_backends.names()))
@@ -202,8 +197,8 @@ def _attention_backend(
         problems.append("the model uses sliding-window attention, which it does not support")
     if model_config.hf_config.get("attn_logit_softcapping") is not None and not caps.logits_soft_cap:
         problems.append("the model soft-caps attention logits, which it does not support")
-    if caps.requires_device is not None and caps.requires_device != "cpu":
-        problems.append(f"it needs a {caps.requires_device} device (this engine runs on cpu; "
+    if caps.requires_device is not None and caps.requires_device != platform.device_type:
+        problems.append(f"it needs a {caps.requires_device} device (this engine runs on {platform.device_type}; "
                         "TRITON_INTERPRET=1 runs Triton kernels in the interpreter, for tests)")
     if problems:
         raise ConfigError("attention.backend", f"backend {name!r} cannot run this model: " + "; ".join(problems))
@@ -240,7 +235,7 @@ def _kv_cache_dtype(config: EngineConfig, model_config: ModelConfig) -> torch.dt
 
 
 def _num_kv_blocks(config: EngineConfig, model_config: ModelConfig, backend: AttentionBackend,
-                   cache_dtype: torch.dtype) -> tuple[int, int]:
+                   cache_dtype: torch.dtype, platform: Platform) -> tuple[int, int]:
     """(number of KV blocks, bytes per block across all layers)."""
     block_size = config.cache.block_size
     per_layer = 1
@@ -251,7 +246,7 @@ def _num_kv_blocks(config: EngineConfig, model_config: ModelConfig, backend: Att
     if config.cache.num_blocks is not None:
         num_blocks, source = config.cache.num_blocks, "cache.num_blocks"
     else:
-        num_blocks = min(int(config.cache.kv_cache_memory) // bytes_per_block,
+        num_blocks = min(platform.kv_cache_memory(int(config.cache.kv_cache_memory)) // bytes_per_block,
                          blocks_per_seq * config.scheduler.max_num_seqs)
         source = "cache.kv_cache_memory"
     if num_blocks < blocks_per_seq:

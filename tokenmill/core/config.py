@@ -87,6 +87,13 @@ class AdaptersConfig(BaseModel):
     allow_runtime_lora_updating: bool = False
 
 
+class PlatformConfig(BaseModel):
+    model_config = _STRICT
+
+    #: a registered platform ("cpu", a plugin's), or "auto": the usable one with the highest priority
+    name: str = "auto"
+
+
 class ServerConfig(BaseModel):
     model_config = _STRICT
 
@@ -136,6 +143,7 @@ class EngineConfig(BaseSettings):
     #: returning them to the OS (glibc malloc thresholds, core/freed_memory.py): a
     #: prompt chunk's activations are faulted in again every step otherwise
     keep_freed_memory: bool = True
+    platform: PlatformConfig = PlatformConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     cache: CacheConfig = CacheConfig()
     attention: AttentionConfig = AttentionConfig()
@@ -161,6 +169,7 @@ VLLM_NAMES: dict[str, str] = {
     "tokenizer": "tokenizer",
     "dtype": "dtype",
     "seed": "seed",
+    "device": "platform.name",
     "max_model_len": "max_model_len",
     "trust_remote_code": "trust_remote_code",
     "num_threads": "num_threads",

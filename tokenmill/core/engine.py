@@ -25,6 +25,7 @@ from tokenmill.core.scheduler import Scheduler
 from tokenmill.interfaces.adapters import AdapterType
 from tokenmill.interfaces.batch import ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from tokenmill.interfaces.errors import InvalidRequest
+from tokenmill.interfaces.platform import Platform
 from tokenmill.interfaces.types import FinishReason, RequestOutput, SamplingParams
 
 log = structlog.get_logger("tokenmill.engine")
@@ -45,6 +46,7 @@ class LLMEngine:
         runner: ModelRunner,
         plugin_manager: PluginManager,
         adapters: Optional[AdapterType] = None,
+        platform: Optional[Platform] = None,
     ) -> None:
         self.config = config
         self.model_config = model_config
@@ -53,6 +55,8 @@ class LLMEngine:
         self.runner = runner
         self.plugin_manager = plugin_manager
         self.adapters = adapters
+        #: the platform the engine was built for (tokenmill.interfaces.platform)
+        self.platform = platform
         if adapters is not None:
             adapters.in_use = lambda name: any(r.adapter_name == name for r in scheduler.requests.values())
         self.outputs = OutputProcessor(tokenizer)

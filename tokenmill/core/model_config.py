@@ -5,12 +5,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import structlog
 import torch
 
-from tokenmill.core.cpu_dtypes import native_bf16
 from tokenmill.interfaces.errors import ConfigError
 
 log = structlog.get_logger(__name__)
@@ -91,8 +90,11 @@ def normalize_hf_config(raw: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_model_config(
-    path: str | Path, dtype: str = "auto", max_model_len: Optional[int] = None
+    path: str | Path, dtype: str = "auto", max_model_len: Optional[int] = None,
+    resolve_dtype: Optional[Callable[[torch.dtype], torch.dtype]] = None,
 ) -> ModelConfig:
+    """``resolve_dtype`` is the platform's say on what ``dtype: auto`` computes a checkpoint's
+    stored dtype in (Platform.resolve_dtype); without one, the stored dtype itself."""
     path = Path(path)
     config_file = path / "config.json"
     if not config_file.is_file():
@@ -113,10 +115,11 @@ def load_model_config(
         torch_dtype = _DTYPES.get(str(hf.get("dtype") or "float32").removeprefix("torch."))
         if torch_dtype is None:
             raise ConfigError("dtype", f"checkpoint dtype {hf.get('dtype')!r} is not supported")
-        if torch_dtype == torch.bfloat16 and not native_bf16():
-            # bf16 values widen to fp32 exactly: the same weights, computed several times faster
-            log.info("bf16 checkpoint computed in float32: this CPU has no bf16 arithmetic", model=str(path))
-            torch_dtype = torch.float32
+        resolved = resolve_dtype(torch_dtype) if resolve_dtype is not None else torch_dtype
+        if resolved != torch_dtype:
+            log.info("dtype auto: the platform computes this checkpoint in another dtype", model=str(path),
+                     stored=str(torch_dtype).removeprefix("torch."), compute=str(resolved).removeprefix("torch."))
+        torch_dtype = resolved
     else:
         torch_dtype = _DTYPES[dtype]
 

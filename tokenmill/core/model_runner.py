@@ -4,7 +4,7 @@ The runner keeps what it needs per request across steps (sampling params,
 output history for penalties, the seeded generator) so the scheduler sends
 only per-step deltas. Logits are computed only for rows that sample or that
 report prompt logprobs, and not at all where every row takes the argmax of its
-raw logits and a GreedyHead can find it.
+raw logits and the platform's greedy head can find it.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from typing import Optional
 import numpy as np
 import torch
 
-from tokenmill.core.greedy_head import GreedyHead
 from tokenmill.core.sampler import Sampler, SamplingRow, gather_logprobs
 from tokenmill.interfaces.adapters import AdapterType
 from tokenmill.interfaces.attention import AttentionBackend, AttentionMetadata
@@ -26,6 +25,7 @@ from tokenmill.interfaces.batch import (
     SchedulerOutput,
 )
 from tokenmill.interfaces.models import CausalLM
+from tokenmill.interfaces.platform import GreedyArgmax
 from tokenmill.interfaces.types import PositionLogprobs
 
 
@@ -61,7 +61,7 @@ class SwapCaches:
 class ModelRunner:
     def __init__(self, model: CausalLM, block_size: int, seed: int,
                  swap: Optional["SwapCaches"] = None, adapters: Optional[AdapterType] = None,
-                 greedy_head: Optional[GreedyHead] = None) -> None:
+                 greedy_head: Optional[GreedyArgmax] = None) -> None:
         self.model = model
         #: tokens for steps whose rows all take the argmax of their raw logits
         self.greedy_head = greedy_head

@@ -19,7 +19,7 @@ from typing import Any, Callable, Protocol
 import pluggy
 
 PROJECT_NAME = "tokenmill"
-HOOKSPEC_VERSION = 1
+HOOKSPEC_VERSION = 2  # 2: register_platforms
 ENTRY_POINT_GROUP = "tokenmill.plugins"
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
@@ -65,6 +65,16 @@ def register_model_architectures(register: Register) -> None:
 
     ``factory`` is the class itself (or a lazy string to it); it is constructed
     as ``cls(model_config, build)``, see ``tokenmill.interfaces.models``.
+    """
+
+
+@hookspec
+def register_platforms(register: Register) -> None:
+    """Register Platform classes (``tokenmill.interfaces.platform``) by name.
+
+    ``factory`` is the class (or a lazy string to it): its ``detect()`` is
+    called on the class, and the selected one is constructed as ``cls(config)``
+    with the EngineConfig. Names are what ``platform.name`` / ``--device`` select.
     """
 
 

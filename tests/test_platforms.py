@@ -1,0 +1,116 @@
+"""Platforms: loud selection, and a contract enough for a platform the core has never heard of."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+from structlog.testing import capture_logs
+
+from conftest import NEW_TOKENS, PROMPTS, greedy_in_batches
+from tokenmill import LLM, hookimpl, load_config
+from tokenmill.core.layers.linear import Linear
+from tokenmill.core.plugins import make_plugin_manager
+from tokenmill.interfaces.errors import ConfigError, UnknownComponent
+from tokenmill.interfaces.platform import Detection, Platform
+from tokenmill.testing.hf_reference import assert_matches_reference
+
+
+class ReferencePlatform(Platform):
+    """CPU, eager reference: no optimisation pass, no greedy head, float32 whatever is stored."""
+
+    name = "cpu-reference"
+    priority = -1  # never preferred over the real cpu platform under "auto"
+
+    def resolve_dtype(self, checkpoint_dtype: torch.dtype) -> torch.dtype:
+        return torch.float32
+
+
+class MissingDevice(Platform):
+    name = "imaginary"
+    device_type = "imaginary"
+    priority = 100
+
+    @classmethod
+    def detect(cls) -> Detection:
+        return Detection(False, "no imaginary device is attached (driver not loaded)")
+
+
+class FasterFake(ReferencePlatform):
+    name = "faster-fake"
+    priority = 50
+
+
+def plugin_manager(*platforms: type[Platform]):
+    class Plugin:
+        @hookimpl
+        def register_platforms(self, register):
+            for cls in platforms:
+                register(cls.name, cls)
+
+    pm = make_plugin_manager()
+    pm.register_plugin(Plugin(), "test-platforms")
+    return pm
+
+
+def build(model_dir, pm, **overrides) -> LLM:
+    return LLM(config=load_config(model=str(model_dir("llama")), kv_cache_memory_bytes=2**24, **overrides),
+               plugin_manager=pm)
+
+
+def test_a_platform_defined_here_selected_from_yaml_matches_hf(model_dir, hf_reference, tmp_path):
+    """The contract is enough for a platform the core has never heard of: chosen by name in
+    YAML, it runs the model through its own (empty) optimisation pass at HF parity."""
+    config = tmp_path / "engine.yaml"
+    config.write_text(yaml.safe_dump({"model": str(model_dir("llama")), "platform": {"name": "cpu-reference"},
+                                      "cache": {"kv_cache_memory": 2**24}}))
+    llm = LLM(config=load_config(config), plugin_manager=plugin_manager(ReferencePlatform))
+    engine = llm.llm_engine
+    assert isinstance(engine.platform, ReferencePlatform)
+    assert engine.runner.greedy_head is None
+    linears = [m for m in engine.runner.model.modules() if isinstance(m, Linear)]
+    assert linears and not any(hasattr(m, "packed_weight") for m in linears)  # no prepacking ran
+    tokens, logprobs = greedy_in_batches(llm, PROMPTS, batch=4)
+    assert [len(t) for t in tokens] == [NEW_TOKENS] * len(PROMPTS)
+    assert_matches_reference(hf_reference("llama"), tokens, logprobs)
+
+
+def test_auto_takes_the_usable_platform_with_the_highest_priority_and_says_why_not_the_others(model_dir):
+    with capture_logs() as logs:
+        llm = build(model_dir, plugin_manager(MissingDevice, FasterFake))
+    assert llm.llm_engine.platform.name == "faster-fake"
+    warnings = {entry["platform"]: entry for entry in logs if entry["log_level"] == "warning"}
+    assert "driver not loaded" in warnings["imaginary"]["reason"]
+    assert "faster-fake" in warnings["cpu"]["reason"]
+    [chosen] = [entry for entry in logs if entry["event"] == "platform selected"]
+    assert chosen["platform"] == "faster-fake" and "auto" in chosen["why"]
+
+
+def test_auto_without_extra_platforms_is_cpu(model_dir):
+    with capture_logs() as logs:
+        llm = build(model_dir, make_plugin_manager())
+    assert llm.llm_engine.platform.name == "cpu" and llm.llm_engine.runner.greedy_head is not None
+    assert any(entry["event"] == "platform selected" and entry["platform"] == "cpu" for entry in logs)
+
+
+def test_an_unusable_explicit_platform_is_an_error_with_its_reason(model_dir):
+    with pytest.raises(ConfigError, match="driver not loaded") as info:
+        build(model_dir, plugin_manager(MissingDevice), device="imaginary")
+    assert info.value.key == "platform.name"
+
+
+def test_an_unknown_platform_lists_the_registered_ones(model_dir):
+    with pytest.raises(UnknownComponent, match="cpu"):
+        build(model_dir, make_plugin_manager(), platform={"name": "tpu"})
+
+
+def test_tokenmill_plugins_lists_the_cpu_platform():
+    listing = json.loads(subprocess.run([sys.executable, "-m", "tokenmill.cli", "plugins", "--json"],
+                                        capture_output=True, text=True, check=True).stdout)
+    assert listing["hookspec_version"] >= 2
+    registers = {p["name"]: p["registers"] for p in listing["plugins"]}
+    assert registers["cpu_platform"] == {"platforms": ["cpu"]}

@@ -1,0 +1,89 @@
+"""The Platform contract: what a kind of device decides for the engine.
+
+A platform owns the answers that differ between a CPU, a GPU and a third
+party's accelerator: whether it is usable here, which dtype ``dtype: auto``
+means for a checkpoint, per-process setup (threads, allocator), the KV-cache
+memory budget, the optimisation pass over a loaded model (prepacked weights,
+fused ops), an optional greedy argmax head, and host buffers (swap space,
+input staging). The core asks; it never tests for a device itself.
+
+Platforms are registered through the ``register_platforms`` hook.
+``platform.name: auto`` tries every registered platform's ``detect()`` and
+takes the usable one with the highest ``priority``, logging at warning level
+why each other one was passed over; an explicit name that is unusable is an
+error that gives the platform's reason. The defaults below are plain PyTorch
+on the CPU, so a subclass overrides only what it changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Protocol, Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class Detection:
+    """``detect()``'s answer: usable here or not, and why, in words a user can act on."""
+
+    usable: bool
+    reason: str
+
+
+class GreedyArgmax(Protocol):
+    """Greedy tokens from the final hidden states without materialising every logit."""
+
+    def tokens(self, hidden: torch.Tensor) -> Optional[list[int]]:
+        """The argmax token per row of ``hidden``, or None to fall back to full logits."""
+
+
+class Platform:
+    """One kind of device. Constructed once per engine, with the engine's config (``config``)."""
+
+    #: the name ``platform.name`` selects
+    name: str = ""
+    #: torch's device type for tensors the engine places
+    device_type: str = "cpu"
+    #: torch.distributed's backend for this device ("gloo", "nccl", ...)
+    dist_backend: str = "gloo"
+    #: with ``platform.name: auto``, the usable platform with the highest priority wins
+    priority: int = 0
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+
+    @classmethod
+    def detect(cls) -> Detection:
+        """Whether this platform can run here. Must not initialise the device (no CUDA context)."""
+        return Detection(True, "PyTorch runs on the CPU everywhere")
+
+    def resolve_dtype(self, checkpoint_dtype: torch.dtype) -> torch.dtype:
+        """The compute dtype ``dtype: auto`` gives a checkpoint stored in ``checkpoint_dtype``."""
+        return checkpoint_dtype
+
+    def setup_process(self) -> None:
+        """Per-process setup before the model is built: threads, allocator settings."""
+
+    def kv_cache_memory(self, requested: int) -> int:
+        """The bytes the KV cache may use, given the configured ``cache.kv_cache_memory``."""
+        return requested
+
+    def optimize_model(self, model: torch.nn.Module) -> None:
+        """The optimisation pass over a loaded model (prepacked weights, fused ops). Not called
+        under ``enforce_eager``, so the plain PyTorch model stays the reference."""
+
+    def place_model(self, model: torch.nn.Module) -> None:
+        """Where the loaded (and optimised) weights live: a device, huge pages, ..."""
+
+    def greedy_head(self, model: torch.nn.Module) -> Optional[GreedyArgmax]:
+        """An argmax head for steps whose rows are all greedy without logprobs, or None."""
+        return None
+
+    def host_buffer(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """Zeroed host memory for swap space and input staging (pinned, on a GPU platform)."""
+        return torch.zeros(tuple(shape), dtype=dtype)
+
+    def describe(self) -> dict[str, Any]:
+        """What the engine's startup log says about this platform."""
+        return {"platform": self.name, "device": self.device_type}
