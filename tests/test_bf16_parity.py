@@ -76,7 +76,7 @@ def test_native_bf16_means_the_bf16_instructions_not_just_avx512():
     """An AVX-512 core without AVX512-BF16 or AMX (Ice Lake, Skylake-X) runs oneDNN's bf16 GEMMs
     emulated, ~4x slower than fp32, though oneDNN calls bf16 supported there: dtype auto must
     then compute a bf16 checkpoint in fp32. The flags come from the kernel, not from torch."""
-    from tokenmill.core.cpu_dtypes import native_bf16
+    from tokenmill.plugins.platforms.cpu.dtypes import native_bf16
 
     flags = set(re.search(r"^flags\s*:(.*)$", Path("/proc/cpuinfo").read_text(), re.M).group(1).split())
     assert native_bf16() == bool(torch.backends.mkldnn.is_available() and flags & {"avx512_bf16", "amx_bf16"})

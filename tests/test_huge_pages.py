@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-import tokenmill.core.huge_pages as huge_pages
+import tokenmill.plugins.platforms.cpu.huge_pages as huge_pages
 from conftest import PROMPTS, greedy_in_batches, make_llm
 from tokenmill.testing.hf_reference import assert_matches_reference
 

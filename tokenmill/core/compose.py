@@ -263,7 +263,7 @@ def _bind_kv_caches(model: torch.nn.Module, backend: AttentionBackend, num_block
                     block_size: int, dtype: torch.dtype) -> list[tuple[AttentionLayerSpec, torch.Tensor]]:
     """Allocate and attach each attention layer's cache; returns (spec, cache) per layer.
 
-    Not on huge pages (core/huge_pages.py): faulting them in as blocks fill cost
+    Not on huge pages (plugins/platforms/cpu/huge_pages.py): faulting them in as blocks fill cost
     more than they saved at W1, and faulting 2 GB in up front took 8 s here.
     """
     layers = []

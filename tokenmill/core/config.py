@@ -140,7 +140,7 @@ class EngineConfig(BaseSettings):
     #: THP): batch-1 decode, which streams every weight per token, ~1.15x faster
     huge_pages: bool = True
     #: keep freed activation buffers in the process for the next step instead of
-    #: returning them to the OS (glibc malloc thresholds, core/freed_memory.py): a
+    #: returning them to the OS (glibc malloc thresholds, the cpu platform's freed_memory.py): a
     #: prompt chunk's activations are faulted in again every step otherwise
     keep_freed_memory: bool = True
     platform: PlatformConfig = PlatformConfig()

@@ -51,7 +51,7 @@ class CausalLM(Protocol):
 
 @runtime_checkable
 class OutputProjection(Protocol):
-    """Optional for a CausalLM: lets greedy rows skip computing all logits (core/greedy_head.py)."""
+    """Optional for a CausalLM: lets greedy rows skip computing all logits (the cpu platform's greedy_head.py)."""
 
     def output_projection(self) -> Optional[torch.Tensor]:
         """The [vocab, hidden] weight W with compute_logits(h) == h @ W.T exactly (no bias,

@@ -8,7 +8,6 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from tokenmill.core.cpu_dtypes import native_bf16
 from tokenmill.interfaces.quantization import LinearMethod, QuantizationMethod
 
 
@@ -57,7 +56,7 @@ class PrepackedLinearMethod:
     def __init__(self, gemv: Optional[ModuleType] = None, widen: bool = False,
                  panels: Optional[ModuleType] = None, out_features: int = 0) -> None:
         self.gemv = gemv
-        #: bf16 activations on a CPU without bf16 arithmetic (cpu_dtypes): the packed weight is
+        #: bf16 activations on a CPU without bf16 arithmetic: the packed weight is
         #: fp32, each call widens its input and rounds its output once (~7x PyTorch's bf16 GEMM there)
         self.widen = widen
         self.panels = panels
@@ -88,13 +87,15 @@ def _can_prepack(weight: torch.Tensor) -> bool:
             and weight.dtype in (torch.float32, torch.bfloat16))
 
 
-def prepack_linear_weights(model: nn.Module, kernels: Optional[ModuleType] = None, gemv: bool = True) -> int:
+def prepack_linear_weights(model: nn.Module, kernels: Optional[ModuleType] = None, gemv: bool = True,
+                           widen_bf16: bool = False) -> int:
     """Give every unquantized CPU ``Linear`` of ``model`` a prepacked weight; returns how many.
 
     ``kernels``: the C++ kernels module (None: oneDNN's packing only). With it, fp32 GEMMs
     use its packed GEMM where it is preferred on this CPU, and with ``gemv`` plain weights
-    are kept for 1-2 row inputs (see PrepackedLinearMethod). An fp32 plain weight whose
-    values are all bf16 (a bf16 checkpoint computed in fp32, see cpu_dtypes) is kept in
+    are kept for 1-2 row inputs (see PrepackedLinearMethod). ``widen_bf16`` (a CPU without
+    bf16 arithmetic) packs bf16 weights as fp32 GEMMs. An fp32 plain weight whose
+    values are all bf16 (a bf16 checkpoint computed in fp32) is kept in
     bf16: the GEMV streams half the bytes and widens them exactly, so its results are
     unchanged. Quantized layers keep their own kernels; other dtypes (fp16) stay on ``F.linear``.
     """
@@ -107,7 +108,7 @@ def prepack_linear_weights(model: nn.Module, kernels: Optional[ModuleType] = Non
         if not _can_prepack(module.weight):
             continue
         weight = module.weight.detach()
-        widen = weight.dtype == torch.bfloat16 and not native_bf16()
+        widen = weight.dtype == torch.bfloat16 and widen_bf16
         fp32_gemm = panels if widen or weight.dtype == torch.float32 else None
         if fp32_gemm is not None:
             packed = fp32_gemm.pack_gemm_weight(weight)

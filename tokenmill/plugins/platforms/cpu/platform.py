@@ -17,14 +17,14 @@ from typing import Optional
 
 import torch
 
-from tokenmill.core.cpu_dtypes import native_bf16
-from tokenmill.core.freed_memory import keep_freed_memory
-from tokenmill.core.greedy_head import GreedyHead
-from tokenmill.core.huge_pages import move_parameters_to_huge_pages
 from tokenmill.core.kernels import cpu_kernels
 from tokenmill.core.layers.fused import enable_fused_ops
 from tokenmill.core.layers.linear import prepack_linear_weights
 from tokenmill.interfaces.platform import Detection, GreedyArgmax, Platform
+from tokenmill.plugins.platforms.cpu.dtypes import native_bf16
+from tokenmill.plugins.platforms.cpu.freed_memory import keep_freed_memory
+from tokenmill.plugins.platforms.cpu.greedy_head import GreedyHead
+from tokenmill.plugins.platforms.cpu.huge_pages import move_parameters_to_huge_pages
 
 
 class CpuPlatform(Platform):
@@ -50,7 +50,7 @@ class CpuPlatform(Platform):
             keep_freed_memory()
 
     def optimize_model(self, model: torch.nn.Module) -> None:
-        prepack_linear_weights(model, cpu_kernels(), gemv=self.config.small_batch_gemv)
+        prepack_linear_weights(model, cpu_kernels(), gemv=self.config.small_batch_gemv, widen_bf16=not native_bf16())
         enable_fused_ops(model)
 
     def place_model(self, model: torch.nn.Module) -> None:
