@@ -88,3 +88,32 @@ def test_one_failing_request_fails_alone_while_others_stream(model_dir, faults):
         assert llm.error is None
         assert client.completions.create(prompt=prompts[0], **greedy).choices[0].text == expected[0]
         assert engine.scheduler.kv_cache.pool.usage() == 0.0
+
+
+def test_a_failing_row_in_a_batch_is_found_by_running_the_batch_one_request_at_a_time(model_dir, faults):
+    """Offline, deterministically in one batch: the sampler raises for one row, the step is
+    retried request by request, the others get the tokens a clean run gives them."""
+    from tokenmill import SamplingParams
+
+    prompts = [[11, 12, 13], [21, 22, 23, 24], [31, 32]]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    clean = make_llm(model_dir("llama")).generate([{"prompt_token_ids": p} for p in prompts], greedy,
+                                                  use_tqdm=False)
+    engine = make_llm(model_dir("llama")).llm_engine
+    poisoned = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                              logit_bias={SAMPLER_FAULT_TOKEN: SAMPLER_FAULT_BIAS})
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, greedy)
+    engine.add_request("bad", {"prompt_token_ids": [41, 42, 43]}, poisoned)
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    assert "injected sampler failure" in finals["bad"].error
+    assert finals["bad"].outputs[0].finish_reason == "error"
+    for i, expected in enumerate(clean):
+        got = finals[f"r{i}"]
+        assert got.error is None and got.outputs[0].token_ids == expected.outputs[0].token_ids
+        assert [e[t].logprob for e, t in zip(got.outputs[0].logprobs, got.outputs[0].token_ids)] == \
+            pytest.approx([e[t].logprob for e, t in zip(expected.outputs[0].logprobs, expected.outputs[0].token_ids)],
+                          abs=1e-5)
+    assert engine.scheduler.kv_cache.pool.usage() == 0.0

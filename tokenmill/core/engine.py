@@ -225,11 +225,14 @@ class LLMEngine:
         """Run the batch; if that raises, run its requests one at a time to find the ones that fail.
 
         A retry recomputes the same KV into the same slots, so it is safe; a seeded
-        request that sampled before the failure draws its step again.
+        request that sampled before the failure draws its step again. A step that
+        also copied KV blocks to or from the swap space is not retried: it raises.
         """
         try:
             return self.runner.execute(batch), {}
         except Exception as exc:
+            if batch.blocks_to_swap_out or batch.blocks_to_swap_in:
+                raise  # the KV copies may be half done: no request's cache can be trusted
             if len(batch.scheduled) <= 1:
                 return ModelRunnerOutput({}, {}, {}), {item.request_id: exc for item in batch.scheduled}
         sampled, logprobs, prompt_logprobs, failures = {}, {}, {}, {}
