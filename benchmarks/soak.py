@@ -3,7 +3,8 @@
 The mix (seeded): plain and streamed completions, streamed chat, ``n > 1``, prompts near the
 context window, streams the client abandons after a few chunks, requests cancelled while they
 wait, and requests the server must refuse with a 4xx. Each request carries its own
-``request_id``, which the response echoes, so a lost, duplicated or crossed response is seen.
+``request_id``, which the response echoes: a request without a complete response is lost,
+and a response that finishes one of its sequences twice is duplicated.
 
 Reports the server's RSS at start (after a first warm-up wave), middle and end, KV-cache blocks in use and requests still
 running after the run (both must be 0), lost and duplicated responses (both must be 0), and
@@ -37,8 +38,8 @@ KINDS = ("complete", "stream", "chat_stream", "n_best", "long", "abandon", "canc
 class Tally:
     """What came back, per request id, and what the run saw of the server."""
 
-    sent: Counter = field(default_factory=Counter)
     completed: Counter = field(default_factory=Counter)  # ids whose full response arrived
+    duplicated: int = 0  # responses that finished a sequence more than once
     rejected: Counter = field(default_factory=Counter)  # ids refused with the expected 4xx
     abandoned: int = 0
     problems: list[str] = field(default_factory=list)
@@ -67,7 +68,6 @@ def _body(kind: str, request_id: str, rng: random.Random, max_model_len: int) ->
 async def _one(client: httpx.AsyncClient, kind: str, request_id: str, rng: random.Random, tally: Tally,
                max_model_len: int) -> None:
     path, body = _body(kind, request_id, rng, max_model_len)
-    tally.sent[request_id] += 1
     if kind == "cancel":  # the client gives up while the request is queued or running
         task = asyncio.ensure_future(client.post(path, json=body))
         await asyncio.sleep(rng.uniform(0, 0.05))
@@ -106,7 +106,9 @@ async def _one(client: httpx.AsyncClient, kind: str, request_id: str, rng: rando
     if done != 1 or any(e["id"] != request_id for e in events):
         tally.problems.append(f"{request_id}: {done} [DONE] lines, ids {sorted({e['id'] for e in events})[:3]}")
         return
-    finished = {c["index"] for e in events for c in e["choices"] if c.get("finish_reason")}
+    finishes = [c["index"] for e in events for c in e["choices"] if c.get("finish_reason")]
+    tally.duplicated += len(finishes) != len(set(finishes))
+    finished = set(finishes)
     if finished != set(range(body.get("n", 1))):
         tally.problems.append(f"{request_id}: finished choices {sorted(finished)}")
         return
@@ -118,6 +120,7 @@ def _check_complete(status: int, payload, body: dict, request_id: str, tally: Ta
         tally.problems.append(f"{request_id}: {status} {str(payload)[:200]}")
         return
     indexes = sorted(c["index"] for c in payload["choices"])
+    tally.duplicated += len(indexes) != len(set(indexes))
     if payload["id"] != request_id or indexes != list(range(body.get("n", 1))) or \
             any(c["finish_reason"] not in ("stop", "length") for c in payload["choices"]):
         tally.problems.append(f"{request_id}: id {payload['id']}, choices {indexes}")
@@ -171,12 +174,11 @@ async def soak(base_url: str, num_requests: int, concurrency: int, rss_mib: Call
         tally.rss_mib.append(rss_mib())
     expected = Counter(k for k in kinds if k not in ("cancel", "abandon", "reject"))
     lost = sum(expected.values()) - len(tally.completed)
-    duplicated = sum(c - 1 for c in tally.completed.values() if c > 1) + sum(c - 1 for c in tally.sent.values() if c > 1)
     return {
         "num_requests": num_requests, "concurrency": concurrency, "kinds": dict(Counter(kinds)),
         "seconds": round(seconds, 2), "requests_per_s": round(num_requests / seconds, 1),
         "completed": len(tally.completed), "rejected_4xx": len(tally.rejected), "abandoned": tally.abandoned,
-        "lost": lost, "duplicated": duplicated, "problems": tally.problems[:20],
+        "lost": lost, "duplicated": tally.duplicated, "problems": tally.problems[:20],
         "rss_mib_start_middle_end": [round(r, 1) for r in tally.rss_mib],
         "rss_growth_pct": round(100 * (tally.rss_mib[-1] / tally.rss_mib[0] - 1), 1),
         "kv_cache_usage_after": gauges.get("kv_cache_usage_perc"),

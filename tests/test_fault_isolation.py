@@ -117,3 +117,31 @@ def test_a_failing_row_in_a_batch_is_found_by_running_the_batch_one_request_at_a
             pytest.approx([e[t].logprob for e, t in zip(expected.outputs[0].logprobs, expected.outputs[0].token_ids)],
                           abs=1e-5)
     assert engine.scheduler.kv_cache.pool.usage() == 0.0
+
+
+def test_a_step_failing_after_sampling_is_retried_with_the_generators_wound_back(model_dir, monkeypatch):
+    """The failure comes after the seeded rows drew their samples: the retry rewinds their
+    generators, so a seeded batch-mate samples exactly what a clean run gives it."""
+    from tokenmill import SamplingParams
+    from tokenmill.core import sampler
+
+    gather = sampler.gather_logprobs
+
+    def failing_gather(logprobs, token_ids, ks):
+        if 7 in ks:
+            raise RuntimeError("injected logprobs failure")
+        return gather(logprobs, token_ids, ks)
+
+    monkeypatch.setattr(sampler, "gather_logprobs", failing_gather)
+    seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=8, ignore_eos=True)
+    clean = make_llm(model_dir("llama")).generate([{"prompt_token_ids": [11, 12, 13]}], seeded, use_tqdm=False)
+    engine = make_llm(model_dir("llama")).llm_engine
+    engine.add_request("seeded", {"prompt_token_ids": [11, 12, 13]}, seeded)
+    engine.add_request("bad", {"prompt_token_ids": [41, 42]},
+                       SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, logprobs=7))
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    assert "injected logprobs failure" in finals["bad"].error
+    assert finals["seeded"].error is None
+    assert finals["seeded"].outputs[0].token_ids == clean[0].outputs[0].token_ids

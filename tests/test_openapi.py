@@ -115,6 +115,8 @@ def test_live_server_conforms_to_its_schema(case, server):
 def test_fuzzing_left_the_engine_as_it_was(server):
     """After the fuzzing: every POST route got examples, and greedy output is what it was before."""
     url, llm, before = server
+    if not SENT:
+        pytest.skip("runs after test_live_server_conforms_to_its_schema, whose examples it checks")
     print("schemathesis examples per route:", dict(SENT))
     posts = {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/embeddings",
              "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}

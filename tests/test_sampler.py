@@ -147,6 +147,7 @@ def test_min_tokens_masks_stop_tokens_until_reached():
     ("seed", 2**64), ("seed", -(2**63) - 1), ("temperature", float("nan")), ("top_p", float("inf")),
     ("repetition_penalty", float("inf")), ("temperature", 10**400), ("logit_bias", {3: 100.5}),
     ("logit_bias", {-1: 1.0}), ("logit_bias", {3: float("nan")}), ("spaces_between_special_tokens", False),
+    ("temperature", 1e39), ("repetition_penalty", 1e-46), ("top_p", 5e-324 * -1),
 ])
 def test_out_of_range_parameters_name_the_parameter(field, value):
     """Every bad sampling parameter fails at construction with its name in the error."""

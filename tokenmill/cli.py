@@ -128,6 +128,8 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
                        help="directories runtime adapter loads may read from")
     group.add_argument("--allow-runtime-lora-updating", action="store_true", default=None,
                        help="enable /v1/load_lora_adapter and /v1/unload_lora_adapter")
+    group.add_argument("--trust-request-chat-template", action="store_true", default=None,
+                       help="accept a chat_template in chat requests (off: a template is a program)")
 
 
 def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:

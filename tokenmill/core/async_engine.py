@@ -112,7 +112,8 @@ class AsyncLLM:
     ) -> AsyncIterator[RequestOutput]:
         """Admit a request now and return its stream of cumulative RequestOutputs.
 
-        Admission errors (overload, a dead engine, a duplicate id) raise here,
+        Admission errors (overload, a dead engine, a duplicate id, token ids outside the
+        vocabulary) raise here,
         before any response starts. The returned iterator must be consumed or
         closed: closing it early aborts the request.
         """
@@ -123,6 +124,7 @@ class AsyncLLM:
         if self.max_queued_requests is not None and self.num_waiting >= self.max_queued_requests:
             raise EngineOverloaded(f"the waiting queue is full ({self.max_queued_requests} requests)")
         prepared = prompt if isinstance(prompt, dict) and "prompt_token_ids" in prompt else self.prepare_prompt(prompt)
+        self.engine.check_params(params)
         stream: asyncio.Queue = asyncio.Queue()
         with self._lock:
             if request_id in self._streams:

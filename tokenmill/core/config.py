@@ -107,6 +107,9 @@ class ServerConfig(BaseModel):
     #: waiting requests beyond this get HTTP 503; None = unbounded
     max_queued_requests: Optional[int] = Field(None, ge=1)
     max_request_body_bytes: ByteSize = ByteSize(4 * 1024**2)
+    #: accept a request's own ``chat_template`` (vLLM's --trust-request-chat-template): a
+    #: template is a program, and one can keep the event loop busy for as long as it likes
+    trust_request_chat_template: bool = False
     #: seconds in-flight requests may take to finish on shutdown
     drain_timeout: float = Field(10.0, ge=0)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
@@ -209,6 +212,7 @@ SERVER_NAMES: dict[str, str] = {
     "lora_modules": "adapters.lora_modules",
     "allowed_lora_dirs": "adapters.allowed_lora_dirs",
     "allow_runtime_lora_updating": "adapters.allow_runtime_lora_updating",
+    "trust_request_chat_template": "server.trust_request_chat_template",
 }
 
 _yaml_data: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar(

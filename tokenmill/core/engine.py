@@ -30,6 +30,9 @@ from tokenmill.interfaces.types import FinishReason, RequestOutput, SamplingPara
 
 log = structlog.get_logger("tokenmill.engine")
 
+#: a step that produced nothing
+_NOTHING = ModelRunnerOutput({}, {}, {})
+
 #: a prompt: text, token ids, or vLLM's dict forms
 PromptType = Union[str, Sequence[int], dict]
 
@@ -99,6 +102,14 @@ class LLMEngine:
             return prompt, list(ids)
         return None, self._check_token_ids(prompt)
 
+    def check_params(self, params: SamplingParams) -> None:
+        """What a request's parameters must satisfy for this model (token ids in its vocabulary).
+        Thread-safe: AsyncLLM calls it on the caller's side, so the error comes before a response."""
+        vocab = self.model_config.vocab_size
+        for param, token in params.token_ids():
+            if not 0 <= token < vocab:
+                raise InvalidRequest(param, f"token ids must be in [0, {vocab}), got {token}")
+
     def _check_token_ids(self, ids: Any) -> list[int]:
         if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
             raise InvalidRequest("prompt_token_ids", "must be a list of integers")
@@ -124,10 +135,7 @@ class LLMEngine:
     ) -> None:
         params = params or SamplingParams()
         text, token_ids = self.tokenize_prompt(prompt)
-        vocab = self.model_config.vocab_size
-        for param, token in params.token_ids():
-            if not 0 <= token < vocab:
-                raise InvalidRequest(param, f"token ids must be in [0, {vocab}), got {token}")
+        self.check_params(params)
         if len(token_ids) >= self.max_model_len:
             raise InvalidRequest(
                 "prompt",
@@ -224,18 +232,20 @@ class LLMEngine:
     def _execute(self, batch: SchedulerOutput) -> tuple[ModelRunnerOutput, dict[str, BaseException]]:
         """Run the batch; if that raises, run its requests one at a time to find the ones that fail.
 
-        A retry recomputes the same KV into the same slots, so it is safe; a seeded
-        request that sampled before the failure draws its step again. A step that
-        also copied KV blocks to or from the swap space is not retried: it raises.
+        The runner's bookkeeping (new requests, swap copies) comes first and is the engine's
+        own: its failure propagates. A retry recomputes the same KV into the same slots, and
+        the generators are wound back first, so every request that succeeds samples what a
+        clean step would have given it.
         """
+        self.runner.prepare(batch)
+        generators = self.runner.generator_states(batch)
         try:
             return self.runner.execute(batch), {}
         except Exception as exc:
-            if batch.blocks_to_swap_out or batch.blocks_to_swap_in:
-                raise  # the KV copies may be half done: no request's cache can be trusted
             if len(batch.scheduled) <= 1:
-                return ModelRunnerOutput({}, {}, {}), {item.request_id: exc for item in batch.scheduled}
+                return _NOTHING, {item.request_id: exc for item in batch.scheduled}
         sampled, logprobs, prompt_logprobs, failures = {}, {}, {}, {}
+        self.runner.restore_generators(generators)  # each seeded generator serves one request only
         for item in batch.scheduled:
             single = SchedulerOutput(scheduled=(item,), new_requests=(), finished_request_ids=frozenset(),
                                      num_scheduled_tokens=len(item.new_token_ids))

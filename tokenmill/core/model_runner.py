@@ -71,8 +71,9 @@ class ModelRunner:
         self.adapters = adapters
         self._states: dict[str, _RequestState] = {}
 
-    @torch.inference_mode()
-    def execute(self, batch: SchedulerOutput) -> ModelRunnerOutput:
+    def prepare(self, batch: SchedulerOutput) -> None:
+        """The step's bookkeeping before any compute: forget finished requests, keep new
+        ones, copy KV blocks to and from the swap space. A failure here is the engine's."""
         # Finished first: a request id may be reused as soon as its request finished.
         for request_id in batch.finished_request_ids:
             self._states.pop(request_id, None)
@@ -85,6 +86,22 @@ class ModelRunner:
             assert self.swap is not None, "swap requested but no swap space was allocated"
             self.swap.copy(batch.blocks_to_swap_out, to_host=True)
             self.swap.copy(batch.blocks_to_swap_in, to_host=False)
+
+    def generator_states(self, batch: SchedulerOutput) -> list[tuple[torch.Generator, torch.Tensor]]:
+        """The random state the step's samples will draw from, to rewind a failed step with."""
+        seeded = [self._states[item.request_id].generator for item in batch.scheduled
+                  if item.sample and item.request_id in self._states]
+        return [(g, g.get_state()) for g in (self.sampler.generator, *filter(None, seeded))]
+
+    @staticmethod
+    def restore_generators(states: list[tuple[torch.Generator, torch.Tensor]]) -> None:
+        for generator, state in states:
+            generator.set_state(state)
+
+    @torch.inference_mode()
+    def execute(self, batch: SchedulerOutput) -> ModelRunnerOutput:
+        """The forward pass and sampling for a prepared batch. Request state changes only once
+        the whole step succeeded, so a failed step can be run again (one request at a time)."""
         if batch.is_empty:
             return ModelRunnerOutput({}, {}, {})
 
@@ -131,7 +148,6 @@ class ModelRunner:
                 if len(sample_rows) < len(rows):
                     logits = logits[torch.tensor(sample_rows)]
                 tokens, token_logprobs = self.sampler(logits, sampling_rows)
-        # the request states change only once the whole step succeeded, so a failed step can be retried
         for item, _, first, count in prompt_spans:
             self._states[item.request_id].num_prompt_logprobs_done = first + count
         sampled: dict[str, int] = {}

@@ -94,7 +94,9 @@ class SamplingParams:
             check(_is_int(getattr(self, name)), name, "must be an integer")
         for name in _FLOAT_FIELDS:
             value = getattr(self, name)
-            check(_is_finite(value), name, f"must be a finite number, got {value!r}")
+            # the sampler computes in float32: a value past its range would turn logits into inf / NaN
+            check(_is_finite(value) and abs(value) <= _FLOAT32_MAX, name,
+                  f"must be a finite number within float32's range, got {value!r}")
         check(self.n >= 1, "n", f"must be at least 1, got {self.n}")
         check(self.temperature >= 0, "temperature", f"must be non-negative, got {self.temperature}")
         check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
@@ -104,8 +106,9 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             check(-2 <= value <= 2, name, f"must be in [-2, 2], got {value}")
-        check(self.repetition_penalty > 0, "repetition_penalty",
-              f"must be greater than 0, got {self.repetition_penalty}")
+        check(self.repetition_penalty >= _MIN_REPETITION_PENALTY, "repetition_penalty",
+              f"must be at least {_MIN_REPETITION_PENALTY:g} (dividing a logit by less overflows float32), "
+              f"got {self.repetition_penalty}")
         check(self.seed is None or (_is_int(self.seed) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]), "seed",
               f"must be a 64-bit integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed!r}")
         if self.max_tokens is not None:
@@ -142,6 +145,10 @@ class SamplingParams:
         return tuple([("stop_token_ids", t) for t in self.stop_token_ids]
                      + [("logit_bias", t) for t in self.logit_bias or ()])
 
+
+_FLOAT32_MAX = 3.4028234663852886e38
+#: logits are at most a few hundred: dividing by this stays far inside float32
+_MIN_REPETITION_PENALTY = 1e-6
 
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 

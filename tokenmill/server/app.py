@@ -67,7 +67,8 @@ def create_app(llm: AsyncLLM | EmbeddingEngine, config: Optional[ServerConfig] =
     generating = isinstance(llm, AsyncLLM)
     engine = llm.engine if generating else llm
     names = config.served_model_name or default_model_names(str(engine.config.model))
-    ctx = ServingContext(llm if generating else None, names, engine.max_model_len, engine.tokenizer)
+    ctx = ServingContext(llm if generating else None, names, engine.max_model_len, engine.tokenizer,
+                         config.trust_request_chat_template)
     metrics = ServerMetrics(names[0])
     embeddings = None if generating else EmbeddingService(engine, names[0])
     if generating:

@@ -55,6 +55,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         raise APIError(400, "tools are not supported", "tools")
     if body.n > MAX_SEQUENCES_PER_REQUEST:
         raise APIError(400, f"n must be at most {MAX_SEQUENCES_PER_REQUEST}", "n")
+    if body.chat_template is not None and not ctx.trust_request_chat_template:
+        raise APIError(400, "this server does not accept a request's own chat_template (start it with "
+                            "--trust-request-chat-template to allow it)", "chat_template")
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs requires logprobs=true", "top_logprobs")
     token_ids = chat_prompt_ids(ctx, body.messages, body.add_generation_prompt, body.chat_template)

@@ -26,6 +26,8 @@ class ServingContext:
     served_model_names: list[str]
     max_model_len: int
     tokenizer: Any
+    #: whether chat requests may bring their own chat_template (vLLM's --trust-request-chat-template)
+    trust_request_chat_template: bool = False
 
     def start(self, internal_id: str, requests: list[tuple[dict, SamplingParams]], priority: int,
               user: Optional[str], adapter: Optional[str] = None) -> list[AsyncIterator[RequestOutput]]:

@@ -40,6 +40,8 @@ def check_json_body(raw: bytes) -> None:
         raise BodyProblem(f"the request body nests deeper than {MAX_JSON_DEPTH} levels") from None
     except json.JSONDecodeError as exc:
         raise BodyProblem(f"the request body is not valid JSON: {exc.msg} at position {exc.pos}") from None
+    except ValueError:  # an integer of more digits than Python converts (sys.int_info.default_max_str_digits)
+        raise BodyProblem("the request body has a number too long to read") from None
     if not isinstance(data, dict):
         raise BodyProblem("the request body must be a JSON object")
     deep = raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH

@@ -147,8 +147,8 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = Field(False, description="Report each generated token's logprob.")
     top_logprobs: Optional[int] = Field(None, description="With logprobs: the 0-20 most likely alternatives.")
     add_generation_prompt: bool = Field(True, description="vLLM: end the prompt with the assistant's turn header.")
-    chat_template: Optional[str] = Field(None, description="vLLM: a Jinja chat template to use instead "
-                                                           "of the model's.")
+    chat_template: Optional[str] = Field(None, description="vLLM: a Jinja chat template to use instead of the "
+                                                           "model's; refused unless the server trusts them.")
     tools: Optional[list[dict[str, Any]]] = Field(None, description="Not supported yet: refused with a 400.")
 
 
