@@ -199,7 +199,7 @@ class LLMEngine:
         result, failures = self._execute(batch)
         failed: dict[str, None] = {}  # user requests that failed in this step
         for child_id, exc in failures.items():
-            failed.update(dict.fromkeys(self._fail(child_id, exc)))
+            self._fail(child_id, exc, failed)
         advanced = self.scheduler.update(batch, result)
 
         for child_id, entries in result.prompt_logprobs.items():
@@ -208,7 +208,7 @@ class LLMEngine:
             try:
                 self.outputs.add_prompt_logprobs(child_id, entries)
             except Exception as exc:
-                failed.update(dict.fromkeys(self._fail(child_id, exc)))
+                self._fail(child_id, exc, failed)
         touched: dict[str, None] = {}
         for request in advanced:
             parent = self.outputs.parent_of(request.request_id)
@@ -217,7 +217,7 @@ class LLMEngine:
             try:
                 stop = self.outputs.add_token(request, result.logprobs.get(request.request_id))
             except Exception as exc:
-                failed.update(dict.fromkeys(self._fail(request.request_id, exc)))
+                self._fail(request.request_id, exc, failed)
                 continue
             if stop is not None and not request.is_finished:
                 self.scheduler.finish_requests([request.request_id], FinishReason.STOP, stop)
@@ -259,15 +259,18 @@ class LLMEngine:
             prompt_logprobs.update(part.prompt_logprobs)
         return ModelRunnerOutput(sampled, logprobs, prompt_logprobs), failures
 
-    def _fail(self, child_id: str, exc: BaseException) -> list[str]:
-        """Finish the user request ``child_id`` belongs to, all its sequences, as failed."""
+    def _fail(self, child_id: str, exc: BaseException, failed: dict[str, None]) -> None:
+        """Finish the user request ``child_id`` belongs to, all its sequences, as failed, and
+        add it to ``failed``."""
         parent = self.outputs.parent_of(child_id)
-        if parent is None:
-            return []
+        if parent is None:  # no output state: only the scheduler's sequence is left to end
+            log.error("a sequence without a request failed", request_id=child_id, exc_info=exc)
+            self.scheduler.finish_requests([child_id], FinishReason.ERROR)
+            return
         log.error("request failed; the engine serves on", request_id=parent, exc_info=exc)
         self.outputs.fail(parent, f"{type(exc).__name__}: {exc}")
         self.scheduler.finish_requests(self.outputs.child_ids(parent), FinishReason.ERROR)
-        return [parent]
+        failed[parent] = None
 
     def _emit(self, request_id: str) -> RequestOutput:
         output = self.outputs.output(request_id)
