@@ -113,9 +113,8 @@ class AsyncLLM:
         """Admit a request now and return its stream of cumulative RequestOutputs.
 
         Admission errors (overload, a dead engine, a duplicate id, token ids outside the
-        vocabulary) raise here,
-        before any response starts. The returned iterator must be consumed or
-        closed: closing it early aborts the request.
+        vocabulary) raise here, before any response starts. The returned iterator must be
+        consumed or closed: closing it early aborts the request.
         """
         if self.error is not None:
             raise EngineDead(f"the engine stopped: {self.error!r}")

@@ -35,7 +35,7 @@ def select_platform(name: str, registry: Registry, config: Any) -> Platform:
             cls = registry.get(entry_name)
             found = cls.detect()
         except ComponentUnavailable as exc:
-            found, cls = Detection(False, str(exc)), None
+            found = Detection(False, str(exc))
         if found.usable:
             usable.append((cls.priority, entry_name, cls, found))
         else:

@@ -88,9 +88,9 @@ def create_app(llm: AsyncLLM | EmbeddingEngine, config: Optional[ServerConfig] =
     # /docs and /redoc from packaged Swagger UI and ReDoc files: a serving host often has no
     # route to a CDN
     app = FastAPIOffline(title="tokenmill", version=tokenmill.__version__, lifespan=lifespan,
-                  description="An OpenAI-compatible API with vLLM's extras. Every error is OpenAI's "
-                              "envelope `{\"error\": {message, type, param, code}}`.",
-                  responses=ERROR_RESPONSES)
+                         description="An OpenAI-compatible API with vLLM's extras. Every error is OpenAI's "
+                                     "envelope `{\"error\": {message, type, param, code}}`.",
+                         responses=ERROR_RESPONSES)
     app.state.serving = ctx
     app.state.metrics = metrics
     install_error_handlers(app)

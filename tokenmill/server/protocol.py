@@ -48,8 +48,8 @@ class SamplingFields(OpenAIModel):
     top_p: Optional[float] = Field(None, description="Nucleus sampling mass in (0, 1]. Default 1.")
     presence_penalty: float = Field(0.0, description="In [-2, 2]: subtracted once from every generated token's logit.")
     frequency_penalty: float = Field(0.0, description="In [-2, 2]: subtracted per occurrence of a generated token.")
-    seed: Optional[int] = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1],
-                                description="Makes this request's samples reproducible, whatever else is batched.")
+    seed: Optional[int] = Field(None, description=f"A 64-bit integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}]: makes "
+                                                  "this request's samples reproducible, whatever else is batched.")
     stop: Union[str, list[str], None] = Field(None, description="Strings that end a sequence (not included).")
     stream: bool = Field(False, description="Stream server-sent events, ending with `data: [DONE]`.")
     stream_options: Optional[StreamOptions] = None

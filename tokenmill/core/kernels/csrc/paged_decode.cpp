@@ -72,7 +72,7 @@ struct LinePrefetcher {
 // sum per head (q.k) and on loading, widening and storing the fp32 accumulator per head (p.v):
 // here 16 partial dot products are reduced together by one transpose-and-add, and each head's
 // accumulator stays in registers for a whole tile, widening v with one shift (even lanes) or
-// mask (odd lanes) per 16 values: 7-22% less time per call than session 2's loops here (16/8 heads of
+// mask (odd lanes) per 16 values: 7-22% less time per call than the generic loops (16/8 heads of
 // 64, 1-64 sequences of 200-2000 tokens); what remains is mostly memory stalls on scattered blocks.
 //
 // Tiles outermost, so that each tile's rows (all KV heads) are read from memory once, while
