@@ -18,7 +18,7 @@ from common import write_json
 from tokenmill.core.compose import collect_components
 from tokenmill.core.plugins import make_plugin_manager
 from tokenmill.interfaces.attention import AttentionLayerSpec, AttentionMetadata
-from tokenmill.plugins.attention.cpu_sdpa import CpuSdpaAttention
+from tokenmill.plugins.platforms.cpu.attention import CpuAttention
 
 
 def decode_inputs(batch: int, context: int, heads: int = 8, kv_heads: int = 8, head_dim: int = 64, block: int = 16):
@@ -50,7 +50,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     registry = collect_components(make_plugin_manager()).attention_backends
     names = args.backends.split(",") if args.backends else [n for n in registry.names() if n != "triton"]
-    backends = {name: CpuSdpaAttention(use_kernels=False) if name == "cpu-sdpa" else registry.get(name)()
+    backends = {name: CpuAttention(use_kernels=False) if name == "cpu-sdpa" else registry.get(name)()
                 for name in names}
     results = []
     print(f"{'batch':>5} {'context':>7} " + " ".join(f"{name:>10}" for name in backends) + "   (ms per call)")

@@ -86,17 +86,17 @@ def test_engine_with_interpreted_triton_matches_hf(model_dir):
 
 def test_cpu_backend_builds_its_decode_kernel():
     """The fast path is really in use here (a silent fallback would hide a slow engine)."""
-    from tokenmill.plugins.attention.cpu_sdpa import CpuSdpaAttention
+    from tokenmill.plugins.platforms.cpu.attention import CpuAttention
 
-    assert CpuSdpaAttention()._kernels is not None
+    assert CpuAttention()._kernels is not None
 
 
 @pytest.mark.parametrize("case", conformance_cases(60, seed=1), ids=str)
 def test_cpu_backend_without_kernels_matches_reference(case):
     """The PyTorch fallback (no compiler on the machine) is as correct as the kernel path."""
-    from tokenmill.plugins.attention.cpu_sdpa import CpuSdpaAttention
+    from tokenmill.plugins.platforms.cpu.attention import CpuAttention
 
-    check_backend(CpuSdpaAttention(use_kernels=False), case)
+    check_backend(CpuAttention(use_kernels=False), case)
 
 
 @pytest.mark.parametrize("head_dim", [96, 128, 160, 192, 256])
@@ -108,7 +108,7 @@ def test_cpu_decode_kernel_at_large_head_dims(head_dim, seed):
 
     import torch
 
-    from tokenmill.plugins.attention.cpu_sdpa import CpuSdpaAttention
+    from tokenmill.plugins.platforms.cpu.attention import CpuAttention
     from tokenmill.testing.attention_conformance import AttentionCase
 
     rng = random.Random(seed)
@@ -116,7 +116,7 @@ def test_cpu_decode_kernel_at_large_head_dims(head_dim, seed):
         seed=seed, num_heads=rng.choice([4, 8]), num_kv_heads=2, head_dim=head_dim, block_size=rng.choice([8, 16]),
         dtype=torch.bfloat16, requests=tuple((rng.randint(0, 80), 1) for _ in range(4)),
         sliding_window=rng.choice([None, 20]), soft_cap=rng.choice([None, 30.0]))
-    check_backend(CpuSdpaAttention(), case)
+    check_backend(CpuAttention(), case)
 
 
 @pytest.mark.parametrize("head_dim", [32, 96, 128, 256])
@@ -130,7 +130,7 @@ def test_cpu_prefill_kernel_at_head_dims_and_groups(head_dim, dtype, seed):
 
     import torch
 
-    from tokenmill.plugins.attention.cpu_sdpa import CpuSdpaAttention
+    from tokenmill.plugins.platforms.cpu.attention import CpuAttention
     from tokenmill.testing.attention_conformance import AttentionCase
 
     rng = random.Random(seed)
@@ -140,7 +140,7 @@ def test_cpu_prefill_kernel_at_head_dims_and_groups(head_dim, dtype, seed):
             dtype=getattr(torch, dtype),
             requests=((0, rng.randint(2, 40)), (rng.randint(1, 40), rng.randint(2, 40)), (17, 1), (0, 33)),
             sliding_window=rng.choice([None, 12]))
-        backend = CpuSdpaAttention()
+        backend = CpuAttention()
         assert backend._prefill_kernel(AttentionLayerSpec(heads, kv, head_dim, 1.0), case.dtype), "kernel path"
         check_backend(backend, case)
 
@@ -152,7 +152,7 @@ def test_cpu_kernels_read_a_bf16_cache_as_its_fp32_values(seed):
     fp32: a bf16 ``kv_cache_dtype`` costs its rounding on write and nothing else."""
     import torch
 
-    from tokenmill.plugins.attention.cpu_sdpa import CpuSdpaAttention
+    from tokenmill.plugins.platforms.cpu.attention import CpuAttention
     from tokenmill.plugins.attention.torch_ref import TorchReferenceAttention
     from tokenmill.testing.attention_conformance import AttentionCase, build_inputs
 
@@ -161,8 +161,8 @@ def test_cpu_kernels_read_a_bf16_cache_as_its_fp32_values(seed):
                          cache_dtype=torch.bfloat16)
     spec, q, k, v, cache, metadata = build_inputs(case, TorchReferenceAttention())
     k, v = k.bfloat16().float(), v.bfloat16().float()  # values both caches hold exactly
-    backend = CpuSdpaAttention()
+    backend = CpuAttention()
     assert backend._kernels_take(torch.float32, torch.bfloat16) and backend._prefill_kernel(spec, torch.float32)
     narrow = backend.forward(spec, q, k, v, cache.clone(), metadata)
-    wide = CpuSdpaAttention().forward(spec, q, k, v, cache.float(), metadata)
+    wide = CpuAttention().forward(spec, q, k, v, cache.float(), metadata)
     assert torch.equal(narrow, wide)

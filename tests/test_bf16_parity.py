@@ -87,7 +87,8 @@ def test_bf16_checkpoint_in_fp32_streams_bf16_weights_and_matches_hf_fp32(tmp_pa
     bf16, so widening them is exact) and the engine meets the fp32 parity standard against
     HF's fp32 run of the same checkpoint, at batch 1 (the GEMV and the fused decode stack)
     and batched (the packed fp32 GEMMs)."""
-    from tokenmill.core.layers.linear import Linear, PrepackedLinearMethod
+    from tokenmill.core.layers.linear import Linear
+    from tokenmill.plugins.platforms.cpu.prepacked_linear import PrepackedLinearMethod
     from tokenmill.testing.tiny_models import make_tiny_model
 
     path = make_tiny_model("llama", tmp_path / "bf16", dtype=torch.bfloat16)
@@ -115,7 +116,7 @@ def test_bf16_kv_cache_under_fp32_matches_fp32_reference_within_bf16_rounding(ar
     error up to 2^-9), a subset of what a bf16 run rounds, so it is held to the same TIE and
     LOGPROB bounds (measured worst logprob error 0.006-0.009 on llama, qwen3 and mistral).
     Batches of 1 (the fused decode stack) and 4 (the batched kernels)."""
-    from tokenmill.core.layers.decode_stack import DecodeStack
+    from tokenmill.plugins.platforms.cpu.decode_stack import DecodeStack
 
     reference = hf_reference(arch)
     llm = make_llm(model_dir(arch), kv_cache_dtype="bfloat16")
@@ -127,4 +128,5 @@ def test_bf16_kv_cache_under_fp32_matches_fp32_reference_within_bf16_rounding(ar
         tokens, logprobs = greedy_in_batches(llm, PROMPTS, batch)
         assert_matches_reference(reference, tokens, logprobs, tie_tolerance=TIE, logprob_tolerance=LOGPROB)
     if arch == "llama":
-        assert isinstance(engine.runner.model.model.decode_stack, DecodeStack), "batch 1 took the fused stack"
+        decoder = engine.runner.model.model.fused_decoder
+        assert isinstance(decoder, DecodeStack) and decoder.stack is not None, "batch 1 took the fused stack"

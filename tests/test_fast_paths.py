@@ -10,11 +10,14 @@ from hypothesis import strategies as st
 
 from conftest import NEW_TOKENS, PROMPTS, greedy_in_batches, make_llm
 from tokenmill import SamplingParams
-from tokenmill.core.kernels import cpu_kernels
 from tokenmill.core.layers.activation import GatedActivation
-from tokenmill.core.layers.decode_stack import DecodeStack
-from tokenmill.core.layers.linear import Linear, PrepackedLinearMethod, prepack_linear_weights
+from tokenmill.core.layers.linear import Linear
 from tokenmill.core.layers.norm import RMSNorm
+from tokenmill.core.layers.rotary import ApplyRotary, RotaryEmbedding
+from tokenmill.plugins.platforms.cpu.decode_stack import DecodeStack
+from tokenmill.plugins.platforms.cpu.fused_ops import FUSED_OPS
+from tokenmill.plugins.platforms.cpu.kernels import cpu_kernels
+from tokenmill.plugins.platforms.cpu.prepacked_linear import PrepackedLinearMethod, prepack_linear_weights
 from tokenmill.testing.hf_reference import assert_matches_reference, hf_greedy
 
 KERNELS = cpu_kernels()
@@ -32,7 +35,7 @@ def test_kernel_sources_ship_in_the_wheel():
     import tomllib
     from pathlib import Path
 
-    import tokenmill.core.kernels as kernels
+    import tokenmill.plugins.platforms.cpu.kernels as kernels
 
     root = Path(__file__).parent.parent
     globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
@@ -62,7 +65,7 @@ def test_fused_rms_norm_equals_eager(rows, hidden, dtype, seed):
     eager.weight.copy_(torch.randn(hidden, generator=g))
     fused = RMSNorm(hidden, 1e-6, dtype)
     fused.weight.copy_(eager.weight)
-    fused.kernels = KERNELS
+    fused.op_impl = FUSED_OPS["rms_norm"]
     assert_equals_eager(fused(x), eager(x), atol=1e-6)
 
 
@@ -73,7 +76,7 @@ def test_fused_silu_and_mul_equals_eager(rows, d, dtype, seed):
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn(rows, 2 * d, generator=g) * 4).to(dtype)
     eager, fused = GatedActivation("silu"), GatedActivation("silu")
-    fused.kernels = KERNELS
+    fused.op_impl = FUSED_OPS[fused.op_name]
     assert_equals_eager(fused(x), eager(x), atol=1e-7)
 
 
@@ -83,8 +86,6 @@ def test_fused_silu_and_mul_equals_eager(rows, d, dtype, seed):
        partial=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16))
 def test_fused_rotary_equals_eager(tokens, rope, partial, dtype, seed):
     """In place on strided q/k views of a fused qkv output, as the model calls it."""
-    from tokenmill.core.layers.rotary import RotaryEmbedding
-
     heads, kv_heads, head_dim = 4, 2, 32
     rope = {**rope, "partial_rotary_factor": 0.5} if partial else rope
     g = torch.Generator().manual_seed(seed)
@@ -96,10 +97,12 @@ def test_fused_rotary_equals_eager(tokens, rope, partial, dtype, seed):
         q, k, _ = t.split(split, dim=-1)
         return q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)
 
-    eager, fused = RotaryEmbedding(head_dim, rope, 2048), RotaryEmbedding(head_dim, rope, 2048)
-    fused.kernels = KERNELS
-    expected_q, expected_k = eager(positions, *views(qkv.clone()))
-    got_q, got_k = fused(positions, *views(qkv))
+    frequencies = RotaryEmbedding(head_dim, rope, 2048)
+    cos_sin = frequencies(positions, dtype)
+    eager, fused = ApplyRotary(frequencies.rotary_dim), ApplyRotary(frequencies.rotary_dim)
+    fused.op_impl = FUSED_OPS["rotary_embedding"]
+    expected_q, expected_k = eager(*views(qkv.clone()), *cos_sin)
+    got_q, got_k = fused(*views(qkv), *cos_sin)
     assert_equals_eager(got_q, expected_q, atol=1e-6)
     assert_equals_eager(got_k, expected_k, atol=1e-6)
 
@@ -172,10 +175,11 @@ def test_enforce_eager_keeps_plain_modules(model_dir):
     """enforce_eager: no packed weights, no fused kernels anywhere in the model."""
     model = make_llm(model_dir("llama"), enforce_eager=True).llm_engine.runner.model
     assert all(not hasattr(m, "packed_weight") for m in model.modules())
-    assert all(getattr(m, "kernels", None) is None for m in model.modules())
+    assert all(getattr(m, "op_impl", None) is None for m in model.modules())
+    assert model.model.fused_decoder is None
     fast = make_llm(model_dir("llama")).llm_engine.runner.model
     assert any(hasattr(m, "packed_weight") for m in fast.modules())
-    assert any(isinstance(m, RMSNorm) and m.kernels is not None for m in fast.modules())
+    assert any(isinstance(m, RMSNorm) and m.op_impl is not None for m in fast.modules())
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -202,7 +206,7 @@ def test_num_threads_sets_torch_threads(model_dir):
 
 def _count_stack_calls(llm, monkeypatch) -> list[int]:
     """A counter of the decode stack's calls (the engine's model must have a stack)."""
-    assert llm.llm_engine.runner.model.model.decode_stack is not None
+    assert isinstance(llm.llm_engine.runner.model.model.fused_decoder, DecodeStack)
     calls = [0]
     forward = DecodeStack.__call__
 
@@ -236,7 +240,7 @@ def test_decode_stack_is_bit_identical_to_the_layers_in_bf16(model_dir, monkeypa
     calls = _count_stack_calls(llm, monkeypatch)
     fused = greedy_in_batches(llm, PROMPTS[:4], 2)
     assert calls[0] == 2 * (NEW_TOKENS - 1)
-    llm.llm_engine.runner.model.model.__dict__["decode_stack"] = None
+    llm.llm_engine.runner.model.model.fused_decoder = None
     assert greedy_in_batches(llm, PROMPTS[:4], 2) == fused
 
 
@@ -253,4 +257,5 @@ def test_decode_stack_is_bit_identical_to_the_layers_in_bf16(model_dir, monkeypa
 def test_decode_stack_only_where_every_part_is_on_the_kernels(arch, engine_args, fused, model_dir):
     llm = make_llm(model_dir(arch), **engine_args)
     llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=2), use_tqdm=False)
-    assert (llm.llm_engine.runner.model.model.decode_stack is not None) == fused
+    decoder = llm.llm_engine.runner.model.model.fused_decoder
+    assert (decoder is not None and decoder.stack is not None) == fused

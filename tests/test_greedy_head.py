@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from conftest import NEW_TOKENS, PROMPTS, make_llm
 from tokenmill import SamplingParams
 from tokenmill.plugins.platforms.cpu.greedy_head import GreedyHead, quantize_rows
-from tokenmill.core.kernels import cpu_kernels
+from tokenmill.plugins.platforms.cpu.kernels import cpu_kernels
 from tokenmill.core.sampler import Sampler, SamplingRow
 from tokenmill.testing.hf_reference import assert_matches_reference
 

@@ -56,3 +56,25 @@ def test_only_platform_plugins_import_platform_modules():
         if module.startswith("tokenmill.plugins.platforms")
     ]
     assert not offenders, offenders
+
+
+#: imports that tie a module to one kind of device
+DEVICE_IMPORTS = ("torch.utils.cpp_extension", "torch.cuda", "triton", "ctypes")
+#: calls into one device's libraries
+DEVICE_CALLS = ("torch.ops.mkldnn", "torch.cuda.", "torch.backends.mkldnn", "mallopt", '.to("cuda', "'cuda'")
+
+
+def test_core_has_no_device_specific_code():
+    """Core is device-agnostic: no C++ or other non-Python sources, no device libraries. What
+    a device needs is its platform plugin's (plugins/platforms/<name>/)."""
+    core = PACKAGE / "core"
+    sources = [p.relative_to(PACKAGE) for p in core.rglob("*")
+               if p.is_file() and p.suffix != ".py" and "__pycache__" not in p.parts]
+    assert not sources, sources
+    offenders = [
+        f"{path.relative_to(PACKAGE)}: {what}"
+        for path in core.rglob("*.py")
+        for what in [*(m for m in imported_modules(path) if m.startswith(DEVICE_IMPORTS)),
+                     *(call for call in DEVICE_CALLS if call in path.read_text())]
+    ]
+    assert not offenders, offenders

@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 import yaml
+from pydantic import BaseModel, ConfigDict, Field
 from structlog.testing import capture_logs
 
 from conftest import NEW_TOKENS, PROMPTS, greedy_in_batches
@@ -38,6 +39,19 @@ class MissingDevice(Platform):
     @classmethod
     def detect(cls) -> Detection:
         return Detection(False, "no imaginary device is attached (driver not loaded)")
+
+
+class TunedOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    lanes: int = Field(4, ge=1)
+
+
+class Tuned(ReferencePlatform):
+    """A platform with a config section of its own."""
+
+    name = "tuned"
+    options_model = TunedOptions
 
 
 class FasterFake(ReferencePlatform):
@@ -113,4 +127,49 @@ def test_tokenmill_plugins_lists_the_cpu_platform():
                                         capture_output=True, text=True, check=True).stdout)
     assert listing["hookspec_version"] >= 2
     registers = {p["name"]: p["registers"] for p in listing["plugins"]}
-    assert registers["cpu_platform"] == {"platforms": ["cpu"]}
+    assert registers["cpu_platform"] == {"platforms": ["cpu"], "attention_backends": ["cpu"]}
+
+
+def test_the_cpu_section_from_yaml_reaches_the_platform(model_dir, tmp_path):
+    """``platform: {name: cpu, cpu: {...}}`` is the cpu platform's own section; the flat names
+    (``num_threads``) are aliases into it."""
+    config = tmp_path / "engine.yaml"
+    config.write_text(yaml.safe_dump({"model": str(model_dir("llama")), "cache": {"kv_cache_memory": 2**24},
+                                      "platform": {"name": "cpu", "cpu": {"num_threads": 1, "huge_pages": False}}}))
+    before = torch.get_num_threads()
+    try:
+        llm = LLM.from_config(config)
+        assert torch.get_num_threads() == 1
+        options = llm.llm_engine.platform.options
+        assert options.num_threads == 1 and options.huge_pages is False and options.small_batch_gemv is True
+        assert load_config(config, num_threads=2).platform.sections()["cpu"] == {"num_threads": 2, "huge_pages": False}
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("section,key", [
+    ({"num_threads": 0}, "platform.cpu.num_threads"),
+    ({"num_thread": 2}, "platform.cpu.num_thread"),  # a typo is an error, not ignored
+    ({"huge_pages": "sometimes"}, "platform.cpu.huge_pages"),
+])
+def test_a_bad_cpu_option_names_its_dotted_key(model_dir, section, key):
+    with pytest.raises(ConfigError) as info:
+        build(model_dir, make_plugin_manager(), platform={"name": "cpu", "cpu": section})
+    assert info.value.key == key
+
+
+def test_a_section_for_no_registered_platform_is_an_error(model_dir):
+    with pytest.raises(ConfigError, match="no platform 'tpu' is registered") as info:
+        build(model_dir, make_plugin_manager(), platform={"tpu": {"cores": 8}})
+    assert info.value.key == "platform.tpu"
+
+
+def test_a_plugin_platform_validates_its_own_section_and_ignores_others_loudly(model_dir):
+    with capture_logs() as logs:
+        llm = build(model_dir, plugin_manager(Tuned), platform={"name": "tuned", "tuned": {"lanes": 8},
+                                                                "cpu": {"num_threads": 1}})
+    assert llm.llm_engine.platform.options == TunedOptions(lanes=8)
+    assert any(entry["event"] == "options ignored" and entry["section"] == "platform.cpu" for entry in logs)
+    with pytest.raises(ConfigError) as info:
+        build(model_dir, plugin_manager(Tuned), platform={"name": "tuned", "tuned": {"lanes": 0}})
+    assert info.value.key == "platform.tuned.lanes"

@@ -9,6 +9,7 @@ TOKENMILL_* env < flags.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import typing
@@ -163,14 +164,31 @@ def resolve_config(args: argparse.Namespace):
 
 
 def _annotation(model: type[BaseModel], dotted: str) -> Any:
+    """The type of the config value at ``dotted``; a platform's section (``platform.cpu.*``)
+    is typed by that platform's options model, or untyped where it cannot be imported."""
     node: Any = model
     for part in dotted.split("."):
-        annotation = node.model_fields[part].annotation
-        node = annotation
+        if part in node.model_fields:
+            node = node.model_fields[part].annotation
+        else:
+            node = _platform_options(part)
+            if node is None:
+                return None
     args = [a for a in typing.get_args(node) if a is not type(None)]
     if typing.get_origin(node) is typing.Union and len(args) == 1:
         return args[0]
     return node
+
+
+@functools.cache
+def _platform_options(name: str) -> Optional[type[BaseModel]]:
+    from tokenmill.core.compose import collect_components
+    from tokenmill.core.plugins import make_plugin_manager
+
+    try:
+        return collect_components(make_plugin_manager()).platforms.get(name).options_model
+    except TokenmillError:  # not registered, or not importable here
+        return None
 
 
 def _plugins(args: argparse.Namespace) -> int:

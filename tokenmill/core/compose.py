@@ -20,6 +20,7 @@ from tokenmill.core.embedding_engine import EmbeddingEngine
 from tokenmill.core.engine import LLMEngine
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.layers.attention import Attention
+from tokenmill.core.layers.custom_op import dispatch_custom_ops
 from tokenmill.core.layers.weights import load_strictly
 from tokenmill.core.loader import iterate_weights
 from tokenmill.core.model_config import ModelConfig, load_model_config
@@ -99,7 +100,7 @@ def build_engine(config: EngineConfig, pm: Optional[PluginManager] = None) -> LL
         raise ConfigError("model", "no model given: pass a model directory or set 'model' in the YAML")
     pm = pm or make_plugin_manager()
     components = collect_components(pm)
-    platform = select_platform(config.platform.name, components.platforms, config)
+    platform = select_platform(components.platforms, config)
     platform.setup_process()
     model_config = load_model_config(config.model, config.dtype, config.max_model_len, platform.resolve_dtype)
     _check_scheduler_limits(config, model_config)
@@ -113,6 +114,7 @@ def build_engine(config: EngineConfig, pm: Optional[PluginManager] = None) -> LL
     model = model_cls(ModelContext(model_config.hf_config, model_config.dtype, backend, quantization))
     _load_checkpoint(model, model_config)
     if not config.enforce_eager:
+        dispatch_custom_ops(model, platform)
         platform.optimize_model(model)
     platform.place_model(model)
     _log_weight_memory(model, model_config)
@@ -149,7 +151,7 @@ def build_engine(config: EngineConfig, pm: Optional[PluginManager] = None) -> LL
     scheduler = Scheduler(config.scheduler, kv_cache, policy, swap_space,
                           max_adapters=adapters.max_active if adapters else None)
     greedy_head = None if config.enforce_eager or adapters else platform.greedy_head(model)
-    runner = ModelRunner(model, config.cache.block_size, config.seed, swap_caches, adapters, greedy_head)
+    runner = ModelRunner(model, backend, config.cache.block_size, config.seed, swap_caches, adapters, greedy_head)
     engine = LLMEngine(config, model_config, tokenizer, scheduler, runner, pm, adapters, platform)
     log.info("engine built", **platform.describe(), model=str(model_config.path),
              architecture=model_config.architecture,

@@ -88,10 +88,18 @@ class AdaptersConfig(BaseModel):
 
 
 class PlatformConfig(BaseModel):
-    model_config = _STRICT
+    """``name``, and one section per platform (``cpu: {num_threads: 4}``): each section is
+    validated by its platform's ``options_model`` when the engine is built, and a section
+    for a platform that is not registered is an error there."""
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
 
     #: a registered platform ("cpu", a plugin's), or "auto": the usable one with the highest priority
     name: str = "auto"
+
+    def sections(self) -> dict[str, Any]:
+        """Platform name -> its section as given."""
+        return dict(self.model_extra or {})
 
 
 class ServerConfig(BaseModel):
@@ -131,21 +139,9 @@ class EngineConfig(BaseSettings):
     seed: int = 0
     max_model_len: Optional[int] = Field(None, ge=1)
     trust_remote_code: bool = False
-    #: torch intra-op threads; None = torch's default (all cores)
-    num_threads: Optional[int] = Field(None, ge=1)
     #: plain eager PyTorch everywhere: no prepacked GEMM weights, no compiled or fused
     #: ops. The reference to compare the fast paths against (vLLM: enforce_eager)
     enforce_eager: bool = False
-    #: keep plain weights beside the prepacked ones for a streaming GEMV kernel at
-    #: batch 1-2 (about 1.5x faster batch-1 decode on CPU, twice the weight memory)
-    small_batch_gemv: bool = True
-    #: keep weights on 2 MB transparent huge pages where the OS offers them (Linux
-    #: THP): batch-1 decode, which streams every weight per token, ~1.15x faster
-    huge_pages: bool = True
-    #: keep freed activation buffers in the process for the next step instead of
-    #: returning them to the OS (glibc malloc thresholds, the cpu platform's freed_memory.py): a
-    #: prompt chunk's activations are faulted in again every step otherwise
-    keep_freed_memory: bool = True
     platform: PlatformConfig = PlatformConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     cache: CacheConfig = CacheConfig()
@@ -175,11 +171,12 @@ VLLM_NAMES: dict[str, str] = {
     "device": "platform.name",
     "max_model_len": "max_model_len",
     "trust_remote_code": "trust_remote_code",
-    "num_threads": "num_threads",
     "enforce_eager": "enforce_eager",
-    "small_batch_gemv": "small_batch_gemv",
-    "huge_pages": "huge_pages",
-    "keep_freed_memory": "keep_freed_memory",
+    # the cpu platform's options (platform.cpu), by their flat names
+    "num_threads": "platform.cpu.num_threads",
+    "small_batch_gemv": "platform.cpu.small_batch_gemv",
+    "huge_pages": "platform.cpu.huge_pages",
+    "keep_freed_memory": "platform.cpu.keep_freed_memory",
     "block_size": "cache.block_size",
     "enable_prefix_caching": "cache.prefix_caching",
     "num_gpu_blocks_override": "cache.num_blocks",
@@ -290,9 +287,9 @@ def nest_overrides(flat: dict[str, Any]) -> dict[str, Any]:
     return tree
 
 
-def config_error(exc: ValidationError) -> ConfigError:
-    """The first validation problem as a ConfigError with its dotted key path."""
+def config_error(exc: ValidationError, section: str = "") -> ConfigError:
+    """The first validation problem as a ConfigError with its dotted key path (below ``section``)."""
     first = exc.errors()[0]
-    key = ".".join(str(part) for part in first["loc"]) or "config"
+    key = ".".join([section] * bool(section) + [str(part) for part in first["loc"]]) or "config"
     extra = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
     return ConfigError(key, f"{first['msg']}{extra}")

@@ -59,10 +59,12 @@ class SwapCaches:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, block_size: int, seed: int,
+    def __init__(self, model: CausalLM, attention: AttentionBackend, block_size: int, seed: int,
                  swap: Optional["SwapCaches"] = None, adapters: Optional[AdapterType] = None,
                  greedy_head: Optional[GreedyArgmax] = None) -> None:
         self.model = model
+        #: the backend's per-step metadata builder, where it has one (AttentionBackend)
+        self._build_metadata = getattr(attention, "build_metadata", None)
         #: tokens for steps whose rows all take the argmax of their raw logits
         self.greedy_head = greedy_head
         self.block_size = block_size
@@ -181,7 +183,7 @@ class ModelRunner:
         input_ids = torch.tensor(
             [t for s in scheduled for t in s.new_token_ids], dtype=torch.long
         )
-        metadata = AttentionMetadata(
+        common = AttentionMetadata(
             query_start_loc=torch.from_numpy(query_start.astype(np.int32)),
             seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
             block_table=torch.from_numpy(block_table),
@@ -192,6 +194,7 @@ class ModelRunner:
             seq_lens_cpu=tuple(seq_lens.tolist()),
             block_size=bs,
         )
+        metadata = common if self._build_metadata is None else self._build_metadata(common)
         return input_ids, torch.from_numpy(positions), metadata
 
     @staticmethod

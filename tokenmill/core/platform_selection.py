@@ -5,6 +5,10 @@ and falls back to the CPU without a word.
 with the highest priority, and logs at warning level why each one was rejected (a platform
 that cannot even be imported is rejected with that error). An explicit name is used as it
 is, or is an error that gives the platform's own reason.
+
+The chosen platform's config section (``platform.<name>``) is validated by its
+``options_model``; a section naming no registered platform is an error, and one for a
+registered platform that was not chosen is ignored with a warning.
 """
 
 from __future__ import annotations
@@ -12,7 +16,9 @@ from __future__ import annotations
 from typing import Any
 
 import structlog
+from pydantic import ValidationError
 
+from tokenmill.core.config import EngineConfig, config_error
 from tokenmill.core.registry import Registry
 from tokenmill.interfaces.errors import ComponentUnavailable, ConfigError
 from tokenmill.interfaces.platform import Detection, Platform
@@ -20,15 +26,33 @@ from tokenmill.interfaces.platform import Detection, Platform
 log = structlog.get_logger("tokenmill.platform")
 
 
-def select_platform(name: str, registry: Registry, config: Any) -> Platform:
-    """The platform ``name`` ("auto" or a registered name) means here, constructed with ``config``."""
+def select_platform(registry: Registry, config: EngineConfig) -> Platform:
+    """The platform ``config.platform.name`` ("auto" or a registered name) means here,
+    constructed with ``config`` and its validated section."""
+    sections = config.platform.sections()
+    for section in sections:
+        if section not in registry:
+            raise ConfigError(f"platform.{section}", f"no platform {section!r} is registered, so its options "
+                              f"cannot apply; registered: {', '.join(registry.names()) or 'none'}")
+    cls = _choose(config.platform.name, registry)
+    for section in sections:
+        if section != cls.name:
+            log.warning("options ignored", section=f"platform.{section}", reason=f"platform {cls.name!r} was chosen")
+    try:
+        options = cls.options_model.model_validate(sections.get(cls.name, {}))
+    except ValidationError as exc:
+        raise config_error(exc, f"platform.{cls.name}") from None
+    return cls(config, options)
+
+
+def _choose(name: str, registry: Registry) -> type[Platform]:
     if name != "auto":
         cls = registry.get(name)  # UnknownComponent lists the registered names
         found = cls.detect()
         if not found.usable:
             raise ConfigError("platform.name", f"platform {name!r} cannot run here: {found.reason}")
         log.info("platform selected", platform=name, why=f"platform.name is {name!r}; {found.reason}")
-        return cls(config)
+        return cls
     usable: list[tuple[int, str, type[Platform], Detection]] = []
     for entry_name in registry.names():
         try:
@@ -48,4 +72,4 @@ def select_platform(name: str, registry: Registry, config: Any) -> Platform:
     for _, other, _, _ in usable[1:]:
         log.warning("platform not chosen", platform=other, reason=f"{chosen!r} is usable and ranks higher")
     log.info("platform selected", platform=chosen, why=f"platform.name is 'auto'; {found.reason}")
-    return cls(config)
+    return cls

@@ -28,8 +28,8 @@ class AttentionCapabilities:
     #: a device type ("cpu", "cuda") the backend needs; None runs anywhere
     requires_device: Optional[str] = None
     #: the cache is ``[2, num_blocks, block_size, num_kv_heads, head_dim]``, new K/V
-    #: go to ``slot_mapping``, and decode rows are computed by tokenmill.core.kernels'
-    #: ``paged_decode_attention``: a fused decode stack may then do both itself
+    #: go to ``slot_mapping``, and decode rows are computed by the cpu platform's
+    #: ``paged_decode_attention`` kernel: its fused decode stack may then do both itself
     fused_decode: bool = False
     #: cache dtypes besides the compute dtype it can keep K/V in (``cache.kv_cache_dtype``):
     #: new K/V rounded to it on write, widened again on read
@@ -78,7 +78,13 @@ class AttentionMetadata:
 
 @runtime_checkable
 class AttentionBackend(Protocol):
-    """Writes new K/V into the paged cache and attends over it."""
+    """Writes new K/V into the paged cache and attends over it.
+
+    Optional: ``build_metadata(common: AttentionMetadata) -> AttentionMetadata``. Where a
+    backend defines it, the model runner calls it once per step and every layer gets its
+    result (a subclass carrying what the layers share: vLLM's metadata builder), so no
+    backend keeps per-step state of its own.
+    """
 
     name: ClassVar[str]
     capabilities: ClassVar[AttentionCapabilities]

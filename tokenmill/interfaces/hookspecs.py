@@ -73,8 +73,9 @@ def register_platforms(register: Register) -> None:
     """Register Platform classes (``tokenmill.interfaces.platform``) by name.
 
     ``factory`` is the class (or a lazy string to it): its ``detect()`` is
-    called on the class, and the selected one is constructed as ``cls(config)``
-    with the EngineConfig. Names are what ``platform.name`` / ``--device`` select.
+    called on the class, and the selected one is constructed as ``cls(config, options)``
+    with the EngineConfig and its ``platform.<name>`` section validated by its
+    ``options_model``. Names are what ``platform.name`` / ``--device`` select.
     """
 
 

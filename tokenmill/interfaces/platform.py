@@ -4,8 +4,11 @@ A platform owns the answers that differ between a CPU, a GPU and a third
 party's accelerator: whether it is usable here, which dtype ``dtype: auto``
 means for a checkpoint, per-process setup (threads, allocator), the KV-cache
 memory budget, the optimisation pass over a loaded model (prepacked weights,
-fused ops), an optional greedy argmax head, and host buffers (swap space,
-input staging). The core asks; it never tests for a device itself.
+fused ops, decode fast paths), an optional greedy argmax head, and host buffers
+(swap space, input staging). The core asks; it never tests for a device itself.
+
+A platform's options live in its own config section, ``platform.<name>``, validated by
+its ``options_model`` (a pydantic model): ``platform: {name: cpu, cpu: {num_threads: 4}}``.
 
 Platforms are registered through the ``register_platforms`` hook.
 ``platform.name: auto`` tries every registered platform's ``detect()`` and
@@ -18,9 +21,10 @@ on the CPU, so a subclass overrides only what it changes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol, Sequence
+from typing import Any, Callable, ClassVar, Optional, Protocol, Sequence
 
 import torch
+from pydantic import BaseModel, ConfigDict
 
 
 @dataclass(frozen=True)
@@ -38,8 +42,15 @@ class GreedyArgmax(Protocol):
         """The argmax token per row of ``hidden``, or None to fall back to full logits."""
 
 
+class NoOptions(BaseModel):
+    """A platform without options: its section, if given, must be empty."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
 class Platform:
-    """One kind of device. Constructed once per engine, with the engine's config (``config``)."""
+    """One kind of device. Constructed once per engine, with the engine's config (``config``)
+    and this platform's validated section of it (``options``)."""
 
     #: the name ``platform.name`` selects
     name: str = ""
@@ -49,9 +60,12 @@ class Platform:
     dist_backend: str = "gloo"
     #: with ``platform.name: auto``, the usable platform with the highest priority wins
     priority: int = 0
+    #: validates the ``platform.<name>`` config section
+    options_model: ClassVar[type[BaseModel]] = NoOptions
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, options: Optional[BaseModel] = None) -> None:
         self.config = config
+        self.options = options if options is not None else self.options_model()
 
     @classmethod
     def detect(cls) -> Detection:
@@ -69,8 +83,15 @@ class Platform:
         """The bytes the KV cache may use, given the configured ``cache.kv_cache_memory``."""
         return requested
 
+    def custom_op(self, layer: torch.nn.Module) -> Optional[Callable[..., Any]]:
+        """This platform's implementation of the op ``layer.op_name`` names (a
+        ``tokenmill.core.layers.custom_op.CustomOp``), called as ``impl(layer, *args)``; None
+        keeps the layer's ``forward_native``. Asked once per layer, not under ``enforce_eager``."""
+        return None
+
     def optimize_model(self, model: torch.nn.Module) -> None:
-        """The optimisation pass over a loaded model (prepacked weights, fused ops). Not called
+        """The optimisation pass over a loaded model, after the custom ops are dispatched
+        (prepacked weights, a ``fused_decoder`` for ``FusableDecoder`` stacks). Not called
         under ``enforce_eager``, so the plain PyTorch model stays the reference."""
 
     def place_model(self, model: torch.nn.Module) -> None:

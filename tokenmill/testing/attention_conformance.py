@@ -155,6 +155,9 @@ def check_backend(backend: AttentionBackend, case: AttentionCase, device: str = 
     # the backend may lay its cache out differently: rebuild the same contents in its layout
     got_cache = to_layout(cache, backend, case).to(device)
     _, _, _, _, _, device_metadata = build_inputs(case, reference, device)
+    build_metadata = getattr(backend, "build_metadata", None)  # once per step, as the model runner does
+    if build_metadata is not None:
+        device_metadata = build_metadata(device_metadata)
     got = backend.forward(spec, q.to(device), k.to(device), v.to(device), got_cache, device_metadata).cpu()
     tolerance = TOLERANCES[case.dtype]
     torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-from types import ModuleType
-from typing import Optional
-
 import torch
-from torch import nn
 from torch.nn import functional as F
 
-from tokenmill.core.kernels import FUSED_DTYPES
+from tokenmill.core.layers.custom_op import CustomOp
 from tokenmill.interfaces.errors import ConfigError
 
 _ACTIVATIONS = {
@@ -30,20 +26,16 @@ def activation(name: str):
                           f"supported: {', '.join(sorted(_ACTIVATIONS))}") from None
 
 
-class GatedActivation(nn.Module):
-    """``act(gate) * up`` for a ``[..., 2 * d]`` tensor holding gate then up."""
+class GatedActivation(CustomOp):
+    """``act(gate) * up`` for a ``[..., 2 * d]`` tensor holding gate then up. A platform may
+    fuse it: the op is ``f"{name}_and_mul"`` (``silu_and_mul`` for SwiGLU)."""
 
     def __init__(self, name: str) -> None:
         super().__init__()
         self.name = name
+        self.op_name = f"{name}_and_mul"
         self.act = activation(name)
-        #: the C++ kernels module when fused ops are on (layers.fused); SiLU only
-        self.kernels: Optional[ModuleType] = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels is not None and x.dtype in FUSED_DTYPES:
-            out = x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
-            self.kernels.silu_and_mul(out, x.contiguous())
-            return out
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
         return self.act(gate) * up

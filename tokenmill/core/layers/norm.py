@@ -2,28 +2,23 @@
 
 from __future__ import annotations
 
-from types import ModuleType
-from typing import Optional
-
 import torch
 from torch import nn
 
-from tokenmill.core.kernels import FUSED_DTYPES
+from tokenmill.core.layers.custom_op import CustomOp
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(CustomOp):
+    """``weight * x / rms(x)``; a platform may fuse it (op ``rms_norm``)."""
+
+    op_name = "rms_norm"
+
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
-        #: the C++ kernels module when fused ops are on (layers.fused); None = eager ops
-        self.kernels: Optional[ModuleType] = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels is not None and x.dtype in FUSED_DTYPES and x.dtype == self.weight.dtype:
-            out = torch.empty_like(x)
-            self.kernels.rms_norm(out, x.contiguous(), self.weight, self.eps)
-            return out
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)

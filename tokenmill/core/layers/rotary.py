@@ -7,17 +7,22 @@ so fp32 logits match the reference to the last bits that matter.
 from __future__ import annotations
 
 import math
-from types import ModuleType
 from typing import Any, Mapping, Optional
 
 import torch
 from torch import nn
 
-from tokenmill.core.kernels import FUSED_DTYPES
+from tokenmill.core.layers.custom_op import CustomOp
 from tokenmill.interfaces.errors import ConfigError
 
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+
+
+def rotary_dim(head_dim: int, rope: Mapping[str, Any]) -> int:
+    """How many features of each head rotate (``partial_rotary_factor`` of them, rounded up to even)."""
+    dim = int(head_dim * rope.get("partial_rotary_factor", 1.0))
+    return 2 * len(range(0, dim, 2))
 
 
 def inverse_frequencies(
@@ -100,8 +105,9 @@ def _llama3(inv_freq: torch.Tensor, rope: Mapping[str, Any]) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Every layer of a model has one; those with the same parameters share the cos/sin
-    of the current step (computed by the first layer, reused by the rest)."""
+    """A model's rotary frequencies: ``forward(positions, dtype)`` gives the step's cos/sin,
+    computed once per forward by the model and handed to every layer's ``ApplyRotary``
+    (Hugging Face's ``rotary_emb`` / ``position_embeddings`` split)."""
 
     def __init__(self, head_dim: int, rope: Mapping[str, Any], max_position_embeddings: int) -> None:
         super().__init__()
@@ -111,47 +117,38 @@ class RotaryEmbedding(nn.Module):
         # longrope: positions from `long_from` on use the long-context factors
         self.long_from = long[1] if long else None
         self.register_buffer("long_inv_freq", long[0] if long else None, persistent=False)
-        key = (tuple(inv_freq.tolist()), self.scaling, self.long_from,
-               tuple(long[0].tolist()) if long else None)
-        #: dtype -> (the step's positions tensor, cos, sin), shared by equal layers
-        self._step = _STEP_CACHES.setdefault(key, {})
-        #: the C++ kernels module when fused ops are on (layers.fused)
-        self.kernels: Optional[ModuleType] = None
 
-    def forward(
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), [num_tokens, rotary_dim] each, in ``dtype`` (the eager code's rounding)."""
+        freqs = positions[:, None].float() * self.inv_freq  # [num_tokens, rotary_dim // 2]
+        if self.long_from is not None:
+            long = positions[:, None].float() * self.long_inv_freq
+            freqs = torch.where(positions[:, None] >= self.long_from, long, freqs)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return ((emb.cos() * self.scaling).to(dtype).contiguous(),
+                (emb.sin() * self.scaling).to(dtype).contiguous())
+
+
+class ApplyRotary(CustomOp):
+    """Rotates q and k by a step's cos/sin (NeoX "rotate half" over the first ``rotary_dim``
+    features of each head). A platform may fuse it (op ``rotary_embedding``, which may work in
+    place on the strided q/k views of a fused qkv output)."""
+
+    op_name = "rotary_embedding"
+
+    def __init__(self, rotary_dim: int) -> None:
+        super().__init__()
+        self.rotary_dim = rotary_dim
+
+    def forward_native(
         self,
-        positions: torch.Tensor,  # [num_tokens]
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        cos: torch.Tensor,  # [num_tokens, rotary_dim]
+        sin: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos_sin(positions, query.dtype)
-        if self.kernels is not None and query.dtype in FUSED_DTYPES:
-            self.kernels.rotary_embedding(query, key, cos, sin)  # in place
-            return query, key
         cos, sin = cos[:, None, :], sin[:, None, :]
         return _rotate(query, cos, sin, self.rotary_dim), _rotate(key, cos, sin, self.rotary_dim)
-
-    def shares_cos_sin(self, other: "RotaryEmbedding") -> bool:
-        """Whether the two compute the same cos/sin (and so share each step's)."""
-        return self._step is other._step
-
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """[num_tokens, rotary_dim] each, in ``dtype`` (the eager code's rounding)."""
-        entry = self._step.get(dtype)  # one tuple, replaced whole: safe across engine threads
-        if entry is None or entry[0] is not positions:
-            freqs = positions[:, None].float() * self.inv_freq  # [num_tokens, rotary_dim // 2]
-            if self.long_from is not None:
-                long = positions[:, None].float() * self.long_inv_freq
-                freqs = torch.where(positions[:, None] >= self.long_from, long, freqs)
-            emb = torch.cat((freqs, freqs), dim=-1)
-            entry = (positions, (emb.cos() * self.scaling).to(dtype).contiguous(),
-                     (emb.sin() * self.scaling).to(dtype).contiguous())
-            self._step[dtype] = entry
-        return entry[1], entry[2]
-
-
-#: per distinct rotary configuration, the current step's cos/sin (see RotaryEmbedding)
-_STEP_CACHES: dict[tuple, dict] = {}
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dim: int) -> torch.Tensor:

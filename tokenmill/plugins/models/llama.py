@@ -10,7 +10,6 @@ class-level switches below instead of copying the block.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Iterable, Mapping, Optional
 
 import torch
@@ -18,10 +17,10 @@ from torch import nn
 
 from tokenmill.core.layers.activation import GatedActivation
 from tokenmill.core.layers.attention import Attention
-from tokenmill.core.layers.decode_stack import DecodeLayerParts, DecodeStack
+from tokenmill.core.layers.fused_decoder import DecoderLayerParts, FusableDecoder
 from tokenmill.core.layers.linear import Linear
 from tokenmill.core.layers.norm import RMSNorm
-from tokenmill.core.layers.rotary import RotaryEmbedding
+from tokenmill.core.layers.rotary import ApplyRotary, RotaryEmbedding, rotary_dim
 from tokenmill.core.layers.weights import load_weights
 from tokenmill.interfaces.attention import AttentionLayerSpec, AttentionMetadata
 from tokenmill.interfaces.hookspecs import hookimpl
@@ -46,8 +45,7 @@ class LlamaAttention(nn.Module):
             eps = cfg.get("rms_norm_eps", 1e-6)
             self.q_norm = model.norm_class(self.head_dim, eps, ctx.dtype)
             self.k_norm = model.norm_class(self.head_dim, eps, ctx.dtype)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, cfg["rope_parameters"],
-                                          cfg.get("max_position_embeddings") or 2048)
+        self.rotary = ApplyRotary(rotary_dim(self.head_dim, cfg["rope_parameters"]))
         spec = AttentionLayerSpec(
             num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads,
@@ -58,14 +56,15 @@ class LlamaAttention(nn.Module):
         )
         self.attn = Attention(spec, ctx.attention)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
+                metadata: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = self.rotary(q, k, *cos_sin)
         out = self.attn(q, k, v, metadata)
         return self.o_proj(out.flatten(1))
 
@@ -102,8 +101,9 @@ class LlamaDecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = model.norm_class(hidden, eps, ctx.dtype)
             self.post_feedforward_layernorm = model.norm_class(hidden, eps, ctx.dtype)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        attn = self.self_attn(positions, self.input_layernorm(x), metadata)
+    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
+                metadata: AttentionMetadata) -> torch.Tensor:
+        attn = self.self_attn(cos_sin, self.input_layernorm(x), metadata)
         if not self.sandwich:
             x = x + attn
             return x + self.mlp(self.post_attention_layernorm(x))
@@ -111,10 +111,12 @@ class LlamaDecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(nn.Module, FusableDecoder):
     def __init__(self, model: "LlamaForCausalLM", ctx: ModelContext) -> None:
         super().__init__()
         cfg = ctx.hf_config
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        self.rotary_emb = RotaryEmbedding(head_dim, cfg["rope_parameters"], cfg.get("max_position_embeddings") or 2048)
         self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"], dtype=ctx.dtype)
         self.embed_tokens.weight.requires_grad_(False)
         self.embed_scale = model.embed_scale(cfg)
@@ -122,28 +124,25 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(model, ctx, f"model.layers.{i}", i) for i in range(cfg["num_hidden_layers"]))
         self.norm = model.norm_class(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6), ctx.dtype)
 
-    @functools.cached_property
-    def decode_stack(self) -> Optional[DecodeStack]:
-        """The layers as one C++ call for 1-2 decode rows, where all of them are plain Llama
-        blocks on the fused kernels (built at the first forward: the KV caches are bound by then)."""
+    def decoder_layer_parts(self) -> Optional[list[DecoderLayerParts]]:
         if not all(type(layer) is LlamaDecoderLayer and not layer.sandwich and type(layer.mlp) is LlamaMLP
                    and type(layer.self_attn) is LlamaAttention and not hasattr(layer.self_attn, "q_norm")
                    for layer in self.layers):
             return None
-        return DecodeStack.build([
-            DecodeLayerParts(layer.input_layernorm, layer.self_attn.qkv_proj, layer.self_attn.rotary_emb,
-                             layer.self_attn.attn, layer.self_attn.o_proj, layer.post_attention_layernorm,
-                             layer.mlp.gate_up_proj, layer.mlp.act, layer.mlp.down_proj)
-            for layer in self.layers])
+        return [DecoderLayerParts(layer.input_layernorm, layer.self_attn.qkv_proj, layer.self_attn.rotary,
+                                  layer.self_attn.attn, layer.self_attn.o_proj, layer.post_attention_layernorm,
+                                  layer.mlp.gate_up_proj, layer.mlp.act, layer.mlp.down_proj)
+                for layer in self.layers]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
-        if self.decode_stack is not None and self.decode_stack.accepts(x, metadata):
-            return self.norm(self.decode_stack(x, positions, metadata))
+        cos_sin = self.rotary_emb(positions, x.dtype)  # once per step, shared by every layer
+        if self.fused_decoder is not None and self.fused_decoder.accepts(x, metadata):
+            return self.norm(self.fused_decoder(x, cos_sin, metadata))
         for layer in self.layers:
-            x = layer(positions, x, metadata)
+            x = layer(cos_sin, x, metadata)
         return self.norm(x)
 
 

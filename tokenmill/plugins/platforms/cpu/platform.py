@@ -1,30 +1,34 @@
 """CpuPlatform: x86 and Arm CPUs through PyTorch, with tokenmill's C++ kernels.
 
-What it decides:
+What it decides (options in ``platform.cpu``, see options.py):
 - ``dtype: auto`` computes a bf16 checkpoint in fp32 where the CPU has no bf16 arithmetic
   (``native_bf16``): the same values, several times faster;
 - the process's torch threads (``num_threads``) and glibc's malloc thresholds
   (``keep_freed_memory``);
+- the fused norm, activation and rotary ops (fused_ops.py);
 - the optimisation pass: prepacked GEMM weights (a streaming GEMV copy kept for batch 1-2
-  with ``small_batch_gemv``) and the fused norm, activation, rotary and decode-stack ops;
+  with ``small_batch_gemv``) and the decode stack for plain Llama-style layers;
 - weights moved to transparent huge pages (``huge_pages``);
 - the int8-screened greedy head.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 
-from tokenmill.core.kernels import cpu_kernels
-from tokenmill.core.layers.fused import enable_fused_ops
-from tokenmill.core.layers.linear import prepack_linear_weights
+from tokenmill.core.layers.fused_decoder import FusableDecoder
 from tokenmill.interfaces.platform import Detection, GreedyArgmax, Platform
+from tokenmill.plugins.platforms.cpu.decode_stack import DecodeStack
 from tokenmill.plugins.platforms.cpu.dtypes import native_bf16
 from tokenmill.plugins.platforms.cpu.freed_memory import keep_freed_memory
+from tokenmill.plugins.platforms.cpu.fused_ops import FUSED_OPS
 from tokenmill.plugins.platforms.cpu.greedy_head import GreedyHead
 from tokenmill.plugins.platforms.cpu.huge_pages import move_parameters_to_huge_pages
+from tokenmill.plugins.platforms.cpu.kernels import cpu_kernels
+from tokenmill.plugins.platforms.cpu.options import CpuOptions
+from tokenmill.plugins.platforms.cpu.prepacked_linear import prepack_linear_weights
 
 
 class CpuPlatform(Platform):
@@ -32,6 +36,8 @@ class CpuPlatform(Platform):
     device_type = "cpu"
     dist_backend = "gloo"
     priority = 0
+    options_model = CpuOptions
+    options: CpuOptions
 
     @classmethod
     def detect(cls) -> Detection:
@@ -44,17 +50,27 @@ class CpuPlatform(Platform):
         return checkpoint_dtype
 
     def setup_process(self) -> None:
-        if self.config.num_threads is not None:
-            torch.set_num_threads(self.config.num_threads)
-        if self.config.keep_freed_memory:  # before prepacking, whose temporaries then come from the heap
+        if self.options.num_threads is not None:
+            torch.set_num_threads(self.options.num_threads)
+        if self.options.keep_freed_memory:  # before prepacking, whose temporaries then come from the heap
             keep_freed_memory()
 
+    def custom_op(self, layer: torch.nn.Module) -> Optional[Callable[..., Any]]:
+        return FUSED_OPS.get(layer.op_name) if cpu_kernels() is not None else None
+
     def optimize_model(self, model: torch.nn.Module) -> None:
-        prepack_linear_weights(model, cpu_kernels(), gemv=self.config.small_batch_gemv, widen_bf16=not native_bf16())
-        enable_fused_ops(model)
+        kernels = cpu_kernels()
+        prepack_linear_weights(model, kernels, gemv=self.options.small_batch_gemv, widen_bf16=not native_bf16())
+        if kernels is None or not hasattr(kernels, "DecodeStack"):
+            return
+        for module in model.modules():
+            if isinstance(module, FusableDecoder):
+                parts = module.decoder_layer_parts()
+                if parts:
+                    module.fused_decoder = DecodeStack(parts, kernels)
 
     def place_model(self, model: torch.nn.Module) -> None:
-        if self.config.huge_pages:  # after prepacking: the plain weights it keeps are the ones streamed
+        if self.options.huge_pages:  # after prepacking: the plain weights it keeps are the ones streamed
             move_parameters_to_huge_pages(model)
 
     def greedy_head(self, model: torch.nn.Module) -> Optional[GreedyArgmax]:

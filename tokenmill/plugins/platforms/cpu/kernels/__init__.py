@@ -7,6 +7,9 @@ would pull a CUDA build from PyPI). Builds are cached per source and CPU
 feature set (``-march=native``). Where no compiler is available, or with
 ``TOKENMILL_CPU_KERNELS=0``, callers fall back to PyTorch ops; the reason is
 logged once.
+
+Builds of one directory are serialised by a lock the kernel releases when its holder dies,
+so a build killed half way (torch's own lock file left behind) cannot hang the next start.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Optional
 
 import structlog
 import torch
+from filelock import FileLock
 
 log = structlog.get_logger(__name__)
 
@@ -56,9 +60,15 @@ def cpu_kernels() -> Optional[ModuleType]:
         cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tokenmill" / "kernels"
         build_dir = cache / f"cpu-{_build_digest()}"
         build_dir.mkdir(parents=True, exist_ok=True)
-        return load(name="tokenmill_cpu_kernels", sources=[str(_CSRC / name) for name in _SOURCES],
-                    extra_cflags=_CFLAGS, extra_include_paths=[str(_CSRC)], build_directory=str(build_dir),
-                    verbose=False)
+        with FileLock(build_dir / "tokenmill.lock"):
+            # holding the lock, no other tokenmill process builds here: torch's lock is stale
+            (build_dir / "lock").unlink(missing_ok=True)
+            if not any(build_dir.glob("*.so")):
+                log.info("compiling the C++ CPU kernels (first use on this CPU; a minute or two)",
+                         build_directory=str(build_dir))
+            return load(name="tokenmill_cpu_kernels", sources=[str(_CSRC / name) for name in _SOURCES],
+                        extra_cflags=_CFLAGS, extra_include_paths=[str(_CSRC)], build_directory=str(build_dir),
+                        verbose=False)
     except Exception as exc:  # no compiler or ninja, unsupported platform: PyTorch ops still work
         log.warning("C++ CPU kernels unavailable, using PyTorch ops", error=str(exc)[-2000:])
         return None

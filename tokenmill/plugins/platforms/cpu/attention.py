@@ -1,8 +1,8 @@
-"""The fast CPU backend: decode rows in one C++ kernel call over the paged cache,
-prompt chunks in another.
+"""The cpu platform's attention backend: decode rows in one C++ kernel call over the paged
+cache, prompt chunks in another.
 
 Decode tokens (one query row per sequence) go to ``paged_decode.cpp``
-(tokenmill.core.kernels), which reads each sequence's blocks in place: no
+(kernels/), which reads each sequence's blocks in place: no
 gather, one call for the whole batch (64 sequences x 290 tokens, 8 kv heads x
 64, fp32: 5.7 ms per layer with the per-sequence path below, ~2 ms with the
 kernel). Prompt chunks go to ``paged_prefill.cpp`` (fp32 and bf16, head_dim a
@@ -16,32 +16,33 @@ are left to the reference backend ("auto" does that).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from tokenmill.core.kernels import MIXED_CACHE_DTYPES, cpu_kernels
 from tokenmill.interfaces.attention import AttentionCapabilities, AttentionLayerSpec, AttentionMetadata
-from tokenmill.interfaces.hookspecs import hookimpl
 from tokenmill.plugins.attention.torch_ref import TorchReferenceAttention
+from tokenmill.plugins.platforms.cpu.kernels import MIXED_CACHE_DTYPES, cpu_kernels
 
 
-@dataclass(frozen=True)
-class _StepPlan:
-    #: sequences for the per-sequence SDPA path (prompt chunks; all of them without kernels)
-    others: list[int]
+@dataclass(frozen=True, slots=True)
+class CpuAttentionMetadata(AttentionMetadata):
+    """The common metadata and what every layer of the step shares, worked out once."""
+
+    #: sequences of the per-sequence SDPA path: prompt chunks, where the decode kernel runs
+    others: tuple[int, ...] = ()
     #: the same as an int64 tensor, for the prompt-chunk kernel
-    others_index: torch.Tensor
+    others_index: Optional[torch.Tensor] = None
     #: (block table, seq lens, query rows) of the decode rows for the C++ kernel, or None
-    decode: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    decode: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
     #: KV slots of the new tokens that have one, and which tokens those are (None: all)
-    slots: torch.Tensor
-    kept: Optional[torch.Tensor]
+    slots: Optional[torch.Tensor] = None
+    kept: Optional[torch.Tensor] = None
 
 
-class CpuSdpaAttention(TorchReferenceAttention):
+class CpuAttention(TorchReferenceAttention):
     name = "cpu"
     capabilities = AttentionCapabilities(
         dtypes=(torch.float32, torch.bfloat16, torch.float16),
@@ -57,37 +58,30 @@ class CpuSdpaAttention(TorchReferenceAttention):
         #: the dtypes the prompt-chunk kernel was built for on this CPU
         built = self._kernels.prefill_dtypes() if self._kernels is not None else ()
         self._prefill_dtypes = {getattr(torch, name) for name in built}
-        #: the step whose plan is in _plan (every layer of a step shares it)
-        self._planned: AttentionMetadata | None = None
-        self._plan = _StepPlan([], torch.empty(0, dtype=torch.long), None, torch.empty(0, dtype=torch.long), None)
 
-    def _step_plan(self, metadata: AttentionMetadata, kernels: bool) -> "_StepPlan":
-        """What every layer of this step shares, worked out by the first one (kernels: whether
-        the C++ kernels take this model's query and cache dtypes)."""
-        if self._planned is not metadata:
-            starts = metadata.query_start_loc_cpu
-            num_seqs = len(starts) - 1
-            keep = metadata.slot_mapping >= 0
-            kept = None if bool(keep.all()) else keep.nonzero().flatten()
-            slots = metadata.slot_mapping if kept is None else metadata.slot_mapping[kept]
-            if not kernels:
-                everything = list(range(num_seqs))
-                self._plan = _StepPlan(everything, torch.tensor(everything, dtype=torch.long), None, slots, kept)
-            else:
-                decode = [i for i in range(num_seqs) if starts[i + 1] - starts[i] == 1]
-                others = [i for i in range(num_seqs) if starts[i + 1] - starts[i] != 1]
-                batch = None
-                if decode:
-                    index = torch.tensor(decode)
-                    whole = len(decode) == num_seqs
-                    batch = (
-                        metadata.block_table if whole else metadata.block_table[index].contiguous(),
-                        metadata.seq_lens if whole else metadata.seq_lens[index],
-                        torch.tensor([starts[i] for i in decode], dtype=torch.long),
-                    )
-                self._plan = _StepPlan(others, torch.tensor(others, dtype=torch.long), batch, slots, kept)
-            self._planned = metadata
-        return self._plan
+    def build_metadata(self, common: AttentionMetadata) -> CpuAttentionMetadata:
+        """Called once per step by the model runner (vLLM's metadata builder)."""
+        starts = common.query_start_loc_cpu
+        num_seqs = len(starts) - 1
+        keep = common.slot_mapping >= 0
+        kept = None if bool(keep.all()) else keep.nonzero().flatten()
+        slots = common.slot_mapping if kept is None else common.slot_mapping[kept]
+        decode = [i for i in range(num_seqs) if starts[i + 1] - starts[i] == 1]
+        others = tuple(i for i in range(num_seqs) if starts[i + 1] - starts[i] != 1)
+        batch = None
+        if decode and self._kernels is not None:
+            index = torch.tensor(decode)
+            whole = len(decode) == num_seqs
+            batch = (
+                common.block_table if whole else common.block_table[index].contiguous(),
+                common.seq_lens if whole else common.seq_lens[index],
+                torch.tensor([starts[i] for i in decode], dtype=torch.long),
+            )
+        else:
+            others = tuple(range(num_seqs))
+        return CpuAttentionMetadata(*(getattr(common, f.name) for f in fields(AttentionMetadata)),
+                                    others=others, others_index=torch.tensor(others, dtype=torch.long),
+                                    decode=batch, slots=slots, kept=kept)
 
     def _kernels_take(self, dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
         return self._kernels is not None and (cache_dtype == dtype or (dtype, cache_dtype) in MIXED_CACHE_DTYPES)
@@ -117,7 +111,7 @@ class CpuSdpaAttention(TorchReferenceAttention):
     ) -> torch.Tensor:
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         kernels = self._kernels_take(query.dtype, key_cache.dtype)
-        plan = self._step_plan(metadata, kernels)
+        plan = metadata if isinstance(metadata, CpuAttentionMetadata) else self.build_metadata(metadata)
         if plan.kept is not None:
             key, value = key[plan.kept], value[plan.kept]
         key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, plan.slots, key.to(key_cache.dtype))
@@ -127,7 +121,8 @@ class CpuSdpaAttention(TorchReferenceAttention):
         output = torch.empty_like(query)
         starts = metadata.query_start_loc_cpu
         block_size = metadata.block_size
-        if plan.decode is not None:
+        others = plan.others if kernels else range(metadata.num_reqs)
+        if plan.decode is not None and kernels:
             block_table, seq_lens, rows = plan.decode
             self._kernels.paged_decode_attention(
                 output, query.contiguous(), key_cache, value_cache, block_table, seq_lens, rows,
@@ -137,7 +132,7 @@ class CpuSdpaAttention(TorchReferenceAttention):
                 output, query.contiguous(), key_cache, value_cache, metadata.block_table, metadata.seq_lens,
                 metadata.query_start_loc, plan.others_index, layer.scale, layer.sliding_window or 0)
             return output
-        for i in plan.others:
+        for i in others:
             seq_len = metadata.seq_lens_cpu[i]
             num_blocks = -(-seq_len // block_size)
             key_buf, value_buf = self._scratch(num_blocks * block_numel, key_cache.dtype)
@@ -165,16 +160,3 @@ class CpuSdpaAttention(TorchReferenceAttention):
             )
             output[starts[i]:starts[i + 1]] = out.squeeze(0).transpose(0, 1)
         return output
-
-
-@hookimpl
-def register_attention_backends(register):
-    register("cpu", CpuSdpaAttention)
-
-
-@hookimpl
-def select_attention_backend(device, model_config):
-    """The fast backend on CPU, unless the model soft-caps attention logits (SDPA cannot)."""
-    if device == "cpu" and model_config.hf_config.get("attn_logit_softcapping") is None:
-        return "cpu"
-    return None

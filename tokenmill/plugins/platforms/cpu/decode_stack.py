@@ -1,0 +1,90 @@
+"""A model's decoder layers as one C++ call for decode steps of 1-2 rows (a FusedDecoder).
+
+Batch-1 decode is bound by reading the weights; what the eager layers add to
+that read is ~14 Python-level ops per layer, each slowed by the caches the
+weight stream just flushed. Where every part of every layer already runs on
+the C++ kernels (fused ops and the GEMV path on, an attention backend with
+``fused_decode``), ``kernels.DecodeStack`` runs the same kernels in the same
+order, so the result is bit-identical to the eager layers'. Anything else
+(quantized or LoRA layers, other norms or activations, prompt chunks, 3+
+rows) keeps the layer-by-layer path.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Optional, Sequence
+
+import torch
+
+from tokenmill.core.layers.fused_decoder import DecoderLayerParts
+from tokenmill.core.layers.norm import RMSNorm
+from tokenmill.interfaces.attention import AttentionMetadata
+from tokenmill.plugins.platforms.cpu.fused_ops import FUSED_OPS
+from tokenmill.plugins.platforms.cpu.kernels import FUSED_DTYPES, MIXED_CACHE_DTYPES
+from tokenmill.plugins.platforms.cpu.prepacked_linear import PrepackedLinearMethod
+
+
+class DecodeStack:
+    """Built at the first step it is asked about: adapters attach, and KV caches are bound,
+    after the optimisation pass; ``stack`` is None where some part is not on the kernels."""
+
+    #: the rows the GEMV kernel takes (more go to oneDNN, which the stack does not call)
+    MAX_ROWS = PrepackedLinearMethod.GEMV_MAX_ROWS
+
+    def __init__(self, layers: Sequence[DecoderLayerParts], kernels: ModuleType) -> None:
+        self._layers = list(layers)
+        self._kernels = kernels
+        self._built = False
+        #: the C++ stack, or None where the layers must run one by one
+        self.stack = None
+        #: the cache the stack writes to (a rebound cache makes the stack stale)
+        self._kv_cache: Optional[torch.Tensor] = None
+
+    def _build(self) -> None:
+        self._built = True
+        first = self._layers[0]
+        if not all(_fusable(parts, first) for parts in self._layers):
+            return
+        spec = first.attn.spec
+        stack = self._kernels.DecodeStack(spec.num_heads, spec.num_kv_heads, spec.head_dim)
+        for parts in self._layers:
+            key_cache, value_cache = parts.attn.kv_cache[0], parts.attn.kv_cache[1]
+            stack.add_layer(
+                parts.input_norm.weight, parts.input_norm.eps, parts.qkv.weight, parts.qkv.bias,
+                parts.o.weight, parts.o.bias, parts.post_norm.weight, parts.post_norm.eps,
+                parts.gate_up.weight, parts.gate_up.bias, parts.down.weight, parts.down.bias,
+                key_cache, value_cache, parts.attn.spec.scale, parts.attn.spec.sliding_window or 0)
+        self.stack, self._kv_cache = stack, first.attn.kv_cache
+
+    def accepts(self, x: torch.Tensor, metadata: AttentionMetadata) -> bool:
+        """Decode rows only, as few as the GEMV kernel takes, into the caches bound at build."""
+        if not self._built:
+            self._build()
+        return (self.stack is not None and x.shape[0] <= self.MAX_ROWS and metadata.max_query_len == 1
+                and self._layers[0].attn.kv_cache is self._kv_cache)
+
+    def __call__(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                 metadata: AttentionMetadata) -> torch.Tensor:
+        cos, sin = cos_sin
+        return self.stack.forward(x, cos, sin, metadata.slot_mapping, metadata.block_table, metadata.seq_lens)
+
+
+def _fusable(parts: DecoderLayerParts, first: DecoderLayerParts) -> bool:
+    dtype = parts.qkv.dtype
+    linears = (parts.qkv, parts.o, parts.gate_up, parts.down)
+    spec, first_spec = parts.attn.spec, first.attn.spec
+    cache = parts.attn.kv_cache
+    return (
+        dtype in FUSED_DTYPES
+        and all(type(norm) is RMSNorm and norm.op_impl is FUSED_OPS["rms_norm"] and norm.weight.dtype == dtype
+                for norm in (parts.input_norm, parts.post_norm))
+        and all(isinstance(linear.method, PrepackedLinearMethod) and linear.method.gemv is not None
+                and linear.output_delta is None and linear.dtype == dtype for linear in linears)
+        and parts.act.op_impl is FUSED_OPS["silu_and_mul"]
+        and parts.rotary.op_impl is FUSED_OPS["rotary_embedding"]
+        and parts.attn.backend.capabilities.fused_decode and spec.logits_soft_cap is None
+        and (spec.num_heads, spec.num_kv_heads, spec.head_dim)
+        == (first_spec.num_heads, first_spec.num_kv_heads, first_spec.head_dim)
+        and cache is not None and (cache.dtype == dtype or (dtype, cache.dtype) in MIXED_CACHE_DTYPES)
+    )
