@@ -15,8 +15,8 @@ import time
 import torch
 
 from common import write_json
-from tokenmill.core.compose import collect_components
-from tokenmill.core.plugins import make_plugin_manager
+from tokenmill.core.plugin_host.components import collect_components
+from tokenmill.core.plugin_host.plugin_manager import make_plugin_manager
 from tokenmill.interfaces.attention import AttentionLayerSpec, AttentionMetadata
 from tokenmill.plugins.platforms.cpu.attention import CpuAttention
 

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import httpx
 import torch
 
-from tokenmill.core.model_config import load_model_config
+from tokenmill.core.config.model_config import load_model_config
 from tokenmill.plugins.platforms.cpu.platform import CpuPlatform
 from tokenmill.testing.tiny_models import make_tiny_model
 

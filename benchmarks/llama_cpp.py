@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tokenmill.core.model_config import load_model_config
+from tokenmill.core.config.model_config import load_model_config
 
 #: runs the converter with two adjustments for tokenmill's test checkpoints: their locally
 #: trained byte-level BPE tokenizer has no sentencepiece model (the Llama converter tries that

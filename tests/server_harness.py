@@ -10,10 +10,10 @@ from typing import Iterator
 
 import uvicorn
 
-from tokenmill.core.async_engine import AsyncLLM
-from tokenmill.core.config import ServerConfig
-from tokenmill.core.embedding_engine import EmbeddingEngine
-from tokenmill.core.engine import LLMEngine
+from tokenmill.core.engine.async_llm import AsyncLLM
+from tokenmill.core.config.engine_config import ServerConfig
+from tokenmill.core.engine.embedding_engine import EmbeddingEngine
+from tokenmill.core.engine.llm_engine import LLMEngine
 from tokenmill.server.app import create_app
 
 

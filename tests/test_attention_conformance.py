@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from conftest import make_llm
-from tokenmill.core.compose import collect_components
-from tokenmill.core.plugins import make_plugin_manager
+from tokenmill.core.plugin_host.components import collect_components
+from tokenmill.core.plugin_host.plugin_manager import make_plugin_manager
 from tokenmill.interfaces.attention import AttentionLayerSpec
 from tokenmill.testing.attention_conformance import check_backend, conformance_cases
 from tokenmill.testing.hf_reference import assert_matches_reference

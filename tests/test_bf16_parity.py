@@ -54,7 +54,7 @@ def test_dtype_auto_takes_the_checkpoint_dtype_where_the_cpu_computes_it(native,
     """A bf16 checkpoint runs in bf16 (KV cache included) without being asked to, on a CPU
     with bf16 arithmetic; elsewhere in fp32, which runs the same weights several times
     faster. (Both CPUs are played here by the one predicate the choice reads.)"""
-    from tokenmill.core.model_config import load_model_config
+    from tokenmill.core.config.model_config import load_model_config
     from tokenmill.plugins.platforms.cpu import platform
     from tokenmill.testing.tiny_models import make_tiny_model
 

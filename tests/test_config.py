@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import PROMPTS, make_llm
 from tokenmill import SamplingParams, load_config
-from tokenmill.core.model_config import normalize_hf_config
+from tokenmill.core.config.model_config import normalize_hf_config
 from tokenmill.interfaces.errors import ConfigError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenmill.core.detokenizer import IncrementalDetokenizer
+from tokenmill.core.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.interfaces.types import SamplingParams
 from tokenmill.testing.tiny_models import train_tokenizer
 

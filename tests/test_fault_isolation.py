@@ -12,8 +12,8 @@ import pytest
 
 from conftest import make_llm
 from server_harness import running_server
-from tokenmill.core.detokenizer import IncrementalDetokenizer
-from tokenmill.core.sampler import Sampler
+from tokenmill.core.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.core.sample.sampler import Sampler
 
 MODEL = "tiny"
 #: the markers that make the injected faults fire for one request only
@@ -123,7 +123,7 @@ def test_a_step_failing_after_sampling_is_retried_with_the_generators_wound_back
     """The failure comes after the seeded rows drew their samples: the retry rewinds their
     generators, so a seeded batch-mate samples exactly what a clean run gives it."""
     from tokenmill import SamplingParams
-    from tokenmill.core import sampler
+    from tokenmill.core.sample import sampler
 
     gather = sampler.gather_logprobs
 

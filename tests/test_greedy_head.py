@@ -12,7 +12,7 @@ from conftest import NEW_TOKENS, PROMPTS, make_llm
 from tokenmill import SamplingParams
 from tokenmill.plugins.platforms.cpu.greedy_head import GreedyHead, quantize_rows
 from tokenmill.plugins.platforms.cpu.kernels import cpu_kernels
-from tokenmill.core.sampler import Sampler, SamplingRow
+from tokenmill.core.sample.sampler import Sampler, SamplingRow
 from tokenmill.testing.hf_reference import assert_matches_reference
 
 TIE = 1e-5  # the project's tie rule: a divergence is allowed where the top-2 are this close

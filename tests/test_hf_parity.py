@@ -7,8 +7,8 @@ import pytest
 
 from conftest import NEW_TOKENS, PROMPTS, make_llm
 from tokenmill import SamplingParams
-from tokenmill.core.compose import collect_components
-from tokenmill.core.plugins import make_plugin_manager
+from tokenmill.core.plugin_host.components import collect_components
+from tokenmill.core.plugin_host.plugin_manager import make_plugin_manager
 from tokenmill.interfaces.errors import UnknownComponent
 from tokenmill.testing.hf_reference import assert_matches_reference
 from tokenmill.testing.tiny_models import ARCHITECTURES

@@ -6,9 +6,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tokenmill.core.block_pool import BlockPool
-from tokenmill.core.kv_cache_manager import KVCacheManager, hash_block
-from tokenmill.core.request import Request
+from tokenmill.core.sched.block_pool import BlockPool
+from tokenmill.core.sched.kv_cache_manager import KVCacheManager, hash_block
+from tokenmill.core.engine.request import Request
 from tokenmill.interfaces.types import SamplingParams
 
 BLOCK = 4

@@ -78,3 +78,26 @@ def test_core_has_no_device_specific_code():
                      *(call for call in DEVICE_CALLS if call in path.read_text())]
     ]
     assert not offenders, offenders
+
+
+def test_core_modules_import_each_other_without_cycles():
+    """Every import in core is at module level and acyclic: a module can be read, and tested,
+    from the bottom up (the builder imports the engine, never the other way round)."""
+    core = PACKAGE / "core"
+    names = {".".join(("tokenmill", *path.relative_to(PACKAGE).with_suffix("").parts)): path
+             for path in core.rglob("*.py") if path.name != "__init__.py"}
+    graph = {name: {m for m in imported_modules(path) if m in names and m != name} for name, path in names.items()}
+    visiting, done = [], set()
+
+    def visit(name: str) -> None:
+        if name in done:
+            return
+        assert name not in visiting, "import cycle: " + " -> ".join(visiting[visiting.index(name):] + [name])
+        visiting.append(name)
+        for dependency in sorted(graph[name]):
+            visit(dependency)
+        visiting.pop()
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name)

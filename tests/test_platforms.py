@@ -15,7 +15,7 @@ from structlog.testing import capture_logs
 from conftest import NEW_TOKENS, PROMPTS, greedy_in_batches
 from tokenmill import LLM, hookimpl, load_config
 from tokenmill.core.layers.linear import Linear
-from tokenmill.core.plugins import make_plugin_manager
+from tokenmill.core.plugin_host.plugin_manager import make_plugin_manager
 from tokenmill.interfaces.errors import ConfigError, UnknownComponent
 from tokenmill.interfaces.platform import Detection, Platform
 from tokenmill.testing.hf_reference import assert_matches_reference

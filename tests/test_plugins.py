@@ -7,8 +7,8 @@ import yaml
 
 from conftest import PROMPTS
 from tokenmill import LLM, SamplingParams, hookimpl, load_config
-from tokenmill.core.compose import collect_components
-from tokenmill.core.plugins import PluginManager, make_plugin_manager
+from tokenmill.core.plugin_host.components import collect_components
+from tokenmill.core.plugin_host.plugin_manager import PluginManager, make_plugin_manager
 from tokenmill.interfaces import hookspecs
 from tokenmill.interfaces.errors import (
     ComponentUnavailable,

@@ -8,11 +8,11 @@ from hypothesis import strategies as st
 
 from conftest import NEW_TOKENS, PROMPTS, make_llm
 from tokenmill import SamplingParams
-from tokenmill.core.config import SchedulerConfig
-from tokenmill.core.kv_cache_manager import KVCacheManager
-from tokenmill.core.request import Request, RequestStatus
-from tokenmill.core.scheduler import Scheduler
-from tokenmill.core.swap_space import SwapSpace
+from tokenmill.core.config.engine_config import SchedulerConfig
+from tokenmill.core.sched.kv_cache_manager import KVCacheManager
+from tokenmill.core.engine.request import Request, RequestStatus
+from tokenmill.core.sched.scheduler import Scheduler
+from tokenmill.core.sched.swap_space import SwapSpace
 from tokenmill.interfaces.batch import ModelRunnerOutput
 from tokenmill.interfaces.errors import ConfigError
 from tokenmill.plugins.schedulers.priority import PriorityPolicy

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenmill.core.sampler import Sampler, SamplingRow
+from tokenmill.core.sample.sampler import Sampler, SamplingRow
 from tokenmill.interfaces.errors import InvalidRequest
 from tokenmill.interfaces.types import SamplingParams
 

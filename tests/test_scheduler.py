@@ -5,10 +5,10 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenmill.core.config import SchedulerConfig
-from tokenmill.core.kv_cache_manager import KVCacheManager
-from tokenmill.core.request import Request, RequestStatus
-from tokenmill.core.scheduler import Scheduler
+from tokenmill.core.config.engine_config import SchedulerConfig
+from tokenmill.core.sched.kv_cache_manager import KVCacheManager
+from tokenmill.core.engine.request import Request, RequestStatus
+from tokenmill.core.sched.scheduler import Scheduler
 from tokenmill.interfaces.batch import ModelRunnerOutput
 from tokenmill.interfaces.types import SamplingParams
 from tokenmill.plugins.schedulers.fifo import FifoPolicy

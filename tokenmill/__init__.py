@@ -1,7 +1,7 @@
 """tokenmill: a vLLM-style inference engine where every policy and kernel is a plugin."""
 
-from tokenmill.core.config import EngineConfig, load_config
-from tokenmill.core.llm import LLM
+from tokenmill.core.config.engine_config import EngineConfig, load_config
+from tokenmill.core.engine.llm import LLM
 from tokenmill.interfaces.adapters import LoRARequest
 from tokenmill.interfaces.hookspecs import HOOKSPEC_VERSION, hookimpl
 from tokenmill.interfaces.types import (

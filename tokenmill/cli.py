@@ -92,7 +92,7 @@ def _parser() -> argparse.ArgumentParser:
 def add_engine_flags(parser: argparse.ArgumentParser, as_text: bool = False) -> None:
     """One flag per vLLM engine argument, typed from the config tree (or plain text, for
     comma-separated variant lists)."""
-    from tokenmill.core.config import VLLM_NAMES, EngineConfig
+    from tokenmill.core.config.engine_config import VLLM_NAMES, EngineConfig
 
     group = parser.add_argument_group("engine (vLLM names)")
     for name, dotted in VLLM_NAMES.items():
@@ -134,7 +134,7 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    from tokenmill.core.config import SERVER_NAMES, VLLM_NAMES
+    from tokenmill.core.config.engine_config import SERVER_NAMES, VLLM_NAMES
 
     names = list(VLLM_NAMES) + list(SERVER_NAMES)
     overrides = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
@@ -151,7 +151,7 @@ def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def resolve_config(args: argparse.Namespace):
     """The EngineConfig for a command taking ``MODEL_OR_YAML``, ``--config`` and engine flags."""
-    from tokenmill.core.config import load_config
+    from tokenmill.core.config.engine_config import load_config
 
     yaml_path, overrides = args.config, engine_overrides(args)
     target = getattr(args, "model_or_config", None)
@@ -182,8 +182,8 @@ def _annotation(model: type[BaseModel], dotted: str) -> Any:
 
 @functools.cache
 def _platform_options(name: str) -> Optional[type[BaseModel]]:
-    from tokenmill.core.compose import collect_components
-    from tokenmill.core.plugins import make_plugin_manager
+    from tokenmill.core.plugin_host.components import collect_components
+    from tokenmill.core.plugin_host.plugin_manager import make_plugin_manager
 
     try:
         return collect_components(make_plugin_manager()).platforms.get(name).options_model
@@ -192,8 +192,8 @@ def _platform_options(name: str) -> Optional[type[BaseModel]]:
 
 
 def _plugins(args: argparse.Namespace) -> int:
-    from tokenmill.core.compose import collect_components
-    from tokenmill.core.plugins import make_plugin_manager
+    from tokenmill.core.plugin_host.components import collect_components
+    from tokenmill.core.plugin_host.plugin_manager import make_plugin_manager
     from tokenmill.interfaces.hookspecs import HOOKSPEC_VERSION
 
     pm = make_plugin_manager()
@@ -227,7 +227,7 @@ def _plugins(args: argparse.Namespace) -> int:
 
 def _compare(args: argparse.Namespace) -> int:
     from tokenmill import compare
-    from tokenmill.core.config import VLLM_NAMES
+    from tokenmill.core.config.engine_config import VLLM_NAMES
 
     base: dict[str, Any] = {}
     if args.model_or_config:
@@ -261,9 +261,9 @@ def _make_model(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from tokenmill.core.async_engine import AsyncLLM
-    from tokenmill.core.compose import build_engine
-    from tokenmill.core.engine import LLMEngine
+    from tokenmill.core.engine.async_llm import AsyncLLM
+    from tokenmill.core.engine.builder import build_engine
+    from tokenmill.core.engine.llm_engine import LLMEngine
     from tokenmill.server.app import create_app
     from tokenmill.server.logging import configure_logging
     from tokenmill.testing.demo import demo_model_dir
@@ -286,7 +286,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from tokenmill.core.llm import LLM
+    from tokenmill.core.engine.llm import LLM
     from tokenmill.interfaces.types import SamplingParams
 
     llm = LLM(config=resolve_config(args))

@@ -3,6 +3,12 @@
 A model plugin registers a class under Hugging Face ``architectures`` names.
 The engine constructs it as ``cls(context)`` and then streams the checkpoint's
 tensors into ``load_weights``.
+
+A model builds from the public layers in ``tokenmill.core.layers`` (documented there). One is
+required: every attention layer must be a ``tokenmill.core.layers.Attention`` built with
+``context.attention``, because the engine allocates and binds the paged KV caches to the
+``Attention`` modules it finds. ``tokenmill.testing.model_conformance.check_model`` tests a
+model plugin against Hugging Face transformers.
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from fastapi import FastAPI
 
-from tokenmill.core.async_engine import AsyncLLM
-from tokenmill.core.engine import LLMEngine
+from tokenmill.core.engine.async_llm import AsyncLLM
+from tokenmill.core.engine.llm_engine import LLMEngine
 from tokenmill.server.errors import APIError
 from tokenmill.server.protocol import LoadAdapterRequest, UnloadAdapterRequest
 from tokenmill.server.responses import AdapterResponse

@@ -8,14 +8,14 @@ from pathlib import Path
 from typing import Optional
 
 from fastapi import FastAPI, Request
-from fastapi_offline import FastAPIOffline
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import tokenmill
-from tokenmill.core.async_engine import AsyncLLM
-from tokenmill.core.config import ServerConfig
-from tokenmill.core.embedding_engine import EmbeddingEngine
+from tokenmill.core.config.engine_config import ServerConfig
+from tokenmill.core.engine.async_llm import AsyncLLM
+from tokenmill.core.engine.embedding_engine import EmbeddingEngine
 from tokenmill.server.adapters import add_adapter_routes
 from tokenmill.server.chat import chat_prompt_ids, create_chat_completion
 from tokenmill.server.completions import create_completion

@@ -6,7 +6,7 @@ import asyncio
 import base64
 import threading
 
-from tokenmill.core.embedding_engine import EmbeddingEngine
+from tokenmill.core.engine.embedding_engine import EmbeddingEngine
 from tokenmill.server.errors import APIError
 from tokenmill.server.protocol import EmbeddingRequest
 

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tokenmill.core.async_engine import EngineDead, EngineOverloaded, RequestFailed
+from tokenmill.core.engine.async_llm import EngineDead, EngineOverloaded, RequestFailed
 from tokenmill.interfaces.errors import InvalidRequest
 
 log = structlog.get_logger("tokenmill.server")

@@ -9,7 +9,7 @@ from typing import Any, AsyncIterator, Awaitable, Optional
 
 from fastapi import Request
 
-from tokenmill.core.async_engine import AsyncLLM
+from tokenmill.core.engine.async_llm import AsyncLLM
 from tokenmill.interfaces.types import RequestOutput, SamplingParams
 from tokenmill.server.errors import APIError
 from tokenmill.server.responses import LOGPROB_FLOOR

@@ -7,7 +7,7 @@ import sys
 
 import structlog
 
-from tokenmill.core.engine import LLMEngine
+from tokenmill.core.engine.llm_engine import LLMEngine
 from tokenmill.interfaces.types import RequestOutput
 
 log = structlog.get_logger("tokenmill.requests")

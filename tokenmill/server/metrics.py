@@ -13,7 +13,7 @@ from typing import Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from tokenmill.core.engine import LLMEngine
+from tokenmill.core.engine.llm_engine import LLMEngine
 from tokenmill.interfaces.types import RequestOutput
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,

@@ -17,7 +17,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from tokenmill.interfaces.errors import InvalidRequest
 from tokenmill.interfaces.types import SEED_RANGE, SamplingParams
 
-
 #: a logit_bias key: a token id in decimal (bounded, so int() never sees thousands of digits)
 _TOKEN_ID = re.compile(r"-?[0-9]{1,19}")
 

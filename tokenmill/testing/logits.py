@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.core.engine import LLMEngine
-from tokenmill.core.request import Request
+from tokenmill.core.engine.llm_engine import LLMEngine
+from tokenmill.core.engine.request import Request
 from tokenmill.interfaces.batch import ScheduledRequest
 from tokenmill.interfaces.types import SamplingParams
 

@@ -15,7 +15,6 @@ from torch import nn
 from tokenmill.core.layers.custom_op import CustomOp
 from tokenmill.interfaces.errors import ConfigError
 
-
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 

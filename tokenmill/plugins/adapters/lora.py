@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from tokenmill.core.layers.linear import Linear
-from tokenmill.core.layers.weights import name_list
+from tokenmill.core.model_loader.weights import name_list
 from tokenmill.interfaces.errors import ConfigError, InvalidRequest
 from tokenmill.interfaces.hookspecs import hookimpl
 

@@ -15,7 +15,7 @@ from torch.nn import functional as F
 
 from tokenmill.core.layers.activation import activation
 from tokenmill.core.layers.linear import Linear
-from tokenmill.core.layers.weights import load_weights
+from tokenmill.core.model_loader.weights import load_weights
 from tokenmill.interfaces.errors import ConfigError
 from tokenmill.interfaces.hookspecs import hookimpl
 from tokenmill.interfaces.models import ModelContext

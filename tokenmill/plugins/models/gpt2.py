@@ -14,7 +14,7 @@ from torch import nn
 from tokenmill.core.layers.activation import activation
 from tokenmill.core.layers.attention import Attention
 from tokenmill.core.layers.linear import Linear
-from tokenmill.core.layers.weights import load_weights
+from tokenmill.core.model_loader.weights import load_weights
 from tokenmill.interfaces.attention import AttentionLayerSpec, AttentionMetadata
 from tokenmill.interfaces.hookspecs import hookimpl
 from tokenmill.interfaces.models import ModelContext

@@ -21,7 +21,7 @@ from tokenmill.core.layers.fused_decoder import DecoderLayerParts, FusableDecode
 from tokenmill.core.layers.linear import Linear
 from tokenmill.core.layers.norm import RMSNorm
 from tokenmill.core.layers.rotary import ApplyRotary, RotaryEmbedding, rotary_dim
-from tokenmill.core.layers.weights import load_weights
+from tokenmill.core.model_loader.weights import load_weights
 from tokenmill.interfaces.attention import AttentionLayerSpec, AttentionMetadata
 from tokenmill.interfaces.hookspecs import hookimpl
 from tokenmill.interfaces.models import ModelContext

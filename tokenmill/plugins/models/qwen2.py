@@ -10,7 +10,7 @@ from torch import nn
 
 from tokenmill.core.layers.activation import activation
 from tokenmill.core.layers.moe import FusedMoE
-from tokenmill.core.layers.weights import copy_tensor, load_weights
+from tokenmill.core.model_loader.weights import copy_tensor, load_weights
 from tokenmill.interfaces.hookspecs import hookimpl
 from tokenmill.interfaces.models import ModelContext
 from tokenmill.plugins.models.llama import LlamaForCausalLM, LlamaMLP

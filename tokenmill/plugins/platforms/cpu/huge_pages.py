@@ -10,6 +10,10 @@ The kernel gives huge pages to anonymous mappings that ask for them with
 ``madvise(MADV_HUGEPAGE)`` when ``/sys/kernel/mm/transparent_hugepage/enabled`` is
 ``always`` or ``madvise`` (the usual default). Where it is ``never``, or off Linux,
 the same call returns ordinary memory: placement changes speed, never values.
+
+Weights only: KV caches stay on ordinary pages, because faulting huge pages in as blocks
+fill cost more than they saved (benchmarks/README.md), and faulting a 2 GB cache in up
+front took 8 s.
 """
 
 from __future__ import annotations

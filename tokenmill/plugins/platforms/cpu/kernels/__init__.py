@@ -4,7 +4,7 @@ the fused decode stack, screened greedy argmax), built at first use.
 Compiled by torch's extension builder rather than at install time, so that
 installing tokenmill never needs torch inside a build environment (which
 would pull a CUDA build from PyPI). Builds are cached per source and CPU
-feature set (``-march=native``). Where no compiler is available, or with
+feature set (``-march=native``) and source directory. Where no compiler is available, or with
 ``TOKENMILL_CPU_KERNELS=0``, callers fall back to PyTorch ops; the reason is
 logged once.
 
@@ -45,7 +45,9 @@ def _build_digest() -> str:
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
         flags = ""
-    text = flags + "".join(path.read_text() for path in sorted(_CSRC.iterdir()))
+    # the sources' directory too: ninja rebuilds when a build's paths change, so two checkouts
+    # sharing one build directory would rebuild each other's kernels on every start
+    text = str(_CSRC) + flags + "".join(path.read_text() for path in sorted(_CSRC.iterdir()))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -15,7 +15,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from tokenmill.core.sampler import Sampler, SamplingRow, gather_logprobs
+from tokenmill.core.sample.sampler import Sampler, SamplingRow, gather_logprobs
+from tokenmill.core.worker.kv_cache import SwapCaches
 from tokenmill.interfaces.adapters import AdapterType
 from tokenmill.interfaces.attention import AttentionBackend, AttentionMetadata
 from tokenmill.interfaces.batch import (
@@ -36,26 +37,6 @@ class _RequestState:
     output_token_ids: list[int] = field(default_factory=list)
     #: prompt tokens whose logprobs were already reported (survives preemption)
     num_prompt_logprobs_done: int = 1  # the first prompt token has none
-
-
-@dataclass(frozen=True)
-class SwapCaches:
-    """Per layer, the device KV cache and its host-side swap twin."""
-
-    backend: AttentionBackend
-    device: list[torch.Tensor]
-    host: list[torch.Tensor]
-
-    def copy(self, pairs: tuple[tuple[int, int], ...], to_host: bool) -> None:
-        """``pairs`` are (device block, host block); copies in the given direction."""
-        if not pairs:
-            return
-        index = torch.tensor(pairs, dtype=torch.long)
-        if not to_host:
-            index = index.flip(1)
-        for device, host in zip(self.device, self.host):
-            src, dst = (device, host) if to_host else (host, device)
-            self.backend.swap_blocks(src, dst, index)
 
 
 class ModelRunner:

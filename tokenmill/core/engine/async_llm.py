@@ -19,7 +19,7 @@ from typing import AsyncIterator, Callable, Optional
 
 import structlog
 
-from tokenmill.core.engine import LLMEngine, PromptType
+from tokenmill.core.engine.llm_engine import LLMEngine, PromptType
 from tokenmill.interfaces.errors import InvalidRequest, TokenmillError
 from tokenmill.interfaces.types import RequestOutput, SamplingParams
 

@@ -12,8 +12,8 @@ import hashlib
 from array import array
 from typing import Sequence
 
-from tokenmill.core.block_pool import BlockPool, KVBlock
-from tokenmill.core.request import Request
+from tokenmill.core.engine.request import Request
+from tokenmill.core.sched.block_pool import BlockPool, KVBlock
 
 _ROOT_HASH = b"tokenmill-prefix-root"
 

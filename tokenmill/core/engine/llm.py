@@ -9,10 +9,11 @@ from typing import Any, Optional, Sequence, Union
 
 from tqdm.auto import tqdm
 
-from tokenmill.core.config import EngineConfig, load_config
-from tokenmill.core.embedding_engine import EmbeddingEngine
-from tokenmill.core.engine import LLMEngine, PromptType
-from tokenmill.core.plugins import PluginManager
+from tokenmill.core.config.engine_config import EngineConfig, load_config
+from tokenmill.core.engine.builder import build_engine
+from tokenmill.core.engine.embedding_engine import EmbeddingEngine
+from tokenmill.core.engine.llm_engine import LLMEngine, PromptType
+from tokenmill.core.plugin_host.plugin_manager import PluginManager
 from tokenmill.interfaces.adapters import LoRARequest
 from tokenmill.interfaces.errors import InvalidRequest
 from tokenmill.interfaces.types import RequestOutput, SamplingParams
@@ -40,8 +41,6 @@ class LLM:
             config = load_config(model=model, **engine_args)
         elif model is not None or engine_args:
             raise TypeError("pass either config= or model/engine arguments, not both")
-        from tokenmill.core.compose import build_engine
-
         self.llm_engine = build_engine(config, plugin_manager)
         self._ids = itertools.count()
 

@@ -18,8 +18,8 @@ from typing import Any
 import structlog
 from pydantic import ValidationError
 
-from tokenmill.core.config import EngineConfig, config_error
-from tokenmill.core.registry import Registry
+from tokenmill.core.config.engine_config import EngineConfig, config_error
+from tokenmill.core.plugin_host.registry import Registry
 from tokenmill.interfaces.errors import ComponentUnavailable, ConfigError
 from tokenmill.interfaces.platform import Detection, Platform
 

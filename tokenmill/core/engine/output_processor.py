@@ -10,8 +10,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from tokenmill.core.detokenizer import IncrementalDetokenizer
-from tokenmill.core.request import Request
+from tokenmill.core.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.core.engine.request import Request
 from tokenmill.interfaces.types import (
     CompletionOutput,
     FinishReason,

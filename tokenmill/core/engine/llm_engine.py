@@ -15,13 +15,13 @@ from typing import Any, Optional, Sequence, Union
 
 import structlog
 
-from tokenmill.core.config import EngineConfig
-from tokenmill.core.model_config import ModelConfig
-from tokenmill.core.model_runner import ModelRunner
-from tokenmill.core.output_processor import OutputProcessor
-from tokenmill.core.plugins import PluginManager
-from tokenmill.core.request import Request
-from tokenmill.core.scheduler import Scheduler
+from tokenmill.core.config.engine_config import EngineConfig
+from tokenmill.core.config.model_config import ModelConfig
+from tokenmill.core.engine.output_processor import OutputProcessor
+from tokenmill.core.engine.request import Request
+from tokenmill.core.plugin_host.plugin_manager import PluginManager
+from tokenmill.core.sched.scheduler import Scheduler
+from tokenmill.core.worker.model_runner import ModelRunner
 from tokenmill.interfaces.adapters import AdapterType
 from tokenmill.interfaces.batch import ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from tokenmill.interfaces.errors import InvalidRequest
@@ -67,15 +67,6 @@ class LLMEngine:
         self._warned_priority = False
         #: the queue after the latest step (for metrics and observers)
         self.last_scheduler_stats: Optional[SchedulerStats] = None
-
-    @classmethod
-    def from_config(cls, config: EngineConfig, plugin_manager: Optional[PluginManager] = None) -> "LLMEngine":
-        from tokenmill.core.compose import build_engine
-
-        engine = build_engine(config, plugin_manager)
-        if not isinstance(engine, cls):
-            raise InvalidRequest("model", f"{config.model} is an embedding model, not a generator")
-        return engine
 
     @property
     def max_model_len(self) -> int:

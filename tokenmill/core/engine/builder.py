@@ -8,90 +8,34 @@ each other directly on the hot path.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import structlog
 import torch
 from transformers import AutoTokenizer
 
-from tokenmill.core.config import EngineConfig
-from tokenmill.core.embedding_engine import EmbeddingEngine
-from tokenmill.core.engine import LLMEngine
-from tokenmill.core.kv_cache_manager import KVCacheManager
-from tokenmill.core.layers.attention import Attention
+from tokenmill.core.config.engine_config import EngineConfig
+from tokenmill.core.config.model_config import ModelConfig, load_model_config
+from tokenmill.core.engine.embedding_engine import EmbeddingEngine
+from tokenmill.core.engine.llm_engine import LLMEngine
 from tokenmill.core.layers.custom_op import dispatch_custom_ops
-from tokenmill.core.layers.weights import load_strictly
-from tokenmill.core.loader import iterate_weights
-from tokenmill.core.model_config import ModelConfig, load_model_config
-from tokenmill.core.model_runner import ModelRunner, SwapCaches
-from tokenmill.core.platform_selection import select_platform
-from tokenmill.core.plugins import PluginManager, make_plugin_manager
-from tokenmill.core.pooling import Pooler
-from tokenmill.core.registry import Registry
-from tokenmill.core.scheduler import Scheduler
-from tokenmill.core.swap_space import SwapSpace
-from tokenmill.interfaces.attention import AttentionBackend, AttentionLayerSpec
+from tokenmill.core.layers.pooler import Pooler
+from tokenmill.core.model_loader.safetensors_files import iterate_weights
+from tokenmill.core.model_loader.weights import load_strictly
+from tokenmill.core.plugin_host.components import Components, collect_components
+from tokenmill.core.plugin_host.platform_selection import select_platform
+from tokenmill.core.plugin_host.plugin_manager import PluginManager, make_plugin_manager
+from tokenmill.core.sched.kv_cache_manager import KVCacheManager
+from tokenmill.core.sched.scheduler import Scheduler
+from tokenmill.core.sched.swap_space import SwapSpace
+from tokenmill.core.worker.kv_cache import SwapCaches, allocate_kv_caches
+from tokenmill.core.worker.model_runner import ModelRunner
+from tokenmill.interfaces.attention import AttentionBackend
 from tokenmill.interfaces.errors import ConfigError
 from tokenmill.interfaces.models import ModelContext
 from tokenmill.interfaces.platform import Platform
 
-log = structlog.get_logger("tokenmill.compose")
-
-
-@dataclass(frozen=True)
-class Components:
-    """Everything the installed plugins registered, by kind."""
-
-    scheduling_policies: Registry
-    attention_backends: Registry
-    quantization_methods: Registry
-    model_architectures: Registry
-    adapter_types: Registry
-    platforms: Registry
-
-    def by_kind(self) -> dict[str, Registry]:
-        return {
-            "platforms": self.platforms,
-            "scheduling_policies": self.scheduling_policies,
-            "attention_backends": self.attention_backends,
-            "quantization_methods": self.quantization_methods,
-            "model_architectures": self.model_architectures,
-            "adapter_types": self.adapter_types,
-        }
-
-
-_REGISTRATION_HOOKS = {
-    "scheduling_policies": ("register_scheduling_policies", "scheduling policy"),
-    "attention_backends": ("register_attention_backends", "attention backend"),
-    "quantization_methods": ("register_quantization_methods", "quantization method"),
-    "model_architectures": ("register_model_architectures", "model architecture"),
-    "adapter_types": ("register_adapter_types", "adapter type"),
-    "platforms": ("register_platforms", "platform"),
-}
-
-
-def collect_components(pm: PluginManager) -> Components:
-    """Call every registration hook once per plugin, recording which plugin registered what.
-
-    Each plugin's implementation is called on its own (through
-    ``subset_hook_caller``, so pluggy's tracing still sees it) to attribute names
-    to plugins for duplicate errors and ``tokenmill plugins``.
-    """
-    registries = {}
-    plugins = pm.get_plugins()
-    for field, (hook_name, kind) in _REGISTRATION_HOOKS.items():
-        registry: Registry = Registry(kind)
-        for impl in getattr(pm.hook, hook_name).get_hookimpls():
-            others = [p for p in plugins if p is not impl.plugin]
-            caller = pm.subset_hook_caller(hook_name, remove_plugins=others)
-
-            def register(name, factory, _plugin=impl.plugin_name, _registry=registry):
-                _registry.register(name, factory, plugin=_plugin)
-
-            caller(register=register)
-        registries[field] = registry
-    return Components(**registries)
+log = structlog.get_logger("tokenmill.builder")
 
 
 def build_engine(config: EngineConfig, pm: Optional[PluginManager] = None) -> LLMEngine | EmbeddingEngine:
@@ -139,15 +83,15 @@ def build_engine(config: EngineConfig, pm: Optional[PluginManager] = None) -> LL
 
     cache_dtype = _kv_cache_dtype(config, model_config)
     num_blocks, bytes_per_block = _num_kv_blocks(config, model_config, backend, cache_dtype, platform)
-    layers = _bind_kv_caches(model, backend, num_blocks, config.cache.block_size, cache_dtype)
+    layers = allocate_kv_caches(model, backend, num_blocks, config.cache.block_size, cache_dtype,
+                                platform.device_type)
     kv_cache = KVCacheManager(num_blocks, config.cache.block_size, config.cache.prefix_caching)
     swap_space, swap_caches = None, None
     if config.scheduler.preemption_mode == "swap":
         num_host_blocks = int(config.cache.swap_space) // bytes_per_block
         swap_space = SwapSpace(num_host_blocks)
-        swap_caches = SwapCaches(backend, [cache for _, cache in layers], [platform.host_buffer(
-            backend.kv_cache_shape(num_host_blocks, config.cache.block_size, spec.num_kv_heads, spec.head_dim),
-            cache_dtype) for spec, _ in layers])
+        swap_caches = SwapCaches.allocate(backend, layers, num_host_blocks, config.cache.block_size, cache_dtype,
+                                          platform.host_buffer)
     scheduler = Scheduler(config.scheduler, kv_cache, policy, swap_space,
                           max_adapters=adapters.max_active if adapters else None)
     greedy_head = None if config.enforce_eager or adapters else platform.greedy_head(model)
@@ -259,20 +203,3 @@ def _num_kv_blocks(config: EngineConfig, model_config: ModelConfig, backend: Att
             "give it more memory or lower max_model_len",
         )
     return num_blocks, bytes_per_block
-
-
-def _bind_kv_caches(model: torch.nn.Module, backend: AttentionBackend, num_blocks: int,
-                    block_size: int, dtype: torch.dtype) -> list[tuple[AttentionLayerSpec, torch.Tensor]]:
-    """Allocate and attach each attention layer's cache; returns (spec, cache) per layer.
-
-    Not on huge pages (plugins/platforms/cpu/huge_pages.py): faulting them in as blocks fill cost
-    more than they saved at W1, and faulting 2 GB in up front took 8 s here.
-    """
-    layers = []
-    for module in model.modules():
-        if isinstance(module, Attention):
-            spec = module.spec
-            shape = backend.kv_cache_shape(num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-            module.kv_cache = torch.zeros(shape, dtype=dtype)
-            layers.append((spec, module.kv_cache))
-    return layers

@@ -6,10 +6,10 @@ from typing import Any, Sequence
 
 import torch
 
-from tokenmill.core.config import EngineConfig
-from tokenmill.core.model_config import ModelConfig
-from tokenmill.core.plugins import PluginManager
-from tokenmill.core.pooling import Pooler
+from tokenmill.core.config.engine_config import EngineConfig
+from tokenmill.core.config.model_config import ModelConfig
+from tokenmill.core.layers.pooler import Pooler
+from tokenmill.core.plugin_host.plugin_manager import PluginManager
 from tokenmill.interfaces.errors import InvalidRequest
 from tokenmill.interfaces.models import EmbeddingModel
 

@@ -16,10 +16,10 @@ from __future__ import annotations
 import time
 from typing import Iterable, Optional
 
-from tokenmill.core.config import SchedulerConfig
-from tokenmill.core.kv_cache_manager import KVCacheManager
-from tokenmill.core.request import Request, RequestStatus
-from tokenmill.core.swap_space import SwapSpace
+from tokenmill.core.config.engine_config import SchedulerConfig
+from tokenmill.core.engine.request import Request, RequestStatus
+from tokenmill.core.sched.kv_cache_manager import KVCacheManager
+from tokenmill.core.sched.swap_space import SwapSpace
 from tokenmill.interfaces.batch import (
     ModelRunnerOutput,
     NewRequestData,

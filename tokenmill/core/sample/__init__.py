@@ -1,0 +1,1 @@
+"""Sampling: logits to tokens and logprobs, per request's parameters."""

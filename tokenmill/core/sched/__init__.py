@@ -1,0 +1,2 @@
+"""Scheduling: which requests run each step (scheduler) and the paged KV blocks they hold
+(kv_cache_manager, block_pool, swap_space)."""
