@@ -1,0 +1,83 @@
+"""One benchmark, two revisions of tokenmill, taking turns on one host: before/after a refactor.
+
+Two tokenmill revisions cannot share a process, so each round runs the benchmark script
+once per revision, base first then head, each in its own process. The base is a git
+worktree of ``--base`` under ``--worktrees``, installed (without dependencies) into a
+directory put first on ``PYTHONPATH``: its own package metadata matters, because plugins
+are found through the installed distribution's entry points. The figure
+compared is tokenmill's own (``--metric``, a path into the script's JSON); the peer the
+script also runs (``--skip-hf`` to leave it out) stays a sanity check of the host's speed.
+
+    taskset -c 0 python benchmarks/revisions.py --base 2fe6256 --rounds 3 -- \\
+        throughput.py --preset 52m --num-prompts 64 --input-len 128 --output-len 64 --skip-hf
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+#: the figure each script's JSON reports for tokenmill, and whether larger is better
+METRICS = {
+    "throughput.py": ("engines.tokenmill.output_tokens_per_s", True),
+    "latency.py": ("engines.tokenmill.tpot_ms_median", False),
+}
+
+
+def checkout(revision: str, worktrees: Path) -> tuple[Path, Path]:
+    """(a worktree of ``revision``, the directory it is installed in), both reused when they exist."""
+    commit = subprocess.run(["git", "rev-parse", "--short", revision], cwd=ROOT, check=True,
+                            capture_output=True, text=True).stdout.strip()
+    path = worktrees / f"tokenmill-{commit}"
+    if not path.exists():
+        subprocess.run(["git", "worktree", "add", "--detach", str(path), commit], cwd=ROOT, check=True)
+    site = worktrees / f"tokenmill-{commit}-site"
+    if not site.exists():
+        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                        "--target", str(site), str(path)], check=True)
+    return path, site
+
+
+def run(tree: Path, site: Path, script: str, script_args: list[str], metric: str) -> float:
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        subprocess.run([sys.executable, str(tree / "benchmarks" / script), *script_args, "--json", out.name],
+                       check=True, env={**os.environ, "PYTHONPATH": str(site)}, stdout=subprocess.DEVNULL)
+        value = json.loads(Path(out.name).read_text())
+    for key in metric.split("."):
+        value = value[key]
+    return float(value)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base", required=True, help="the revision to compare HEAD's working tree with")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--metric", help="dotted path into the script's JSON (default: per script)")
+    parser.add_argument("--worktrees", type=Path, default=Path(tempfile.gettempdir()))
+    parser.add_argument("script", choices=sorted(METRICS))
+    parser.add_argument("script_args", nargs=argparse.REMAINDER)
+    args = parser.parse_args()
+    metric, larger_is_better = (args.metric, True) if args.metric else METRICS[args.script]
+    # the head runs from this checkout, whose editable install provides its metadata
+    trees = {"base": checkout(args.base, args.worktrees), "head": (ROOT, ROOT)}
+    values: dict[str, list[float]] = {"base": [], "head": []}
+    for round_index in range(args.rounds):
+        for name, (tree, site) in trees.items():
+            values[name].append(run(tree, site, args.script, args.script_args, metric))
+        print(f"round {round_index + 1}: base {values['base'][-1]:.2f}, head {values['head'][-1]:.2f}", flush=True)
+    base, head = statistics.median(values["base"]), statistics.median(values["head"])
+    ratio = head / base if larger_is_better else base / head
+    by_round = [h / b if larger_is_better else b / h for b, h in zip(values["base"], values["head"])]
+    print(f"{metric} medians: base ({args.base}) {base:.2f}, head {head:.2f}; head/base (higher is better): "
+          f"{ratio:.3f}x; by round: " + ", ".join(f"{r:.3f}x" for r in by_round))
+
+
+if __name__ == "__main__":
+    main()
