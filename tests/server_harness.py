@@ -15,6 +15,7 @@ from tokenmill.core.config.engine_config import ServerConfig
 from tokenmill.core.engine.embedding_engine import EmbeddingEngine
 from tokenmill.core.engine.llm_engine import LLMEngine
 from tokenmill.server.app import create_app
+from tokenmill.server.transport import scheme, uvicorn_options
 
 
 def free_port() -> int:
@@ -31,7 +32,7 @@ def running_server(engine: LLMEngine | EmbeddingEngine, **server_config) -> Iter
     app = create_app(llm, config)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           timeout_graceful_shutdown=2))
+                                           timeout_graceful_shutdown=2, **uvicorn_options(config)))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -40,7 +41,7 @@ def running_server(engine: LLMEngine | EmbeddingEngine, **server_config) -> Iter
             raise RuntimeError("uvicorn did not start")
         time.sleep(0.02)
     try:
-        yield f"http://127.0.0.1:{port}", llm
+        yield f"{scheme(config)}://127.0.0.1:{port}", llm
     finally:
         server.should_exit = True
         thread.join(15)

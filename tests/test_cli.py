@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 
@@ -117,3 +118,18 @@ def test_triton_without_a_gpu_fails_at_startup_with_the_reason(model_dir):
                             capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 2
     assert "needs a cuda device" in result.stderr and "TRITON_INTERPRET=1" in result.stderr
+
+
+def test_server_flags_reach_the_server_section():
+    """vLLM's network flags, including --allowed-origins in vLLM's JSON-list form."""
+    from tokenmill.cli import _parser, resolve_config
+
+    args = _parser().parse_args(["serve", "m", "--allowed-origins", '["https://a.example", "https://b.example"]',
+                                 "--allowed-methods", "GET", "POST", "--ssl-cert-reqs", "2", "--root-path", "/llm",
+                                 "--enable-request-id-headers", "--disable-fastapi-docs"])
+    server = resolve_config(args).server
+    assert server.allowed_origins == ["https://a.example", "https://b.example"]
+    assert server.allowed_methods == ["GET", "POST"] and server.ssl_cert_reqs == 2
+    assert server.root_path == "/llm" and server.enable_request_id_headers and server.disable_fastapi_docs
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["serve", "m", "--allowed-origins", "[not json"])

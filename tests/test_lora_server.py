@@ -119,3 +119,89 @@ def test_loading_an_adapter_does_not_disturb_running_requests(server):
                 started.set()
     worker.join(30)
     assert text == expected
+
+
+def _broken_adapters(root, good):
+    """Adapter directories that are each wrong in one way, made from the good one."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    def copy(name):
+        target = root / name
+        if target.exists():
+            shutil.rmtree(target)
+        shutil.copytree(good, target)
+        return target
+
+    weights = good / "adapter_model.safetensors"
+    data = weights.read_bytes()
+    (copy("truncated") / "adapter_model.safetensors").write_bytes(data[: len(data) // 2])
+    (copy("corrupt-header") / "adapter_model.safetensors").write_bytes((2**40).to_bytes(8, "little") + b"{garbage")
+    tensors = load_file(weights)
+    save_file({k: v[:, :-1].contiguous() if ".lora_A." in k else v for k, v in tensors.items()},
+              copy("wrong-shapes") / "adapter_model.safetensors")
+    renamed = {k.replace("q_proj", "no_such_proj"): v for k, v in tensors.items()}
+    save_file(renamed, copy("unknown-module") / "adapter_model.safetensors")
+    (copy("no-config") / "adapter_config.json").unlink()
+    (copy("bad-config") / "adapter_config.json").write_text('{"r": "four"')
+    (copy("config-not-object") / "adapter_config.json").write_text('[1, 2]')
+
+
+@pytest.mark.parametrize("name,path,param,says", [
+    ("t", "truncated", "lora_path", "cannot be read"),
+    ("c", "corrupt-header", "lora_path", "cannot be read"),
+    ("w", "wrong-shapes", "lora_path", "where the layer takes"),
+    ("u", "unknown-module", "lora_path", "no_such_proj"),
+    ("n", "no-config", "lora_path", "not a PEFT adapter directory"),
+    ("b", "bad-config", "lora_path", "adapter_config.json"),
+    ("o", "config-not-object", "lora_path", "adapter_config.json"),
+    ("base", "mlp", "lora_name", "served model"),  # the served model's own name
+    ("qv", "mlp", "lora_name", "already loaded"),  # a loaded adapter's name: unload first
+])
+def test_adapter_loads_that_fail_are_400s_that_change_nothing(server, adapter_root, name, path, param, says):
+    _broken_adapters(adapter_root, adapter_root / "qv")
+    base, with_adapter = complete(server, "base").json(), complete(server, "qv").json()
+    response = httpx.post(server + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and says in error["message"], error
+    assert name not in {m["id"] for m in httpx.get(server + "/v1/models").json()["data"]} - {"base", "qv"}
+    assert complete(server, "base").json()["choices"] == base["choices"]
+    assert complete(server, "qv").json()["choices"] == with_adapter["choices"]
+
+
+def _pickle_trap(path, sentinel):
+    """A file that creates ``sentinel`` if anything ever unpickles it."""
+    import pickle
+
+    class Trap:
+        def __reduce__(self):
+            return (open, (str(sentinel), "w"))
+
+    path.write_bytes(pickle.dumps(Trap()))
+
+
+def test_pickled_weights_are_never_unpickled(model_dir, adapter_root, tmp_path):
+    """adapter_model.bin / pytorch_model.bin beside (or instead of) safetensors files: at
+    startup and at run time, nothing opens them."""
+    import shutil
+
+    sentinel = tmp_path / "unpickled"
+    pickled = adapter_root / "pickled"
+    pickled.mkdir(exist_ok=True)
+    shutil.copy(adapter_root / "qv" / "adapter_config.json", pickled)
+    for name in ("adapter_model.bin", "pytorch_model.bin"):
+        _pickle_trap(pickled / name, sentinel)
+    model = tmp_path / "model"
+    shutil.copytree(model_dir("llama"), model)
+    _pickle_trap(model / "pytorch_model.bin", sentinel)
+    with pytest.raises(Exception, match="adapter_model.safetensors"):  # at startup
+        LLM(str(model), enable_lora=True, max_lora_rank=8, kv_cache_memory_bytes=2**24,
+            lora_modules={"pickled": str(pickled)})
+    config = load_config(model=str(model), kv_cache_memory_bytes=2**24, enable_lora=True, max_lora_rank=8,
+                         allowed_lora_dirs=[str(adapter_root)], allow_runtime_lora_updating=True)
+    with running_server(LLM(config=config).llm_engine) as (url, _):  # the model's own .bin is ignored
+        response = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "p", "lora_path": "pickled"})
+        assert response.status_code == 400 and "adapter_model.safetensors" in response.json()["error"]["message"]
+    assert not sentinel.exists()

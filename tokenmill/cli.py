@@ -131,6 +131,34 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
                        help="enable /v1/load_lora_adapter and /v1/unload_lora_adapter")
     group.add_argument("--trust-request-chat-template", action="store_true", default=None,
                        help="accept a chat_template in chat requests (off: a template is a program)")
+    group.add_argument("--ssl-keyfile", default=None, help="serve https with this private key (PEM)")
+    group.add_argument("--ssl-certfile", default=None, help="... and this certificate chain (PEM)")
+    group.add_argument("--ssl-ca-certs", default=None, help="CA bundle client certificates are checked against")
+    group.add_argument("--ssl-cert-reqs", type=int, choices=[0, 1, 2], default=None,
+                       help="client certificates: 0 not asked (default), 1 optional, 2 required (mutual TLS)")
+    group.add_argument("--allowed-origins", nargs="+", type=_text_list, action="extend", default=None,
+                       help="origins browsers may call from (CORS); default none. vLLM's JSON list works too")
+    group.add_argument("--allowed-methods", nargs="+", type=_text_list, action="extend", default=None)
+    group.add_argument("--allowed-headers", nargs="+", type=_text_list, action="extend", default=None)
+    group.add_argument("--allow-credentials", action="store_true", default=None)
+    group.add_argument("--root-path", default=None, help="the prefix a reverse proxy serves the app under")
+    group.add_argument("--enable-request-id-headers", action="store_true", default=None,
+                       help="echo X-Request-Id and use it in logs and response ids")
+    group.add_argument("--disable-fastapi-docs", action="store_true", default=None,
+                       help="no /docs, /redoc or /openapi.json")
+
+
+def _text_list(value: str) -> list[str]:
+    """One value, or vLLM's JSON list form (``'["https://a.example"]'``)."""
+    if value.startswith("["):
+        try:
+            items = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {exc}") from None
+        if not isinstance(items, list) or not all(isinstance(item, str) for item in items):
+            raise argparse.ArgumentTypeError("expected a JSON list of strings")
+        return items
+    return [value]
 
 
 def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -146,6 +174,9 @@ def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
                 raise ConfigError("lora_modules", f"expected NAME=PATH, got {item!r}")
             modules[name] = path
         overrides["lora_modules"] = modules
+    for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+        if name in overrides:
+            overrides[name] = [item for items in overrides[name] for item in items]
     return overrides
 
 
@@ -266,9 +297,11 @@ def _serve(args: argparse.Namespace) -> int:
     from tokenmill.core.engine.llm_engine import LLMEngine
     from tokenmill.server.app import create_app
     from tokenmill.server.logging import configure_logging
+    from tokenmill.server.transport import uvicorn_options
     from tokenmill.testing.demo import demo_model_dir
 
     config = resolve_config(args)
+    uvicorn_options(config.server)  # unreadable TLS files fail before the model loads
     configure_logging(config.server.log_level, config.server.log_format)
     if config.model is None:
         demo = demo_model_dir()
@@ -281,7 +314,7 @@ def _serve(args: argparse.Namespace) -> int:
     app = create_app(served, config.server)
     uvicorn.run(app, host=config.server.host, port=config.server.port,
                 log_level=config.server.log_level, access_log=config.server.log_level == "debug",
-                timeout_graceful_shutdown=int(config.server.drain_timeout) + 1)
+                timeout_graceful_shutdown=int(config.server.drain_timeout) + 1, **uvicorn_options(config.server))
     return 0
 
 

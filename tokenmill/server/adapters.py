@@ -4,6 +4,9 @@ Off unless ``adapters.allow_runtime_lora_updating`` is set. A path must resolve
 (following symlinks and ``..``) to a place inside one of
 ``adapters.allowed_lora_dirs``; anything else is refused before a file is read.
 Loads run on the engine thread between steps, so running requests are not disturbed.
+A name that is a served model's or an already loaded adapter's is refused (replacing one is
+an unload, then a load), and every failure to read or apply an adapter is a 400 that leaves
+nothing registered.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from fastapi import FastAPI
 
 from tokenmill.core.engine.async_llm import AsyncLLM
 from tokenmill.core.engine.llm_engine import LLMEngine
+from tokenmill.interfaces.errors import InvalidRequest
 from tokenmill.server.errors import APIError
 from tokenmill.server.protocol import LoadAdapterRequest, UnloadAdapterRequest
 from tokenmill.server.responses import AdapterResponse
@@ -39,14 +43,26 @@ def confine(path: str, allowed_dirs: list[str]) -> Path:
     raise APIError(400, f"adapter path {path!r} is outside the allowed directories", "lora_path")
 
 
-def add_adapter_routes(app: FastAPI, llm: AsyncLLM, allowed_dirs: list[str]) -> None:
+def add_adapter_routes(app: FastAPI, llm: AsyncLLM, allowed_dirs: list[str], served_names: list[str]) -> None:
     @app.post("/v1/load_lora_adapter", response_model=AdapterResponse)
     async def load_adapter(body: LoadAdapterRequest):
         """vLLM: load a LoRA adapter from inside allowed_lora_dirs; clients then name it in `model`."""
+        if body.lora_name in served_names:
+            raise APIError(400, f"{body.lora_name!r} is a served model's name; an adapter needs its own",
+                           "lora_name")
         path = confine(body.lora_path, allowed_dirs)
 
         def load(engine: LLMEngine) -> None:
-            engine.adapters.load(body.lora_name, str(path))
+            if body.lora_name in engine.adapters.loaded():
+                raise APIError(400, f"adapter {body.lora_name!r} is already loaded; unload it first to replace it",
+                               "lora_name")
+            try:
+                engine.adapters.load(body.lora_name, str(path))
+            except (InvalidRequest, APIError):
+                raise
+            except Exception as exc:  # anything else a foreign file makes the loader raise
+                raise APIError(400, f"adapter {body.lora_name!r} cannot be loaded: {type(exc).__name__}: {exc}",
+                               "lora_path") from None
 
         await llm.run_on_engine(load)
         return {"status": "ok", "lora_name": body.lora_name}

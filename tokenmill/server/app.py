@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -24,7 +25,7 @@ from tokenmill.server.errors import APIError, install_error_handlers
 from tokenmill.server.generation import ServingContext
 from tokenmill.server.logging import log_finished_requests
 from tokenmill.server.metrics import ServerMetrics
-from tokenmill.server.middleware import APIKeyAuth, BodySizeLimit, JSONBodyCheck
+from tokenmill.server.middleware import APIKeyAuth, BodySizeLimit, JSONBodyCheck, RequestIdHeaders
 from tokenmill.server.openapi import ERROR_RESPONSES, install_openapi, streamed
 from tokenmill.server.protocol import (
     ChatCompletionRequest,
@@ -87,10 +88,13 @@ def create_app(llm: AsyncLLM | EmbeddingEngine, config: Optional[ServerConfig] =
 
     # /docs and /redoc from packaged Swagger UI and ReDoc files: a serving host often has no
     # route to a CDN
-    app = FastAPIOffline(title="tokenmill", version=tokenmill.__version__, lifespan=lifespan,
-                         description="An OpenAI-compatible API with vLLM's extras. Every error is OpenAI's "
-                                     "envelope `{\"error\": {message, type, param, code}}`.",
-                         responses=ERROR_RESPONSES)
+    described = dict(title="tokenmill", version=tokenmill.__version__, lifespan=lifespan, responses=ERROR_RESPONSES,
+                     description="An OpenAI-compatible API with vLLM's extras. Every error is OpenAI's "
+                                 "envelope `{\"error\": {message, type, param, code}}`.")
+    if config.disable_fastapi_docs:
+        app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None, **described)
+    else:
+        app = FastAPIOffline(**described)
     app.state.serving = ctx
     app.state.metrics = metrics
     install_error_handlers(app)
@@ -168,11 +172,18 @@ def create_app(llm: AsyncLLM | EmbeddingEngine, config: Optional[ServerConfig] =
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     if generating and engine.config.adapters.allow_runtime_lora_updating:
-        add_adapter_routes(app, llm, engine.config.adapters.allowed_lora_dirs)
+        add_adapter_routes(app, llm, engine.config.adapters.allowed_lora_dirs, names)
     engine.plugin_manager.hook.extend_server(app=app)
     install_openapi(app, [CompletionStreamResponse, ChatCompletionChunk])
-    # added innermost first, so a request meets: size limit, auth, JSON check, routing
+    # added innermost first, so a request meets: CORS (a preflight is answered there, and
+    # every response, a 401 too, gets its headers), request id, size limit, auth, JSON check
     app.add_middleware(JSONBodyCheck)
     app.add_middleware(APIKeyAuth, api_key=resolve_api_key(config))
     app.add_middleware(BodySizeLimit, max_bytes=int(config.max_request_body_bytes))
+    if config.enable_request_id_headers:
+        app.add_middleware(RequestIdHeaders)
+    if config.allowed_origins:  # none: browsers on other origins are refused (no CORS headers)
+        app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=config.allowed_methods,
+                           allow_headers=config.allowed_headers, allow_credentials=config.allow_credentials,
+                           expose_headers=["X-Request-Id"] if config.enable_request_id_headers else [])
     return app

@@ -17,7 +17,7 @@ from tokenmill.server.generation import (
     sse,
     unless_disconnected,
 )
-from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage, new_id, now
+from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage, now, request_ids
 
 
 def chat_prompt_ids(ctx: ServingContext, messages: list[ChatMessage], add_generation_prompt: bool = True,
@@ -64,8 +64,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     max_tokens = ctx.max_tokens_for(len(token_ids), body.max_completion_tokens or body.max_tokens)
     top = body.top_logprobs or 0
     params = body.sampling_params(max_tokens, top if body.logprobs else None)
-    internal_id = new_id("chatcmpl")
-    request_id = body.request_id or internal_id
+    internal_id, request_id = request_ids("chatcmpl", request, body.request_id)
     prompt = {"prompt": None, "prompt_token_ids": token_ids}
     [stream] = ctx.start(internal_id, [(prompt, params)], priority=body.priority, user=body.user,
                          adapter=adapter)

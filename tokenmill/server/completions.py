@@ -18,7 +18,7 @@ from tokenmill.server.generation import (
     sse,
     unless_disconnected,
 )
-from tokenmill.server.protocol import CompletionRequest, new_id, now
+from tokenmill.server.protocol import CompletionRequest, now, request_ids
 
 
 def _prompts(prompt: Any) -> list[Any]:
@@ -80,8 +80,7 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
         max_tokens = ctx.max_tokens_for(len(prompt["prompt_token_ids"]), body.max_tokens)
         prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
         params.append(body.sampling_params(max_tokens, body.logprobs, prompt_logprobs))
-    internal_id = new_id("cmpl")
-    request_id = body.request_id or internal_id
+    internal_id, request_id = request_ids("cmpl", request, body.request_id)
     streams = ctx.start(internal_id, list(zip(prompts, params)), priority=body.priority, user=body.user,
                         adapter=adapter)
     created = now()

@@ -1,4 +1,5 @@
-"""ASGI middleware: request-body size limit, API-key authentication, the JSON body check.
+"""ASGI middleware: request-body size limit, API-key authentication, the JSON body check,
+request-id headers.
 
 All run before a route reads the body: an oversized upload is refused from
 its Content-Length, or cut off once a chunked body passes the limit, never
@@ -10,15 +11,28 @@ from __future__ import annotations
 
 import hmac
 import json
+import re
+import uuid
 from typing import Optional
 
+import structlog
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenmill.server.errors import error_body
 from tokenmill.server.json_body import BodyProblem, check_json_body
 
-#: routes that need the API key (health, version and metrics stay open for probes)
-PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+#: the routes open without the API key: probes, and the docs (absent when disabled). Every
+#: other path needs the key, so a route added later cannot be left open by forgetting it.
+PUBLIC_PATHS = frozenset({"/health", "/version", "/metrics", "/docs", "/docs/oauth2-redirect", "/redoc",
+                          "/openapi.json"})
+#: the docs pages' packaged scripts and styles (fastapi-offline)
+PUBLIC_PREFIXES = ("/static-offline-docs/",)
+
+
+def route_path(scope: Scope) -> str:
+    """The path the app routes on: without the proxy prefix (``root_path``) where it is there."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
 
 
 async def _send_error(send: Send, status: int, message: str, param: Optional[str] = None) -> None:
@@ -79,8 +93,11 @@ class APIKeyAuth:
         self.key = api_key.encode() if api_key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.key is None or scope["type"] != "http" or scope.get("method") == "OPTIONS" \
-                or not scope["path"].startswith(PROTECTED_PREFIXES):
+        if self.key is None or scope["type"] != "http" or scope.get("method") == "OPTIONS":
+            await self.app(scope, receive, send)
+            return
+        path = route_path(scope)
+        if path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIXES):
             await self.app(scope, receive, send)
             return
         header = dict(scope["headers"]).get(b"authorization", b"")
@@ -127,3 +144,34 @@ class JSONBodyCheck:
             return {"type": "http.request", "body": body, "more_body": False}
 
         await self.app(scope, replay, send)
+
+
+#: an X-Request-Id kept as given: visible ASCII, at most 128 characters
+_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
+
+
+class RequestIdHeaders:
+    """vLLM's ``--enable-request-id-headers``: every response carries ``X-Request-Id``, the
+    client's own when it sent a usable one, else a new one. Routes read it from
+    ``request.state.request_id`` for their response ids, and log lines in the request's
+    context carry it."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
+        request_id = given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", request_id.encode())]}
+            await send(message)
+
+        with structlog.contextvars.bound_contextvars(request_id=request_id):
+            await self.app(scope, receive, send_with_id)

@@ -185,5 +185,18 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def request_ids(prefix: str, request: Any, given: Optional[str]) -> tuple[str, str]:
+    """(the engine's id, the id the response reports) for one API request.
+
+    The engine's id is always the server's own, so no client can collide with another's
+    request; it carries the X-Request-Id (``--enable-request-id-headers``) so log lines can
+    be found by it. The response reports the body's ``request_id`` (vLLM's field), else
+    ``{prefix}-{X-Request-Id}`` (vLLM's form), else the engine's id.
+    """
+    header = getattr(request.state, "request_id", None)
+    internal = new_id(f"{prefix}-{header}" if header else prefix)
+    return internal, given or (f"{prefix}-{header}" if header else internal)
+
+
 def now() -> int:
     return int(time.time())

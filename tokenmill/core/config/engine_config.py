@@ -120,6 +120,25 @@ class ServerConfig(BaseModel):
     trust_request_chat_template: bool = False
     #: seconds in-flight requests may take to finish on shutdown
     drain_timeout: float = Field(10.0, ge=0)
+    #: TLS (vLLM's flags): the private key and certificate chain files serve https
+    ssl_keyfile: Optional[str] = None
+    ssl_certfile: Optional[str] = None
+    #: CA bundle client certificates are checked against (mutual TLS)
+    ssl_ca_certs: Optional[str] = None
+    #: client certificates: 0 not asked for, 1 checked if given, 2 required (Python's ssl.CERT_*)
+    ssl_cert_reqs: Literal[0, 1, 2] = 0
+    #: origins browsers may call the API from (CORS). Empty denies every cross-origin browser
+    #: request; vLLM's default is "*", which lets any web page its user opens call a local server
+    allowed_origins: list[str] = []
+    allowed_methods: list[str] = ["*"]
+    allowed_headers: list[str] = ["*"]
+    allow_credentials: bool = False
+    #: the path prefix a reverse proxy serves the app under (ASGI root_path)
+    root_path: str = ""
+    #: echo X-Request-Id (or a new one) on every response, and use it in logs and response ids
+    enable_request_id_headers: bool = False
+    #: no /docs, /redoc or /openapi.json
+    disable_fastapi_docs: bool = False
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     #: "auto" = JSON lines unless stderr is a terminal
     log_format: Literal["auto", "json", "console"] = "auto"
@@ -210,6 +229,17 @@ SERVER_NAMES: dict[str, str] = {
     "allowed_lora_dirs": "adapters.allowed_lora_dirs",
     "allow_runtime_lora_updating": "adapters.allow_runtime_lora_updating",
     "trust_request_chat_template": "server.trust_request_chat_template",
+    "ssl_keyfile": "server.ssl_keyfile",
+    "ssl_certfile": "server.ssl_certfile",
+    "ssl_ca_certs": "server.ssl_ca_certs",
+    "ssl_cert_reqs": "server.ssl_cert_reqs",
+    "allowed_origins": "server.allowed_origins",
+    "allowed_methods": "server.allowed_methods",
+    "allowed_headers": "server.allowed_headers",
+    "allow_credentials": "server.allow_credentials",
+    "root_path": "server.root_path",
+    "enable_request_id_headers": "server.enable_request_id_headers",
+    "disable_fastapi_docs": "server.disable_fastapi_docs",
 }
 
 _yaml_data: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar(

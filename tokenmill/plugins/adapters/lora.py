@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
@@ -50,6 +51,8 @@ class LoRALayer:
     def mismatch(self, part: int, a: torch.Tensor, b: torch.Tensor) -> Optional[str]:
         """Why ``a``/``b`` cannot be part ``part`` of this layer (None when they fit): checked
         at load, since an adapter for another base model would otherwise fail mid-step."""
+        if a.dim() != 2 or b.dim() != 2:
+            return f"lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} are not matrices"
         rank = a.shape[0]
         want_a, want_b = (rank, self.A.shape[2]), (self.sizes[part], rank)
         if rank > self.max_rank or tuple(a.shape) != want_a or tuple(b.shape) != want_b:
@@ -117,7 +120,14 @@ class LoRAAdapters:
         if not config_file.is_file() or not weights_file.is_file():
             raise InvalidRequest("lora_path", f"{path} is not a PEFT adapter directory "
                                               "(adapter_config.json + adapter_model.safetensors)")
-        config = json.loads(config_file.read_text())
+        try:
+            config = json.loads(config_file.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise InvalidRequest("lora_path", f"adapter {name!r}: adapter_config.json cannot be read: {exc}") from None
+        if not isinstance(config, dict) or not _positive_int(config.get("r")) \
+                or not isinstance(config.get("lora_alpha", 1), (int, float)):
+            raise InvalidRequest("lora_path", f"adapter {name!r}: adapter_config.json needs an integer r >= 1 "
+                                              "and a numeric lora_alpha")
         problems = []
         if config.get("peft_type", "LORA") != "LORA":
             problems.append(f"peft_type {config.get('peft_type')!r} (only LORA)")
@@ -132,7 +142,11 @@ class LoRAAdapters:
         rank, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
         if rank > self.max_rank:
             problems.append(f"r={rank} exceeds max_lora_rank={self.max_rank}")
-        tensors = load_file(weights_file)
+        try:
+            tensors = load_file(weights_file)
+        except (SafetensorError, OSError) as exc:  # truncated, a corrupt header, unreadable
+            raise InvalidRequest("lora_path", f"adapter {name!r}: adapter_model.safetensors cannot be read: "
+                                              f"{exc}") from None
         if any("lora_embedding" in key for key in tensors):
             problems.append("embedding LoRA")
         scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
@@ -221,3 +235,7 @@ class LoRAAdapters:
 @hookimpl
 def register_adapter_types(register):
     register("lora", LoRAAdapters)
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
