@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 import trustme
+from structlog.testing import capture_logs
 from fastapi.routing import APIRoute
 from starlette.routing import Mount
 
@@ -122,8 +123,11 @@ def test_root_path_behind_a_prefix_stripping_proxy(engine):
 def test_request_id_headers_are_echoed_and_name_the_response(engine):
     body = {"model": "tiny", "prompt": [5, 6], "max_tokens": 2}
     with running_server(engine, served_model_name=["tiny"], enable_request_id_headers=True) as (url, _):
-        given = httpx.post(url + "/v1/completions", json=body, headers={"X-Request-Id": "trace-42"})
+        with capture_logs() as logs:
+            given = httpx.post(url + "/v1/completions", json=body, headers={"X-Request-Id": "trace-42"})
         assert given.headers["x-request-id"] == "trace-42" and given.json()["id"] == "cmpl-trace-42"
+        [finished] = [e for e in logs if e["event"] == "request finished"]
+        assert finished["request_id"].startswith("cmpl-trace-42-")  # the log line is found by the header
         again = httpx.post(url + "/v1/completions", json=body, headers={"X-Request-Id": "trace-42"})
         assert again.status_code == 200  # the same header twice: the engine's ids stay distinct
         made = httpx.post(url + "/v1/chat/completions", headers={"X-Request-Id": "bad id\twith spaces"},
