@@ -36,7 +36,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__.splitlines()[0])
-    commands = parser.add_subparsers(dest="command", required=True)
+    # the metavar lists the public commands: _compare-worker is compare's internal helper
+    commands = parser.add_subparsers(dest="command", required=True,
+                                     metavar="{serve,generate,compare,config,plugins,make-model}")
 
     plugins = commands.add_parser("plugins", help="list installed plugins and what they register")
     plugins.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -55,6 +57,16 @@ def _parser() -> argparse.ArgumentParser:
     add_server_flags(serve)
     add_engine_flags(serve)
     serve.set_defaults(handler=_serve)
+
+    config = commands.add_parser("config", help="inspect the resolved engine configuration")
+    config_commands = config.add_subparsers(dest="config_command", required=True)
+    explain = config_commands.add_parser(
+        "explain", help="every setting, its value and its source (flag, TOKENMILL_* env, YAML line, default)")
+    explain.add_argument("model_or_config", nargs="?", help="model directory or engine YAML")
+    explain.add_argument("--config", help="engine YAML file")
+    add_server_flags(explain)
+    add_engine_flags(explain)
+    explain.set_defaults(handler=_config_explain)
 
     compare = commands.add_parser("compare", help="run one workload through several engine variants")
     compare.add_argument("model_or_config", nargs="?", help="model directory or engine YAML")
@@ -184,6 +196,11 @@ def resolve_config(args: argparse.Namespace):
     """The EngineConfig for a command taking ``MODEL_OR_YAML``, ``--config`` and engine flags."""
     from tokenmill.core.config.engine_config import load_config
 
+    return load_config(*config_sources(args))
+
+
+def config_sources(args: argparse.Namespace) -> tuple[Optional[str], dict[str, Any]]:
+    """(the YAML path or None, the flags given) of a command taking ``MODEL_OR_YAML``."""
     yaml_path, overrides = args.config, engine_overrides(args)
     target = getattr(args, "model_or_config", None)
     if target is not None:
@@ -191,7 +208,15 @@ def resolve_config(args: argparse.Namespace):
             yaml_path = target
         else:
             overrides.setdefault("model", target)
-    return load_config(yaml_path, **overrides)
+    return yaml_path, overrides
+
+
+def _config_explain(args: argparse.Namespace) -> int:
+    from tokenmill.core.config.explain import explain, format_settings
+
+    yaml_path, overrides = config_sources(args)
+    print(format_settings(explain(yaml_path, **overrides)))
+    return 0
 
 
 def _annotation(model: type[BaseModel], dotted: str) -> Any:

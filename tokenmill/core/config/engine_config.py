@@ -266,13 +266,19 @@ def load_config(
     (``scheduler={"policy": "fifo"}``); ``None`` values are ignored so CLI
     flags that were not given do not override anything.
     """
+    try:
+        return validated_config(path, **overrides)
+    except ValidationError as exc:
+        raise config_error(exc) from None
+
+
+def validated_config(path: str | Path | None = None, /, **overrides: Any) -> EngineConfig:
+    """``load_config`` raising pydantic's ValidationError, which holds every problem at once."""
     data = read_yaml(path) if path is not None else {}
     tree = nest_overrides({k: v for k, v in overrides.items() if v is not None})
     token = _yaml_data.set(data)
     try:
         return EngineConfig(**tree)
-    except ValidationError as exc:
-        raise config_error(exc) from None
     finally:
         _yaml_data.reset(token)
 
