@@ -16,7 +16,7 @@ are left to the reference backend ("auto" does that).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Optional
 
 import torch
@@ -28,18 +28,29 @@ from tokenmill.plugins.platforms.cpu.kernels import MIXED_CACHE_DTYPES, cpu_kern
 
 
 @dataclass(frozen=True, slots=True)
-class CpuAttentionMetadata(AttentionMetadata):
-    """The common metadata and what every layer of the step shares, worked out once."""
+class StepPlan:
+    """What every layer of a step shares."""
 
     #: sequences of the per-sequence SDPA path: prompt chunks, where the decode kernel runs
-    others: tuple[int, ...] = ()
+    others: tuple[int, ...]
     #: the same as an int64 tensor, for the prompt-chunk kernel
-    others_index: Optional[torch.Tensor] = None
+    others_index: torch.Tensor
     #: (block table, seq lens, query rows) of the decode rows for the C++ kernel, or None
-    decode: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+    decode: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     #: KV slots of the new tokens that have one, and which tokens those are (None: all)
-    slots: Optional[torch.Tensor] = None
-    kept: Optional[torch.Tensor] = None
+    slots: torch.Tensor
+    kept: Optional[torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class CpuAttentionMetadata(AttentionMetadata):
+    """The common metadata, and a cell for the step's plan: worked out by the first layer that
+    attends, so a step run entirely by a fused decoder never pays for it."""
+
+    plan_cell: list[StepPlan] = field(default_factory=list)
+
+
+_COMMON_FIELDS = tuple(f.name for f in fields(AttentionMetadata))
 
 
 class CpuAttention(TorchReferenceAttention):
@@ -61,6 +72,9 @@ class CpuAttention(TorchReferenceAttention):
 
     def build_metadata(self, common: AttentionMetadata) -> CpuAttentionMetadata:
         """Called once per step by the model runner (vLLM's metadata builder)."""
+        return CpuAttentionMetadata(*(getattr(common, name) for name in _COMMON_FIELDS))
+
+    def _plan(self, common: AttentionMetadata) -> StepPlan:
         starts = common.query_start_loc_cpu
         num_seqs = len(starts) - 1
         keep = common.slot_mapping >= 0
@@ -79,9 +93,7 @@ class CpuAttention(TorchReferenceAttention):
             )
         else:
             others = tuple(range(num_seqs))
-        return CpuAttentionMetadata(*(getattr(common, f.name) for f in fields(AttentionMetadata)),
-                                    others=others, others_index=torch.tensor(others, dtype=torch.long),
-                                    decode=batch, slots=slots, kept=kept)
+        return StepPlan(others, torch.tensor(others, dtype=torch.long), batch, slots, kept)
 
     def _kernels_take(self, dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
         return self._kernels is not None and (cache_dtype == dtype or (dtype, cache_dtype) in MIXED_CACHE_DTYPES)
@@ -111,7 +123,12 @@ class CpuAttention(TorchReferenceAttention):
     ) -> torch.Tensor:
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         kernels = self._kernels_take(query.dtype, key_cache.dtype)
-        plan = metadata if isinstance(metadata, CpuAttentionMetadata) else self.build_metadata(metadata)
+        if isinstance(metadata, CpuAttentionMetadata):
+            if not metadata.plan_cell:
+                metadata.plan_cell.append(self._plan(metadata))
+            plan = metadata.plan_cell[0]
+        else:  # called without the runner (a conformance kit that skips build_metadata)
+            plan = self._plan(metadata)
         if plan.kept is not None:
             key, value = key[plan.kept], value[plan.kept]
         key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, plan.slots, key.to(key_cache.dtype))
