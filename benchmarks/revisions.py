@@ -1,14 +1,14 @@
 """One benchmark, two revisions of tokenmill, taking turns on one host: before/after a refactor.
 
 Two tokenmill revisions cannot share a process, so each round runs the benchmark script
-once per revision, base first then head, each in its own process. The base is a git
-worktree of ``--base`` under ``--worktrees``, installed (without dependencies) into a
-directory put first on ``PYTHONPATH``: its own package metadata matters, because plugins
-are found through the installed distribution's entry points. The figure
-compared is tokenmill's own (``--metric``, a path into the script's JSON); the peer the
-script also runs (``--skip-hf`` to leave it out) stays a sanity check of the host's speed.
+once per revision, each in its own process, the order alternating from round to round.
+The base is a git worktree of ``--base`` under ``--worktrees``, installed (without
+dependencies) into a directory put first on ``PYTHONPATH``: its own package metadata
+matters, because plugins are found through the installed distribution's entry points. The
+figure compared is tokenmill's own (``--metric``, a path into the script's JSON); the peer
+the script also runs (``--skip-hf`` to leave it out) stays a sanity check of the host.
 
-    taskset -c 0 python benchmarks/revisions.py --base 2fe6256 --rounds 3 -- \\
+    taskset -c 0 python benchmarks/revisions.py --base 2fe6256 --rounds 4 \\
         throughput.py --preset 52m --num-prompts 64 --input-len 128 --output-len 64 --skip-hf
 """
 
@@ -69,7 +69,9 @@ def main() -> None:
     trees = {"base": checkout(args.base, args.worktrees), "head": (ROOT, ROOT)}
     values: dict[str, list[float]] = {"base": [], "head": []}
     for round_index in range(args.rounds):
-        for name, (tree, site) in trees.items():
+        order = ["base", "head"] if round_index % 2 == 0 else ["head", "base"]  # neither always goes first
+        for name in order:
+            tree, site = trees[name]
             values[name].append(run(tree, site, args.script, args.script_args, metric))
         print(f"round {round_index + 1}: base {values['base'][-1]:.2f}, head {values['head'][-1]:.2f}", flush=True)
     base, head = statistics.median(values["base"]), statistics.median(values["head"])
