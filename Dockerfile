@@ -19,7 +19,6 @@ RUN pip install --no-cache-dir .
 
 RUN useradd --create-home --uid 10001 tokenmill
 USER tokenmill
-ENV TOKENMILL_CACHE_DIR=/home/tokenmill/.cache/tokenmill
 
 EXPOSE 8000
 HEALTHCHECK --interval=15s --timeout=5s --start-period=300s --retries=3 \

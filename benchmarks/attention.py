@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from common import write_json
+from tokenmill.bench.common import write_json
 from tokenmill.core.plugin_host.components import collect_components
 from tokenmill.core.plugin_host.plugin_manager import make_plugin_manager
 from tokenmill.interfaces.attention import AttentionLayerSpec, AttentionMetadata

@@ -14,7 +14,7 @@ import argparse
 import time
 from pathlib import Path
 
-from common import add_common_args, prepare, random_prompts, write_json
+from tokenmill.bench.common import add_common_args, prepare, random_prompts, write_json
 from tokenmill import LLM, LoRARequest, SamplingParams
 from tokenmill.testing.tiny_adapters import make_lora_adapter
 

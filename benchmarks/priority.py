@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from common import add_common_args, prepare, write_json
+from tokenmill.bench.common import add_common_args, prepare, write_json
 from tokenmill import LLM, SamplingParams
 
 

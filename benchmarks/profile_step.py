@@ -14,7 +14,7 @@ import cProfile
 import pstats
 import time
 
-from common import add_common_args, prepare, random_prompts, write_json
+from tokenmill.bench.common import add_common_args, prepare, random_prompts, write_json
 from tokenmill import LLM, SamplingParams
 
 #: bucket -> substrings of cProfile function names (first match wins)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from common import add_common_args, prepare, write_json
+from tokenmill.bench.common import add_common_args, prepare, write_json
 from tokenmill import LLM, SamplingParams
 from tokenmill.testing.quantize import quantize_model
 

@@ -1,4 +1,4 @@
-"""One benchmark, two revisions of tokenmill, taking turns on one host: before/after a refactor.
+"""One ``tokenmill bench`` benchmark, two revisions of tokenmill, taking turns on one host: before/after a refactor.
 
 Two tokenmill revisions cannot share a process, so each round runs the benchmark script
 once per revision, each in its own process, the order alternating from round to round.
@@ -9,7 +9,7 @@ figure compared is tokenmill's own (``--metric``, a path into the script's JSON)
 the script also runs (``--skip-hf`` to leave it out) stays a sanity check of the host.
 
     taskset -c 0 python benchmarks/revisions.py --base 2fe6256 --rounds 4 \\
-        throughput.py --preset 52m --num-prompts 64 --input-len 128 --output-len 64 --skip-hf
+        throughput --preset 52m --num-prompts 64 --input-len 128 --output-len 64 --skip-hf
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-#: the figure each script's JSON reports for tokenmill, and whether larger is better
+#: the figure each benchmark's JSON reports for tokenmill, and whether larger is better
 METRICS = {
-    "throughput.py": ("engines.tokenmill.output_tokens_per_s", True),
-    "latency.py": ("engines.tokenmill.tpot_ms_median", False),
+    "throughput": ("engines.tokenmill.output_tokens_per_s", True),
+    "latency": ("engines.tokenmill.tpot_ms_median", False),
 }
 
 
@@ -45,9 +45,12 @@ def checkout(revision: str, worktrees: Path) -> tuple[Path, Path]:
     return path, site
 
 
-def run(tree: Path, site: Path, script: str, script_args: list[str], metric: str) -> float:
+def run(tree: Path, site: Path, benchmark: str, benchmark_args: list[str], metric: str) -> float:
+    # `tokenmill bench`, or the script it was before it shipped with the package
+    script = tree / "benchmarks" / f"{benchmark}.py"
+    command = [str(script)] if script.is_file() else ["-m", "tokenmill.cli", "bench", benchmark]
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        subprocess.run([sys.executable, str(tree / "benchmarks" / script), *script_args, "--json", out.name],
+        subprocess.run([sys.executable, *command, *benchmark_args, "--json", out.name],
                        check=True, env={**os.environ, "PYTHONPATH": str(site)}, stdout=subprocess.DEVNULL)
         value = json.loads(Path(out.name).read_text())
     for key in metric.split("."):
@@ -61,10 +64,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--metric", help="dotted path into the script's JSON (default: per script)")
     parser.add_argument("--worktrees", type=Path, default=Path(tempfile.gettempdir()))
-    parser.add_argument("script", choices=sorted(METRICS))
-    parser.add_argument("script_args", nargs=argparse.REMAINDER)
+    parser.add_argument("benchmark", choices=sorted(METRICS))
+    parser.add_argument("benchmark_args", nargs=argparse.REMAINDER)
     args = parser.parse_args()
-    metric, larger_is_better = (args.metric, True) if args.metric else METRICS[args.script]
+    metric, larger_is_better = (args.metric, True) if args.metric else METRICS[args.benchmark]
     # the head runs from this checkout, whose editable install provides its metadata
     trees = {"base": checkout(args.base, args.worktrees), "head": (ROOT, ROOT)}
     values: dict[str, list[float]] = {"base": [], "head": []}
@@ -72,7 +75,7 @@ def main() -> None:
         order = ["base", "head"] if round_index % 2 == 0 else ["head", "base"]  # neither always goes first
         for name in order:
             tree, site = trees[name]
-            values[name].append(run(tree, site, args.script, args.script_args, metric))
+            values[name].append(run(tree, site, args.benchmark, args.benchmark_args, metric))
         print(f"round {round_index + 1}: base {values['base'][-1]:.2f}, head {values['head'][-1]:.2f}", flush=True)
     base, head = statistics.median(values["base"]), statistics.median(values["head"])
     ratio = head / base if larger_is_better else base / head

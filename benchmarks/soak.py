@@ -29,7 +29,7 @@ from typing import Callable
 
 import httpx
 
-from common import add_common_args, prepare, wait_ready, write_json
+from tokenmill.bench.common import add_common_args, prepare, wait_ready, write_json
 
 KINDS = ("complete", "stream", "chat_stream", "n_best", "long", "abandon", "cancel", "reject")
 

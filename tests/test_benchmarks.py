@@ -14,10 +14,8 @@ from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
-
-from common import interleaved_rounds  # noqa: E402
+from tokenmill.bench.common import interleaved_rounds
+from tokenmill.demo_models import DEMO_MODEL
 
 
 def test_rounds_take_turns_and_rotate_the_first_engine():
@@ -34,16 +32,18 @@ def test_rounds_take_turns_and_rotate_the_first_engine():
     assert results == {"a": ["a1", "a2", "a3", "a4"], "b": ["b1", "b2", "b3", "b4"], "c": ["c1", "c2", "c3", "c4"]}
 
 
-def _run(script: str, tmp_path: Path, *args: str) -> dict:
-    out = tmp_path / f"{script}.json"
-    subprocess.run([sys.executable, str(BENCHMARKS / script), "--preset", "tiny", "--cache-dir", str(tmp_path),
-                    "--rounds", "2", "--json", str(out), *args], check=True, cwd=BENCHMARKS, timeout=600)
+def _run(benchmark: str, tmp_path: Path, *args: str, model: list[str] | None = None) -> dict:
+    """``tokenmill bench BENCHMARK`` on the tiny preset (or ``model``), two rounds."""
+    out = tmp_path / f"{benchmark}.json"
+    source = model or ["--preset", "tiny", "--cache-dir", str(tmp_path)]
+    subprocess.run([sys.executable, "-m", "tokenmill.cli", "bench", benchmark, *source, "--rounds", "2",
+                    "--json", str(out), *args], check=True, timeout=600)
     return json.loads(out.read_text())
 
 
 @pytest.mark.slow
 def test_throughput_reports_medians_of_rounds(tmp_path):
-    results = _run("throughput.py", tmp_path, "--num-prompts", "4", "--input-len", "16", "--output-len", "4")
+    results = _run("throughput", tmp_path, "--num-prompts", "4", "--input-len", "16", "--output-len", "4")
     engines = results["engines"]
     assert set(engines) == {"tokenmill", "hf-generate"}
     for r in engines.values():
@@ -58,10 +58,29 @@ def test_throughput_reports_medians_of_rounds(tmp_path):
 
 @pytest.mark.slow
 def test_latency_reports_a_tpot_per_round(tmp_path):
-    results = _run("latency.py", tmp_path, "--input-len", "16", "--output-len", "6", "--iters", "2")
+    results = _run("latency", tmp_path, "--input-len", "16", "--output-len", "6", "--num-iters", "2")
     engines = results["engines"]
     assert set(engines) == {"tokenmill", "hf-generate"}
     for r in engines.values():
         assert len(r["tpot_ms_median_by_round"]) == 2
         assert min(r["tpot_ms_median_by_round"]) <= r["tpot_ms_median"] <= max(r["tpot_ms_median_by_round"])
     assert len(results["tpot_speedup_vs_hf_by_round"]) == 2
+
+
+@pytest.mark.slow
+def test_bench_throughput_on_the_demo_model(tmp_path):
+    """`tokenmill bench throughput --model <demo>`, as the README shows it, with tiny sizes."""
+    results = _run("throughput", tmp_path, "--num-prompts", "2", "--input-len", "8", "--output-len", "4", "--skip-hf",
+                   model=["--model", str(DEMO_MODEL)])
+    assert set(results["engines"]) == {"tokenmill"}
+    assert len(results["engines"]["tokenmill"]["seconds_by_round"]) == 2
+
+
+@pytest.mark.slow
+def test_bench_serve_launches_tokenmill_and_reports_latencies(tmp_path):
+    results = _run("serve", tmp_path, "--launch", "tokenmill", "--num-prompts", "4", "--random-input-len", "8",
+                   "--random-output-len", "4", "--max-concurrency", "2")
+    served = results["engines"]["tokenmill"]
+    assert served["completed"] == 4 and served["failed"] == 0
+    for metric in ("ttft", "tpot", "itl", "e2el"):
+        assert 0 < served[metric]["median_ms"] <= served[metric]["p99_ms"]

@@ -1,7 +1,12 @@
-"""tokenmill: a vLLM-style inference engine where every policy and kernel is a plugin."""
+"""tokenmill: a vLLM-style inference engine where every policy and kernel is a plugin.
+
+``LLM`` is imported on first use (PEP 562), so that ``tokenmill`` commands that never build
+an engine, and the first lines of one that does, do not wait for torch to import.
+"""
+
+from typing import Any
 
 from tokenmill.core.config.engine_config import EngineConfig, load_config
-from tokenmill.core.engine.llm import LLM
 from tokenmill.interfaces.adapters import LoRARequest
 from tokenmill.interfaces.hookspecs import HOOKSPEC_VERSION, hookimpl
 from tokenmill.interfaces.types import (
@@ -26,3 +31,11 @@ __all__ = [
     "HOOKSPEC_VERSION",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LLM":
+        from tokenmill.core.engine.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'tokenmill' has no attribute {name!r}")

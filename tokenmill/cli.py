@@ -38,7 +38,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__.splitlines()[0])
     # the metavar lists the public commands: _compare-worker is compare's internal helper
     commands = parser.add_subparsers(dest="command", required=True,
-                                     metavar="{serve,generate,compare,config,plugins,make-model}")
+                                     metavar="{serve,generate,bench,compare,config,plugins,make-model}")
 
     plugins = commands.add_parser("plugins", help="list installed plugins and what they register")
     plugins.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -57,6 +57,12 @@ def _parser() -> argparse.ArgumentParser:
     add_server_flags(serve)
     add_engine_flags(serve)
     serve.set_defaults(handler=_serve)
+
+    bench = commands.add_parser("bench", help="vLLM's benchmarks: throughput, latency, serve (each: --help)",
+                                add_help=False)
+    bench.add_argument("benchmark", choices=["throughput", "latency", "serve"])
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="the benchmark's own flags")
+    bench.set_defaults(handler=_bench)
 
     config = commands.add_parser("config", help="inspect the resolved engine configuration")
     config_commands = config.add_subparsers(dest="config_command", required=True)
@@ -196,7 +202,8 @@ def resolve_config(args: argparse.Namespace):
     """The EngineConfig for a command taking ``MODEL_OR_YAML``, ``--config`` and engine flags."""
     from tokenmill.core.config.engine_config import load_config
 
-    return load_config(*config_sources(args))
+    yaml_path, overrides = config_sources(args)
+    return load_config(yaml_path, **overrides)
 
 
 def config_sources(args: argparse.Namespace) -> tuple[Optional[str], dict[str, Any]]:
@@ -209,6 +216,13 @@ def config_sources(args: argparse.Namespace) -> tuple[Optional[str], dict[str, A
         else:
             overrides.setdefault("model", target)
     return yaml_path, overrides
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import importlib
+
+    importlib.import_module(f"tokenmill.bench.{args.benchmark}").main(args.bench_args)
+    return 0
 
 
 def _config_explain(args: argparse.Namespace) -> int:
@@ -315,25 +329,29 @@ def _make_model(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from tokenmill.demo_models import DEMO_MODEL
+    from tokenmill.server.logging import configure_logging
+    from tokenmill.server.transport import uvicorn_options
+
+    config = resolve_config(args)
+    uvicorn_options(config.server)  # unreadable TLS files fail before the model loads
+    configure_logging(config.server.log_level, config.server.log_format)
+    if config.model is None:
+        # clients name the demo model, not its path
+        server = config.server.model_copy(update={"served_model_name": config.server.served_model_name
+                                                  or [DEMO_MODEL.name]})
+        config = config.model_copy(update={"model": str(DEMO_MODEL), "server": server})
+    # the first line within a second of starting: importing torch and building the engine
+    # (compiling the CPU kernels on a machine's first start) take a while, and say so as they go
+    structlog.get_logger("tokenmill.serve").info("starting: importing torch, then building the engine",
+                                                 model=config.model)
     import uvicorn
 
     from tokenmill.core.engine.async_llm import AsyncLLM
     from tokenmill.core.engine.builder import build_engine
     from tokenmill.core.engine.llm_engine import LLMEngine
     from tokenmill.server.app import create_app
-    from tokenmill.server.logging import configure_logging
-    from tokenmill.server.transport import uvicorn_options
-    from tokenmill.testing.demo import demo_model_dir
 
-    config = resolve_config(args)
-    uvicorn_options(config.server)  # unreadable TLS files fail before the model loads
-    configure_logging(config.server.log_level, config.server.log_format)
-    if config.model is None:
-        demo = demo_model_dir()
-        # clients name the demo model, not its cache path
-        server = config.server.model_copy(update={"served_model_name": config.server.served_model_name
-                                                  or [demo.name]})
-        config = config.model_copy(update={"model": str(demo), "server": server})
     engine = build_engine(config)
     served = AsyncLLM(engine, config.server.max_queued_requests) if isinstance(engine, LLMEngine) else engine
     app = create_app(served, config.server)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Callable, Optional, Protocol, Sequence, runtime_checkable
 
-import torch
+if TYPE_CHECKING:  # annotations only: importing the contracts does not import torch
+    import torch
 
 
 @dataclass(frozen=True)

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import TYPE_CHECKING
 
 import structlog
 
-from tokenmill.core.engine.llm_engine import LLMEngine
 from tokenmill.interfaces.types import RequestOutput
+
+if TYPE_CHECKING:  # `tokenmill serve` configures logging before torch is imported
+    from tokenmill.core.engine.llm_engine import LLMEngine
 
 log = structlog.get_logger("tokenmill.requests")
 

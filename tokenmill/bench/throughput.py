@@ -11,7 +11,7 @@ figures are medians, and each round's ratio is printed beside them. Each round
 draws new prompts (seed + round), the same for every engine: a repeated prompt
 set would be served from tokenmill's prefix cache (so warm-ups use one more set).
 
-    python benchmarks/throughput.py --preset 52m --num-prompts 128 --input-len 256 --output-len 128 --rounds 3
+    tokenmill bench throughput --preset 52m --num-prompts 128 --input-len 256 --output-len 128 --rounds 3
 """
 
 from __future__ import annotations
@@ -20,13 +20,14 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from typing import Optional, Sequence
 
 import torch
 from transformers import AutoModelForCausalLM
 
-from common import add_common_args, hf_dtype, interleaved_rounds, prepare, random_prompts, write_json
-from llama_cpp import add_llama_cpp_args, batched_bench
 from tokenmill import LLM, SamplingParams
+from tokenmill.bench.common import add_common_args, hf_dtype, interleaved_rounds, prepare, random_prompts, write_json
+from tokenmill.bench.llama_cpp import add_llama_cpp_args, batched_bench
 
 #: (engine, key in the JSON ratios, label) of the peers tokenmill is compared with
 PEERS = (("hf-generate", "hf", "HF generate"), ("llama.cpp", "llama_cpp", "llama.cpp"))
@@ -77,8 +78,8 @@ def llama_cpp_pass(path, prompt_sets, output_len, args) -> Callable[[], float]:
     return lambda: batched_bench(path, args.llama_cpp, len(prompts[0]), output_len, len(prompts), args.threads)["t"]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    parser = argparse.ArgumentParser(prog="tokenmill bench throughput", description=__doc__.splitlines()[0])
     add_common_args(parser)
     parser.add_argument("--num-prompts", type=int, default=128)
     parser.add_argument("--input-len", type=int, default=256)
@@ -96,7 +97,7 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     add_llama_cpp_args(parser)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     path = prepare(args)
     # one set per round, and the last for warm-ups

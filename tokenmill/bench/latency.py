@@ -9,7 +9,7 @@ prompt, TTFT = T(1) and TPOT = (T(N) - T(1)) / (N - 1). Medians over
 With ``--rounds N`` the engines take turns N times (see common.interleaved_rounds);
 medians are over all rounds' runs, and each round's TPOT ratio is printed.
 
-    python benchmarks/latency.py --preset 350m --input-len 128 --output-len 128
+    tokenmill bench latency --preset 350m --input-len 128 --output-len 128
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from typing import Optional, Sequence
 
 import torch
 from transformers import AutoModelForCausalLM
 
-from common import add_common_args, hf_dtype, interleaved_rounds, prepare, random_prompts, write_json
-from llama_cpp import add_llama_cpp_args, batched_bench
 from tokenmill import LLM, SamplingParams
-
+from tokenmill.bench.common import add_common_args, hf_dtype, interleaved_rounds, prepare, random_prompts, write_json
+from tokenmill.bench.llama_cpp import add_llama_cpp_args, batched_bench
 
 Timings = tuple[list[float], list[float]]  # TTFTs, TPOTs (seconds)
 
@@ -80,17 +80,17 @@ def _unzip(pairs: list[tuple[float, float]]) -> Timings:
     return [a for a, _ in pairs], [b for _, b in pairs]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    parser = argparse.ArgumentParser(prog="tokenmill bench latency", description=__doc__.splitlines()[0])
     add_common_args(parser, default_preset="350m")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--num-iters", "--iters", dest="iters", type=int, default=3, help="timed runs per round")
     parser.add_argument("--dtype", default="auto", choices=["float32", "bfloat16", "auto"])
     parser.add_argument("--enforce-eager", action="store_true", help="tokenmill without prepacked/fused ops")
     parser.add_argument("--skip-hf", action="store_true")
     add_llama_cpp_args(parser)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     path = prepare(args)
     prompt = random_prompts(1, args.input_len, path, seed=0)[0]

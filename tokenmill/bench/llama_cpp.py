@@ -45,7 +45,7 @@ def add_llama_cpp_args(parser: argparse.ArgumentParser) -> None:
 def _binary(source: Path, name: str) -> str:
     path = source / "build" / "bin" / name
     if not path.is_file():
-        raise SystemExit(f"{path} not found: build llama.cpp with CMake first (see benchmarks/llama_cpp.py)")
+        raise SystemExit(f"{path} not found: build llama.cpp with CMake first (see tokenmill/bench/llama_cpp.py)")
     return str(path)
 
 

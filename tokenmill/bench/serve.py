@@ -10,7 +10,7 @@ engine in turn on the same model: ``--launch tokenmill,transformers,llama.cpp``
 (llama.cpp: ``llama-server`` with one slot per concurrent request on the same
 weights as GGUF; needs ``--llama-cpp``, see llama_cpp.py).
 
-    python benchmarks/serve.py --launch tokenmill,transformers --preset 52m --num-prompts 64 \\
+    tokenmill bench serve --launch tokenmill,transformers --preset 52m --num-prompts 64 \\
         --input-len 256 --output-len 128 --max-concurrency 32
 """
 
@@ -27,12 +27,13 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional, Sequence
 
 import httpx
 import numpy as np
 
-from common import add_common_args, prepare, wait_ready, write_json
-from llama_cpp import add_llama_cpp_args, server_command
+from tokenmill.bench.common import add_common_args, prepare, wait_ready, write_json
+from tokenmill.bench.llama_cpp import add_llama_cpp_args, server_command
 
 
 @dataclass
@@ -154,16 +155,16 @@ def launch(engine: str, model_path: str, port: int, threads: int, max_num_seqs: 
     return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    parser = argparse.ArgumentParser(prog="tokenmill bench serve", description=__doc__.splitlines()[0])
     add_common_args(parser)
     parser.add_argument("--base-url", help="an already running server (skips --launch)")
     parser.add_argument("--served-model", default="bench", help="the 'model' field to send")
     parser.add_argument("--launch", default="tokenmill", help="comma-separated: tokenmill,transformers,llama.cpp")
     parser.add_argument("--port", type=int, default=8321)
     parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--input-len", type=int, default=256)
-    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--random-input-len", "--input-len", dest="input_len", type=int, default=256)
+    parser.add_argument("--random-output-len", "--output-len", dest="output_len", type=int, default=128)
     parser.add_argument("--request-rate", type=float, default=float("inf"))
     parser.add_argument("--max-concurrency", type=int, default=32)
     parser.add_argument("--max-num-seqs", type=int, default=256, help="tokenmill's batch limit when launched")
@@ -171,7 +172,7 @@ def main() -> None:
                         help="tokenmill's KV cache when launched: auto is the compute dtype")
     parser.add_argument("--seed", type=int, default=0)
     add_llama_cpp_args(parser)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     path = prepare(args)
     from transformers import AutoTokenizer
