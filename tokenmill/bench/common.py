@@ -15,8 +15,11 @@ from typing import Any, TypeVar
 import httpx
 import torch
 
+from tokenmill.core.config.engine_config import load_config
 from tokenmill.core.config.model_config import load_model_config
-from tokenmill.plugins.platforms.cpu.platform import CpuPlatform
+from tokenmill.core.plugin_host.components import collect_components
+from tokenmill.core.plugin_host.platform_selection import select_platform
+from tokenmill.core.plugin_host.plugin_manager import make_plugin_manager
 from tokenmill.testing.tiny_models import make_tiny_model
 
 #: shapes of the issue tracker's reference workloads (random weights, Llama family)
@@ -79,7 +82,9 @@ def hf_dtype(name: str, model: Path) -> torch.dtype:
     """``--dtype`` for transformers' ``from_pretrained``: "auto" is what tokenmill's "auto"
     computes in (the checkpoint's dtype, or fp32 for bf16 where the CPU has no bf16
     arithmetic), so that both run the same arithmetic at the speed this CPU gives it."""
-    return load_model_config(model, name, resolve_dtype=CpuPlatform(None).resolve_dtype).dtype
+    config = load_config(model=str(model), dtype=name)
+    platform = select_platform(collect_components(make_plugin_manager()).platforms, config)  # the engine's
+    return load_model_config(model, name, resolve_dtype=platform.resolve_dtype).dtype
 
 
 def random_prompts(count: int, length: int, model: Path, seed: int) -> list[list[int]]:
