@@ -1,4 +1,4 @@
-"""The ``tokenmill`` command: plugins, make-model, generate.
+"""The ``tokenmill`` command: serve, generate, bench, compare, config explain, plugins, make-model.
 
 Engine flags are vLLM's (``--max-num-seqs``, ``--enable-prefix-caching``,
 ...), generated from ``config.VLLM_NAMES`` so the CLI, ``LLM(...)`` and the
