@@ -13,7 +13,6 @@ registered platform that was not chosen is ignored with a warning.
 
 from __future__ import annotations
 
-from typing import Any
 
 import structlog
 from pydantic import ValidationError

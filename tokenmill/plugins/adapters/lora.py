@@ -24,7 +24,7 @@ from torch import nn
 
 from tokenmill.core.layers.linear import Linear
 from tokenmill.core.model_loader.weights import name_list
-from tokenmill.interfaces.errors import ConfigError, InvalidRequest
+from tokenmill.interfaces.errors import InvalidRequest
 from tokenmill.interfaces.hookspecs import hookimpl
 
 
