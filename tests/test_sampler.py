@@ -148,12 +148,18 @@ def test_min_tokens_masks_stop_tokens_until_reached():
     ("repetition_penalty", float("inf")), ("temperature", 10**400), ("logit_bias", {3: 100.5}),
     ("logit_bias", {-1: 1.0}), ("logit_bias", {3: float("nan")}), ("spaces_between_special_tokens", False),
     ("temperature", 1e39), ("repetition_penalty", 1e-46), ("top_p", 5e-324 * -1),
+    ("stop", [f"s{i}" for i in range(65)]), ("stop", ["x" * 1025]), ("stop_token_ids", list(range(1025))),
 ])
 def test_out_of_range_parameters_name_the_parameter(field, value):
     """Every bad sampling parameter fails at construction with its name in the error."""
     with pytest.raises(InvalidRequest) as info:
         SamplingParams(**{field: value})
     assert info.value.param == field
+
+
+def test_stop_lists_at_their_bounds_are_accepted():
+    params = SamplingParams(stop=["x" * 1024] + [f"s{i}" for i in range(63)], stop_token_ids=list(range(1024)))
+    assert len(params.stop) == SamplingParams.MAX_STOP_STRINGS
 
 
 def test_min_tokens_above_max_tokens_is_rejected():

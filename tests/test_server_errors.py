@@ -66,6 +66,7 @@ CASES = [
     ("stop token outside vocab", C, completion(min_tokens=2, stop_token_ids=[99999999]), AUTH, 400,
      "stop_token_ids"),
     ("stop token outside vocab, chat", CH, chat(stop_token_ids=[99999999]), AUTH, 400, "stop_token_ids"),
+    ("1,000 stop strings", C, completion(stop=["a"] * 1000), AUTH, 400, "stop"),
     ("NaN temperature", C, b'{"prompt": "hi", "max_tokens": 2, "temperature": NaN}', AUTH, 400, "temperature"),
     ("infinite top_p", C, b'{"prompt": "hi", "max_tokens": 2, "top_p": Infinity}', AUTH, 400, "top_p"),
     ("temperature past float", C, b'{"prompt": "hi", "max_tokens": 2, "temperature": 1e400}', AUTH, 400,

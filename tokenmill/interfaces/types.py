@@ -68,6 +68,12 @@ class SamplingParams:
 
     #: the largest ``logprobs``/``prompt_logprobs`` accepted (vLLM's default cap)
     MAX_LOGPROBS = 20
+    #: every stop string is searched for in each step's new text, and every stop token id
+    #: matched against each sampled token: bounded, so that one request cannot slow every
+    #: step of the engine (OpenAI allows 4 stop strings; vLLM sets no bound)
+    MAX_STOP_STRINGS = 64
+    MAX_STOP_STRING_CHARS = 1024
+    MAX_STOP_TOKEN_IDS = 1024
 
     def __post_init__(self) -> None:
         # Accept vLLM's spellings (a single stop string, lists) but store tuples.
@@ -125,8 +131,12 @@ class SamplingParams:
                       f"must be in [0, {self.MAX_LOGPROBS}], got {value}")
         check(all(isinstance(s, str) and s for s in self.stop), "stop",
               "must be non-empty strings")
+        check(len(self.stop) <= self.MAX_STOP_STRINGS and all(len(s) <= self.MAX_STOP_STRING_CHARS for s in self.stop),
+              "stop", f"at most {self.MAX_STOP_STRINGS} strings of at most {self.MAX_STOP_STRING_CHARS} characters")
         check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
               "must be non-negative integers")
+        check(len(self.stop_token_ids) <= self.MAX_STOP_TOKEN_IDS, "stop_token_ids",
+              f"at most {self.MAX_STOP_TOKEN_IDS} token ids")
         check(self.spaces_between_special_tokens is True, "spaces_between_special_tokens",
               "only true is supported: the fast tokenizers decode special tokens without added spaces")
         if self.logit_bias is not None:
