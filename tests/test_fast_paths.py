@@ -46,13 +46,13 @@ def test_kernel_sources_ship_in_the_wheel():
         assert any(fnmatch.fnmatch(relative, pattern) for pattern in patterns), relative
 
 
-def assert_equals_eager(got: torch.Tensor, expected: torch.Tensor, atol: float) -> None:
-    """fp32: equal up to evaluation order; bf16: at most one rounding step apart."""
+def assert_equals_eager(got: torch.Tensor, expected: torch.Tensor, atol: float, bf16_steps: int = 1) -> None:
+    """fp32: equal up to evaluation order; bf16: at most ``bf16_steps`` rounding steps apart."""
     if got.dtype == torch.float32:
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=atol)
     else:
         steps = (got.view(torch.int16).int() - expected.view(torch.int16).int()).abs().max()
-        assert int(steps) <= 1
+        assert int(steps) <= bf16_steps
 
 
 @settings(max_examples=40, deadline=None)
@@ -66,7 +66,10 @@ def test_fused_rms_norm_equals_eager(rows, hidden, dtype, seed):
     fused = RMSNorm(hidden, 1e-6, dtype)
     fused.weight.copy_(eager.weight)
     fused.op_impl = FUSED_OPS["rms_norm"]
-    assert_equals_eager(fused(x), eager(x), atol=1e-6)
+    # HF's RMSNorm rounds the normalised value to bf16 and then its product with the weight;
+    # the kernel rounds the product once: two roundings against one can land two bf16 steps
+    # apart (one element in about 3,000 random cases of these shapes)
+    assert_equals_eager(fused(x), eager(x), atol=1e-6, bf16_steps=2)
 
 
 @settings(max_examples=40, deadline=None)
