@@ -334,7 +334,7 @@ def _serve(args: argparse.Namespace) -> int:
     from tokenmill.server.transport import uvicorn_options
 
     config = resolve_config(args)
-    uvicorn_options(config.server)  # unreadable TLS files fail before the model loads
+    transport = uvicorn_options(config.server)  # unreadable TLS files fail before the model loads
     configure_logging(config.server.log_level, config.server.log_format)
     if config.model is None:
         # clients name the demo model, not its path
@@ -357,7 +357,7 @@ def _serve(args: argparse.Namespace) -> int:
     app = create_app(served, config.server)
     uvicorn.run(app, host=config.server.host, port=config.server.port,
                 log_level=config.server.log_level, access_log=config.server.log_level == "debug",
-                timeout_graceful_shutdown=int(config.server.drain_timeout) + 1, **uvicorn_options(config.server))
+                timeout_graceful_shutdown=int(config.server.drain_timeout) + 1, **transport)
     return 0
 
 

@@ -19,6 +19,7 @@ import random
 import statistics
 import time
 from pathlib import Path
+from typing import Sequence
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -47,7 +48,7 @@ def train_tokenizer(texts: list[str]) -> PreTrainedTokenizerFast:
                                    pad_token="<|pad|>", chat_template=CHAT_TEMPLATE)
 
 
-def documents(tokenizer: PreTrainedTokenizerFast, paragraphs: list[str], chats: list[tuple[str, str]],
+def documents(tokenizer: PreTrainedTokenizerFast, paragraphs: Sequence[str], chats: list[tuple[str, str]],
               seed: int) -> list[int]:
     """One token stream: paragraphs, and each chat example three times, shuffled, BOS-led."""
     docs = [tokenizer.encode(p, add_special_tokens=False) + [EOS_ID] for p in paragraphs]
@@ -120,7 +121,7 @@ def main() -> None:
     torch.use_deterministic_algorithms(True)
     paragraphs, _ = corpus_paragraphs()
     chats = chat_examples()
-    tokenizer = train_tokenizer(paragraphs + [f"{q} {a}" for q, a in chats])
+    tokenizer = train_tokenizer([*paragraphs, *(f"{q} {a}" for q, a in chats)])
     train_stream = torch.tensor(documents(tokenizer, paragraphs, chats, args.seed))
     print(f"{len(train_stream)} training tokens, {len(held_out_tokens(tokenizer))} held out, "
           f"vocabulary {len(tokenizer)}", flush=True)

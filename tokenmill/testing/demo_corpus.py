@@ -13,10 +13,12 @@ short question and answer in the demo chat template, so the chat endpoint answer
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import math
 import re
+from typing import Iterable
 
 import pydoc_data.topics
 import torch
@@ -69,16 +71,17 @@ def _docstrings() -> list[str]:
     return texts
 
 
-def corpus_paragraphs() -> tuple[list[str], list[str]]:
-    """(training paragraphs, held-out paragraphs), the same on every run."""
+@functools.cache
+def corpus_paragraphs() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(training paragraphs, held-out paragraphs), the same on every run (built once per process)."""
     paragraphs = []
     for key in sorted(pydoc_data.topics.topics):
         paragraphs += _paragraphs(pydoc_data.topics.topics[key])
     for text in _docstrings():
         paragraphs += _paragraphs(text)
     paragraphs = list(dict.fromkeys(paragraphs))  # inherited docstrings repeat
-    train = [p for i, p in enumerate(paragraphs) if i % HELD_OUT_EVERY != HELD_OUT_EVERY - 1]
-    held_out = [p for i, p in enumerate(paragraphs) if i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1]
+    train = tuple(p for i, p in enumerate(paragraphs) if i % HELD_OUT_EVERY != HELD_OUT_EVERY - 1)
+    held_out = tuple(p for i, p in enumerate(paragraphs) if i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1)
     return train, held_out
 
 
@@ -96,7 +99,7 @@ def chat_examples() -> list[tuple[str, str]]:
     return examples
 
 
-def vocabulary(paragraphs: list[str]) -> set[str]:
+def vocabulary(paragraphs: Iterable[str]) -> set[str]:
     """The lower-cased words of ``paragraphs`` (letters only)."""
     return {word.lower() for paragraph in paragraphs for word in re.findall(r"[A-Za-z]+", paragraph)}
 

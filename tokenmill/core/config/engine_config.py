@@ -326,6 +326,6 @@ def nest_overrides(flat: dict[str, Any]) -> dict[str, Any]:
 def config_error(exc: ValidationError, section: str = "") -> ConfigError:
     """The first validation problem as a ConfigError with its dotted key path (below ``section``)."""
     first = exc.errors()[0]
-    key = ".".join([section] * bool(section) + [str(part) for part in first["loc"]]) or "config"
+    key = ".".join(([section] if section else []) + [str(part) for part in first["loc"]]) or "config"
     extra = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
     return ConfigError(key, f"{first['msg']}{extra}")

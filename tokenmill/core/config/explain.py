@@ -20,7 +20,6 @@ from tokenmill.core.config.engine_config import (
     SERVER_NAMES,
     VLLM_NAMES,
     EngineConfig,
-    load_config,
     nest_overrides,
     validated_config,
 )
@@ -41,10 +40,7 @@ def explain(path: Optional[str | Path] = None, **overrides: Any) -> list[Setting
 
     Raises ConfigError listing every problem (with suggestions for unknown keys).
     """
-    problems = _problems(path, overrides)
-    if problems:
-        raise ConfigError("config", "\n  " + "\n  ".join(problems))
-    config = load_config(path, **overrides)
+    config = _resolve(path, overrides)
     flags = _leaves(nest_overrides({k: v for k, v in overrides.items() if v is not None}))
     lines = _yaml_lines(path) if path is not None else {}
     settings = []
@@ -69,19 +65,18 @@ def format_settings(settings: list[Setting]) -> str:
     return "\n".join(f"{s.key:<{width}}  {s.value!r:<30}  {s.source}" for s in settings)
 
 
-def _problems(path: Optional[str | Path], overrides: dict[str, Any]) -> list[str]:
-    """Every problem of the whole tree at once, with "did you mean" for unknown keys."""
+def _resolve(path: Optional[str | Path], overrides: dict[str, Any]) -> EngineConfig:
+    """The config, or a ConfigError listing every problem, with "did you mean" for unknown keys."""
     flat_names = set(VLLM_NAMES) | set(SERVER_NAMES) | set(EngineConfig.model_fields)
-    unknown = [_unknown(name, flat_names) for name in overrides if name not in flat_names]
-    if unknown:
-        return unknown
-    try:
-        validated_config(path, **overrides)
-    except ValidationError as exc:
-        known = _known_keys(EngineConfig)
-        return [_unknown(key, known) if error["type"] == "extra_forbidden" else f"{key}: {error['msg']}"
-                for error in exc.errors() for key in [".".join(str(part) for part in error["loc"])]]
-    return []
+    problems = [_unknown(name, flat_names) for name in overrides if name not in flat_names]
+    if not problems:
+        try:
+            return validated_config(path, **overrides)
+        except ValidationError as exc:
+            known = _known_keys(EngineConfig)
+            problems = [_unknown(key, known) if error["type"] == "extra_forbidden" else f"{key}: {error['msg']}"
+                        for error in exc.errors() for key in [".".join(str(part) for part in error["loc"])]]
+    raise ConfigError("config", "\n  " + "\n  ".join(problems))
 
 
 def _unknown(key: str, known: set[str]) -> str:
