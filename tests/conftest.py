@@ -80,3 +80,18 @@ def make_llm(path: Path, **engine_args: Any) -> LLM:
 def llama(model_dir) -> LLM:
     """A default-configured engine over the tiny Llama, shared by read-only tests."""
     return make_llm(model_dir("llama"))
+
+
+def sampler_for(rows: list, seed: int = 0, eos: tuple[int, ...] = (), vocab: int = 50):
+    """A Sampler with the built-in logits processors, told about ``rows`` as a new batch."""
+    import torch
+
+    from tokenmill.core.sample.logits_processors import BUILTIN_LOGITS_PROCESSORS
+    from tokenmill.core.sample.sampler import Sampler
+    from tokenmill.interfaces.logits_processor import AddedRow, BatchUpdate, LogitsProcessorContext
+
+    context = LogitsProcessorContext(vocab, eos, 8, torch.device("cpu"), None)
+    sampler = Sampler(seed, [cls(context) for cls in BUILTIN_LOGITS_PROCESSORS])
+    sampler.update_batch(BatchUpdate(len(rows), added=tuple(
+        AddedRow(i, r.params, r.prompt_token_ids, r.output_token_ids) for i, r in enumerate(rows))))
+    return sampler

@@ -13,7 +13,7 @@ import pytest
 from conftest import make_llm
 from server_harness import running_server
 from tokenmill.core.engine.detokenizer import IncrementalDetokenizer
-from tokenmill.core.sample.sampler import Sampler
+from tokenmill.core.sample.logits_processors import LogitBias
 
 MODEL = "tiny"
 #: the markers that make the injected faults fire for one request only
@@ -25,20 +25,20 @@ SAMPLER_FAULT_TOKEN, SAMPLER_FAULT_BIAS = 77, 13.0
 def faults(monkeypatch):
     """A stop check that raises for requests with STOP_FAULT among their stop strings, and a
     sampler that raises for rows whose logit_bias carries the sentinel."""
-    update, bias = IncrementalDetokenizer.update, Sampler._apply_logit_bias
+    update, bias = IncrementalDetokenizer.update, LogitBias.apply
 
     def failing_update(self, token_ids):
         if STOP_FAULT in self._stop:
             raise RuntimeError("injected stop-check failure")
         return update(self, token_ids)
 
-    def failing_bias(logits, rows):
-        if any((row.params.logit_bias or {}).get(SAMPLER_FAULT_TOKEN) == SAMPLER_FAULT_BIAS for row in rows):
+    def failing_bias(self, logits):
+        if any(biases.get(SAMPLER_FAULT_TOKEN) == SAMPLER_FAULT_BIAS for biases in self._rows.values()):
             raise RuntimeError("injected sampler failure")
-        return bias(logits, rows)
+        return bias(self, logits)
 
     monkeypatch.setattr(IncrementalDetokenizer, "update", failing_update)
-    monkeypatch.setattr(Sampler, "_apply_logit_bias", staticmethod(failing_bias))
+    monkeypatch.setattr(LogitBias, "apply", failing_bias)
 
 
 def test_one_failing_request_fails_alone_while_others_stream(model_dir, faults):

@@ -8,11 +8,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import NEW_TOKENS, PROMPTS, make_llm
+from conftest import NEW_TOKENS, PROMPTS, make_llm, sampler_for
 from tokenmill import SamplingParams
 from tokenmill.plugins.platforms.cpu.greedy_head import GreedyHead, quantize_rows
 from tokenmill.plugins.platforms.cpu.kernels import cpu_kernels
-from tokenmill.core.sample.sampler import Sampler, SamplingRow
+from tokenmill.core.sample.sampler import SamplingRow
 from tokenmill.testing.hf_reference import assert_matches_reference
 
 TIE = 1e-5  # the project's tie rule: a divergence is allowed where the top-2 are this close
@@ -110,14 +110,17 @@ def test_a_row_that_is_not_finite_gives_no_tokens(bad):
 
 
 def _row(**params) -> SamplingRow:
-    return SamplingRow(SamplingParams(**params), [7], [8], [2], None)
+    return SamplingRow(SamplingParams(**params), [7], [8], None)
 
 
 def test_argmax_only_rows():
-    assert Sampler.argmax_only([_row(temperature=0), _row(temperature=0, max_tokens=3)])
+    rows = [_row(temperature=0), _row(temperature=0, max_tokens=3)]
+    assert sampler_for(rows, eos=(2,)).argmax_only(rows)
     for other in ({"temperature": 0.7}, {"temperature": 0, "logprobs": 0}, {"temperature": 0, "repetition_penalty": 1.2},
-                  {"temperature": 0, "presence_penalty": 0.5}, {"temperature": 0, "min_tokens": 5}):
-        assert not Sampler.argmax_only([_row(temperature=0), _row(**other)]), other
+                  {"temperature": 0, "presence_penalty": 0.5}, {"temperature": 0, "min_tokens": 5},
+                  {"temperature": 0, "allowed_token_ids": [3]}, {"temperature": 0, "logit_bias": {3: 1.0}}):
+        rows = [_row(temperature=0), _row(**other)]
+        assert not sampler_for(rows, eos=(2,)).argmax_only(rows), other
 
 
 def _count_head_calls(llm, monkeypatch) -> list[int]:

@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import sampler_for
 from tokenmill.core.sample.sampler import Sampler, SamplingRow
 from tokenmill.interfaces.errors import InvalidRequest
 from tokenmill.interfaces.types import SamplingParams
@@ -16,8 +17,8 @@ from tokenmill.interfaces.types import SamplingParams
 VOCAB = 50
 
 
-def row(params: SamplingParams, output=(), prompt=(1,), stop=(), generator=None) -> SamplingRow:
-    return SamplingRow(params, list(prompt), list(output), list(stop), generator)
+def row(params: SamplingParams, output=(), prompt=(1,), generator=None) -> SamplingRow:
+    return SamplingRow(params, list(prompt), list(output), generator)
 
 
 def logits_from(seed: int, rows: int = 1) -> torch.Tensor:
@@ -109,15 +110,17 @@ def test_logit_bias_is_added_before_sampling_and_logprobs_stay_raw():
     logits = logits_from(3)
     raw = logits.log_softmax(-1)
     best = int(logits.argmax())
-    forced = SamplingParams(temperature=0, logit_bias={7: 100.0}, logprobs=0)
-    tokens, logprobs = Sampler(0)(logits, [row(forced)])
+    forced = [row(SamplingParams(temperature=0, logit_bias={7: 100.0}, logprobs=0))]
+    tokens, logprobs = sampler_for(forced)(logits, forced)
     assert tokens == [7] and logprobs[0][7].logprob == pytest.approx(float(raw[0, 7]))
-    banned = SamplingParams(temperature=0, logit_bias={best: -100.0})
-    tokens, _ = Sampler(0)(logits, [row(banned)])
+    banned = [row(SamplingParams(temperature=0, logit_bias={best: -100.0}))]
+    tokens, _ = sampler_for(banned)(logits, banned)
     assert tokens == [int(logits[0].clone().index_fill_(0, torch.tensor([best]), -1e9).argmax())]
-    sampled = SamplingParams(temperature=1.0, logit_bias={11: 100.0}, seed=1)
-    assert Sampler(0)(logits, [row(sampled, generator=torch.Generator().manual_seed(1))])[0] == [11]
-    assert not Sampler.argmax_only([row(banned)])
+    sampled = [row(SamplingParams(temperature=1.0, logit_bias={11: 100.0}, seed=1),
+                   generator=torch.Generator().manual_seed(1))]
+    assert sampler_for(sampled)(logits, sampled)[0] == [11]
+    assert not sampler_for(banned).argmax_only(banned)
+    assert sampler_for([row(SamplingParams(temperature=0))]).argmax_only([row(SamplingParams(temperature=0))])
 
 
 def test_temperatures_below_epsilon_are_greedy():
@@ -132,11 +135,11 @@ def test_temperatures_below_epsilon_are_greedy():
 def test_min_tokens_masks_stop_tokens_until_reached():
     """Before min_tokens outputs exist, EOS and stop tokens cannot be sampled."""
     logits = torch.tensor([[0.0, 10.0, 1.0]])
-    params = SamplingParams(temperature=0, min_tokens=2)
-    tokens, _ = Sampler(0)(logits, [row(params, output=[2], stop=[1])])
-    assert tokens == [2]
-    tokens, _ = Sampler(0)(logits, [row(params, output=[2, 2], stop=[1])])
-    assert tokens == [1]
+    rows = [row(SamplingParams(temperature=0, min_tokens=2), output=[2])]
+    sampler = sampler_for(rows, eos=(1,))
+    assert sampler(logits, rows)[0] == [2]
+    rows[0].output_token_ids.append(2)  # the runner extends the live history after each step
+    assert sampler(logits, rows)[0] == [1]
 
 
 @pytest.mark.parametrize("field,value", [

@@ -125,6 +125,8 @@ def add_engine_flags(parser: argparse.ArgumentParser, as_text: bool = False) -> 
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, dest=name)
         elif annotation is int:
             group.add_argument(flag, type=int, default=None, dest=name)
+        elif typing.get_origin(annotation) is list:
+            group.add_argument(flag, nargs="+", default=None, dest=name)
         else:
             group.add_argument(flag, default=None, dest=name)
 

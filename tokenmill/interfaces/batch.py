@@ -21,8 +21,6 @@ class NewRequestData:
     sampling_params: SamplingParams
     #: seed of the request's own generator; None shares the engine's generator
     seed: Optional[int]
-    #: tokens that end the sequence (EOS plus stop_token_ids), masked before min_tokens
-    stop_token_ids: tuple[int, ...]
     adapter_name: Optional[str] = None
 
 

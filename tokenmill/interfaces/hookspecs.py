@@ -19,7 +19,7 @@ from typing import Any, Callable, Protocol
 import pluggy
 
 PROJECT_NAME = "tokenmill"
-HOOKSPEC_VERSION = 2  # 2: register_platforms
+HOOKSPEC_VERSION = 3  # 2: register_platforms; 3: register_logits_processors
 ENTRY_POINT_GROUP = "tokenmill.plugins"
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
@@ -82,6 +82,15 @@ def register_platforms(register: Register) -> None:
 @hookspec
 def register_adapter_types(register: Register) -> None:
     """Register AdapterType factories by adapter kind (``"lora"``)."""
+
+
+@hookspec
+def register_logits_processors(register: Register) -> None:
+    """Register LogitsProcessor classes (``tokenmill.interfaces.logits_processor``) by name.
+
+    Registering makes a processor selectable; an engine uses it only when its
+    ``logits_processors`` list names it. It is constructed as ``cls(context)``.
+    """
 
 
 @hookspec(firstresult=True)

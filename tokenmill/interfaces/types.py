@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Any, Literal, Mapping, Optional
 
 from tokenmill.interfaces.errors import InvalidRequest
 
@@ -65,6 +65,16 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     #: token id -> bias added to its logit before penalties and sampling (OpenAI's logit_bias)
     logit_bias: Optional[Mapping[int, float]] = None
+    #: only these token ids may be generated (vLLM)
+    allowed_token_ids: Optional[tuple[int, ...]] = None
+    #: words that must not be generated: their last token is masked wherever the output
+    #: already ends with the tokens before it (vLLM's bad_words)
+    bad_words: tuple[str, ...] = ()
+    #: keep only this many prompt tokens (-1: as many as the context holds), cut on ``truncation_side``
+    truncate_prompt_tokens: Optional[int] = None
+    truncation_side: Literal["left", "right"] = "left"
+    #: arguments for the engine's logits processors (vLLM's extra_args; ``vllm_xargs`` on the wire)
+    extra_args: Optional[Mapping[str, Any]] = None
 
     #: the largest ``logprobs``/``prompt_logprobs`` accepted (vLLM's default cap)
     MAX_LOGPROBS = 20
@@ -74,6 +84,9 @@ class SamplingParams:
     MAX_STOP_STRINGS = 64
     MAX_STOP_STRING_CHARS = 1024
     MAX_STOP_TOKEN_IDS = 1024
+    #: bad words are matched against the output at every step, like stop strings
+    MAX_BAD_WORDS = 64
+    MAX_BAD_WORD_CHARS = 256
 
     def __post_init__(self) -> None:
         # Accept vLLM's spellings (a single stop string, lists) but store tuples.
@@ -81,6 +94,9 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        object.__setattr__(self, "bad_words", tuple(self.bad_words or ()))
+        if isinstance(self.allowed_token_ids, (list, range)):
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
         self._validate()
         # integers are accepted where floats are meant, and stored as floats: torch would make an
         # int64 tensor of them, which 2**63 overflows
@@ -146,6 +162,26 @@ class SamplingParams:
                 check(_is_finite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS, "logit_bias",
                       f"biases must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias!r}")
 
+        if self.allowed_token_ids is not None:
+            check(isinstance(self.allowed_token_ids, tuple) and len(self.allowed_token_ids) > 0, "allowed_token_ids",
+                  "must be a non-empty list of token ids")
+            check(all(_is_int(t) and t >= 0 for t in self.allowed_token_ids), "allowed_token_ids",
+                  "must be non-negative integers")
+        check(all(isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words",
+              "must be non-empty strings")
+        check(len(self.bad_words) <= self.MAX_BAD_WORDS
+              and all(len(w) <= self.MAX_BAD_WORD_CHARS for w in self.bad_words), "bad_words",
+              f"at most {self.MAX_BAD_WORDS} words of at most {self.MAX_BAD_WORD_CHARS} characters")
+        if self.truncate_prompt_tokens is not None:
+            check(_is_int(self.truncate_prompt_tokens) and (self.truncate_prompt_tokens >= 1
+                                                            or self.truncate_prompt_tokens == -1),
+                  "truncate_prompt_tokens", f"must be -1 or at least 1, got {self.truncate_prompt_tokens!r}")
+        check(self.truncation_side in ("left", "right"), "truncation_side",
+              f"must be 'left' or 'right', got {self.truncation_side!r}")
+        if self.extra_args is not None:
+            check(isinstance(self.extra_args, Mapping) and all(isinstance(k, str) for k in self.extra_args),
+                  "extra_args", "must map names to values")
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
@@ -153,7 +189,8 @@ class SamplingParams:
     def token_ids(self) -> tuple[tuple[str, int], ...]:
         """(parameter, token id) for every token id the request names, to check against a vocabulary."""
         return tuple([("stop_token_ids", t) for t in self.stop_token_ids]
-                     + [("logit_bias", t) for t in self.logit_bias or ()])
+                     + [("logit_bias", t) for t in self.logit_bias or ()]
+                     + [("allowed_token_ids", t) for t in self.allowed_token_ids or ()])
 
 
 _FLOAT32_MAX = 3.4028234663852886e38

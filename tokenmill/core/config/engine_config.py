@@ -161,6 +161,8 @@ class EngineConfig(BaseSettings):
     #: plain eager PyTorch everywhere: no prepacked GEMM weights, no compiled or fused
     #: ops. The reference to compare the fast paths against (vLLM: enforce_eager)
     enforce_eager: bool = False
+    #: logits processors to add to the built-ins: registered names or 'module:Class' paths (vLLM: logits_processors)
+    logits_processors: list[str] = []
     platform: PlatformConfig = PlatformConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     cache: CacheConfig = CacheConfig()
@@ -191,6 +193,7 @@ VLLM_NAMES: dict[str, str] = {
     "max_model_len": "max_model_len",
     "trust_remote_code": "trust_remote_code",
     "enforce_eager": "enforce_eager",
+    "logits_processors": "logits_processors",
     # the cpu platform's options (platform.cpu), by their flat names
     "num_threads": "platform.cpu.num_threads",
     "small_batch_gemv": "platform.cpu.small_batch_gemv",

@@ -23,6 +23,8 @@ from tokenmill.core.layers.pooler import Pooler
 from tokenmill.core.model_loader.safetensors_files import iterate_weights
 from tokenmill.core.model_loader.weights import load_strictly
 from tokenmill.core.plugin_host.components import Components, collect_components
+from tokenmill.core.plugin_host.registry import import_class_path
+from tokenmill.core.sample.logits_processors import BUILTIN_LOGITS_PROCESSORS
 from tokenmill.core.plugin_host.platform_selection import select_platform
 from tokenmill.core.plugin_host.plugin_manager import PluginManager, make_plugin_manager
 from tokenmill.core.sched.kv_cache_manager import KVCacheManager
@@ -32,6 +34,7 @@ from tokenmill.core.worker.kv_cache import SwapCaches, allocate_kv_caches
 from tokenmill.core.worker.model_runner import ModelRunner
 from tokenmill.interfaces.attention import AttentionBackend
 from tokenmill.interfaces.errors import ConfigError
+from tokenmill.interfaces.logits_processor import LogitsProcessor, LogitsProcessorContext
 from tokenmill.interfaces.models import ModelContext
 from tokenmill.interfaces.platform import Platform
 
@@ -95,7 +98,11 @@ def build_engine(config: EngineConfig, pm: Optional[PluginManager] = None) -> LL
     scheduler = Scheduler(config.scheduler, kv_cache, policy, swap_space,
                           max_adapters=adapters.max_active if adapters else None)
     greedy_head = None if config.enforce_eager or adapters else platform.greedy_head(model)
-    runner = ModelRunner(model, backend, config.cache.block_size, config.seed, swap_caches, adapters, greedy_head)
+    processors = _logits_processors(config, components, LogitsProcessorContext(
+        vocab_size=model_config.vocab_size, eos_token_ids=model_config.eos_token_ids,
+        max_num_seqs=config.scheduler.max_num_seqs, device=torch.device(platform.device_type), tokenizer=tokenizer))
+    runner = ModelRunner(model, backend, config.cache.block_size, config.seed, swap_caches, adapters, greedy_head,
+                         processors)
     engine = LLMEngine(config, model_config, tokenizer, scheduler, runner, pm, adapters, platform)
     log.info("engine built", **platform.describe(), model=str(model_config.path),
              architecture=model_config.architecture,
@@ -105,6 +112,22 @@ def build_engine(config: EngineConfig, pm: Optional[PluginManager] = None) -> LL
              max_model_len=model_config.max_model_len)
     pm.hook.engine_started(engine=engine)
     return engine
+
+
+def _logits_processors(config: EngineConfig, components: Components,
+                       context: LogitsProcessorContext) -> tuple[LogitsProcessor, ...]:
+    """The built-ins, then the configured ones: registered names or ``module:Class`` paths."""
+    classes: list[type[LogitsProcessor]] = list(BUILTIN_LOGITS_PROCESSORS)
+    for name in config.logits_processors:
+        if name in components.logits_processors:
+            cls = components.logits_processors.get(name)
+        else:
+            cls = import_class_path(name, "logits_processors", components.logits_processors.names())
+        if not (isinstance(cls, type) and issubclass(cls, LogitsProcessor)):
+            raise ConfigError("logits_processors", f"{name!r} is not a LogitsProcessor subclass "
+                              "(tokenmill.interfaces.logits_processor)")
+        classes.append(cls)
+    return tuple(cls(context) for cls in classes)
 
 
 def _check_scheduler_limits(config: EngineConfig, model_config: ModelConfig) -> None:

@@ -100,6 +100,13 @@ class LLMEngine:
         for param, token in params.token_ids():
             if not 0 <= token < vocab:
                 raise InvalidRequest(param, f"token ids must be in [0, {vocab}), got {token}")
+        for processor in self.runner.sampler.processors:
+            try:
+                type(processor).validate_params(params)
+            except InvalidRequest:
+                raise
+            except (ValueError, TypeError) as exc:  # vLLM's processors refuse with ValueError
+                raise InvalidRequest("vllm_xargs", f"{type(processor).__name__}: {exc}") from None
 
     def _check_token_ids(self, ids: Any) -> list[int]:
         if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):

@@ -92,13 +92,6 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    @property
-    def stop_token_ids(self) -> tuple[int, ...]:
-        """Token ids that end this sequence: EOS (unless ignored) and stop_token_ids."""
-        params = self.sampling_params
-        eos = () if params.ignore_eos else self.eos_token_ids
-        return tuple(dict.fromkeys(eos + params.stop_token_ids))
-
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
 

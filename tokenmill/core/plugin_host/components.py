@@ -19,6 +19,7 @@ class Components:
     model_architectures: Registry
     adapter_types: Registry
     platforms: Registry
+    logits_processors: Registry
 
     def by_kind(self) -> dict[str, Registry]:
         return {
@@ -28,6 +29,7 @@ class Components:
             "quantization_methods": self.quantization_methods,
             "model_architectures": self.model_architectures,
             "adapter_types": self.adapter_types,
+            "logits_processors": self.logits_processors,
         }
 
 
@@ -38,6 +40,7 @@ _REGISTRATION_HOOKS = {
     "model_architectures": ("register_model_architectures", "model architecture"),
     "adapter_types": ("register_adapter_types", "adapter type"),
     "platforms": ("register_platforms", "platform"),
+    "logits_processors": ("register_logits_processors", "logits processor"),
 }
 
 

@@ -6,7 +6,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, TypeVar
 
-from tokenmill.interfaces.errors import ComponentUnavailable, DuplicateComponent, UnknownComponent
+from tokenmill.interfaces.errors import ComponentUnavailable, ConfigError, DuplicateComponent, UnknownComponent
 
 T = TypeVar("T")
 
@@ -75,3 +75,18 @@ class Registry(Generic[T]):
                 f"from {entry.factory!r}: {exc}"
             ) from exc
         return obj
+
+
+def import_class_path(path: str, param: str, registered: list[str]) -> Any:
+    """What a ``module:attr`` (or vLLM's ``module.attr``) path in the config names."""
+    module_name, sep, attr = path.partition(":") if ":" in path else path.rpartition(".")
+    if not sep or not module_name or not attr:
+        raise ConfigError(param, f"{path!r} is neither a registered name ({', '.join(registered) or 'none'}) "
+                                 "nor a 'module:Class' path")
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(param, f"cannot import {path!r}: {exc}") from exc
+    return obj

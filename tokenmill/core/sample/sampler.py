@@ -1,9 +1,10 @@
 """Turning a batch of logits into tokens, each row with its own SamplingParams.
 
-Order follows vLLM: min_tokens masking, logit_bias and penalties on the raw logits, then
-greedy argmax or temperature -> min-p -> top-k/top-p -> a draw. Reported
-logprobs are those of the raw distribution. A seeded row draws only from its
-own generator, so its samples do not depend on what else is in the batch.
+Order follows vLLM: the logits processors that can move the argmax (allowed_token_ids,
+bad_words, min_tokens, logit_bias, a plugin's), then penalties, then greedy argmax
+or temperature -> the argmax-invariant processors -> min-p -> top-k/top-p -> a draw.
+Reported logprobs are those of the raw distribution. A seeded row draws only from
+its own generator, so its samples do not depend on what else is in the batch.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from tokenmill.interfaces.logits_processor import BatchUpdate, LogitsProcessor
 from tokenmill.interfaces.types import ALL_TOKENS, Logprob, PositionLogprobs, SamplingParams
 
 
@@ -23,14 +25,21 @@ class SamplingRow:
     params: SamplingParams
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
-    stop_token_ids: Sequence[int]
     generator: Optional[torch.Generator]
 
 
 class Sampler:
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, processors: Sequence[LogitsProcessor] = ()) -> None:
         #: draws for unseeded rows; seeded from the engine seed for reproducible runs
         self.generator = torch.Generator().manual_seed(seed)
+        self.processors = tuple(processors)
+        self._argmax_changing = [p for p in self.processors if not p.is_argmax_invariant()]
+        self._argmax_invariant = [p for p in self.processors if p.is_argmax_invariant()]
+
+    def update_batch(self, update: Optional[BatchUpdate]) -> None:
+        """Tell every processor how the rows changed since the last step."""
+        for processor in self.processors:
+            processor.update_state(update)
 
     def __call__(
         self, logits: torch.Tensor, rows: Sequence[SamplingRow]
@@ -38,14 +47,22 @@ class Sampler:
         """``logits`` [num_rows, vocab] float32 -> (token ids, per-row logprobs or None)."""
         want_logprobs = any(row.params.logprobs is not None for row in rows)
         raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
-        logits = self._mask_min_tokens(logits, rows)
-        logits = self._apply_logit_bias(logits, rows)
+        active = [p for p in self._argmax_changing if p.is_active()]
+        if active:
+            logits = logits.clone()  # the processors may edit in place; the caller's logits stay raw
+            for processor in active:
+                logits = processor.apply(logits)
         logits = self._apply_penalties(logits, rows)
 
         greedy = [row.params.greedy for row in rows]
         if all(greedy):
             tokens = logits.argmax(dim=-1)
         else:
+            temperature = torch.tensor([row.params.temperature or 1.0 for row in rows]).unsqueeze(1)
+            logits = logits / temperature
+            for processor in self._argmax_invariant:
+                if processor.is_active():
+                    logits = processor.apply(logits)
             tokens = torch.empty(len(rows), dtype=torch.long)
             greedy_mask = torch.tensor(greedy)
             if greedy_mask.any():
@@ -60,16 +77,16 @@ class Sampler:
         ks = [row.params.logprobs for row in rows]
         return token_list, gather_logprobs(raw_logprobs, tokens, ks)
 
-    @staticmethod
-    def argmax_only(rows: Sequence[SamplingRow]) -> bool:
+    def argmax_only(self, rows: Sequence[SamplingRow]) -> bool:
         """Whether each row's token is the argmax of its raw logits and nothing else of
-        them is reported, so the logits themselves need not be computed (GreedyHead)."""
-        return all(row.params.greedy and row.params.logprobs is None and not _penalized(row.params)
-                   and not row.params.logit_bias and not _masks_stop_tokens(row) for row in rows)
+        them is reported, so the logits themselves need not be computed (GreedyHead).
+        Call after ``update_batch`` for these rows."""
+        return (all(row.params.greedy and row.params.logprobs is None and not _penalized(row.params)
+                    for row in rows)
+                and not any(p.is_active() for p in self._argmax_changing))
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        temperature = torch.tensor([row.params.temperature for row in rows]).unsqueeze(1)
-        logits = logits / temperature
+        """Draw from logits already divided by each row's temperature."""
         min_p = torch.tensor([row.params.min_p for row in rows])
         if (min_p > 0).any():
             probs = logits.softmax(dim=-1)
@@ -93,28 +110,6 @@ class Sampler:
         return (probs / q).argmax(dim=-1)
 
     @staticmethod
-    def _mask_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-        masked = None
-        for i, row in enumerate(rows):
-            if _masks_stop_tokens(row):
-                if masked is None:
-                    masked = logits.clone()
-                masked[i, list(row.stop_token_ids)] = float("-inf")
-        return logits if masked is None else masked
-
-    @staticmethod
-    def _apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-        biased = [i for i, row in enumerate(rows) if row.params.logit_bias]
-        if not biased:
-            return logits
-        logits = logits.clone()
-        for i in biased:
-            bias = rows[i].params.logit_bias
-            tokens = torch.tensor(list(bias), dtype=torch.long)
-            logits[i].index_add_(0, tokens, torch.tensor(list(bias.values()), dtype=logits.dtype))
-        return logits
-
-    @staticmethod
     def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         penalized = [i for i, row in enumerate(rows) if _penalized(row.params)]
         if not penalized:
@@ -135,11 +130,6 @@ class Sampler:
                 counts = torch.zeros(vocab).index_add_(0, output, torch.ones(len(output)))
                 row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
         return logits
-
-
-def _masks_stop_tokens(row: SamplingRow) -> bool:
-    """min_tokens not reached yet: stop tokens are masked out."""
-    return bool(row.stop_token_ids) and len(row.output_token_ids) < row.params.min_tokens
 
 
 def _penalized(params: SamplingParams) -> bool:

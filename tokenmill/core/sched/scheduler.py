@@ -283,6 +283,5 @@ def _new_request_data(request: Request) -> NewRequestData:
         prompt_token_ids=tuple(request.prompt_token_ids),
         sampling_params=request.sampling_params,
         seed=request.seed,
-        stop_token_ids=request.stop_token_ids,
         adapter_name=request.adapter_name,
     )

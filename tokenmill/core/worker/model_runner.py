@@ -15,6 +15,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from tokenmill.core.sample.persistent_batch import PersistentBatch
 from tokenmill.core.sample.sampler import Sampler, SamplingRow, gather_logprobs
 from tokenmill.core.worker.kv_cache import SwapCaches
 from tokenmill.interfaces.adapters import AdapterType
@@ -25,6 +26,7 @@ from tokenmill.interfaces.batch import (
     ScheduledRequest,
     SchedulerOutput,
 )
+from tokenmill.interfaces.logits_processor import LogitsProcessor
 from tokenmill.interfaces.models import CausalLM
 from tokenmill.interfaces.platform import GreedyArgmax
 from tokenmill.interfaces.types import PositionLogprobs
@@ -42,14 +44,16 @@ class _RequestState:
 class ModelRunner:
     def __init__(self, model: CausalLM, attention: AttentionBackend, block_size: int, seed: int,
                  swap: Optional["SwapCaches"] = None, adapters: Optional[AdapterType] = None,
-                 greedy_head: Optional[GreedyArgmax] = None) -> None:
+                 greedy_head: Optional[GreedyArgmax] = None,
+                 logits_processors: tuple[LogitsProcessor, ...] = ()) -> None:
         self.model = model
         #: the backend's per-step metadata builder, where it has one (AttentionBackend)
         self._build_metadata = getattr(attention, "build_metadata", None)
         #: tokens for steps whose rows all take the argmax of their raw logits
         self.greedy_head = greedy_head
         self.block_size = block_size
-        self.sampler = Sampler(seed)
+        self.sampler = Sampler(seed, logits_processors)
+        self._batch = PersistentBatch()
         self.swap = swap
         self.adapters = adapters
         self._states: dict[str, _RequestState] = {}
@@ -117,11 +121,12 @@ class ModelRunner:
             return ModelRunnerOutput({}, {}, {})
         hidden = hidden[torch.tensor(rows)]
         states = [self._states[item.request_id] for item in sample_items]
+        self._update_processors(sample_items, states)
         sampling_rows = [SamplingRow(s.data.sampling_params, s.data.prompt_token_ids, s.output_token_ids,
-                                     s.data.stop_token_ids, s.generator) for s in states]
+                                     s.generator) for s in states]
         tokens: Optional[list[int]] = None
         token_logprobs: list[Optional[PositionLogprobs]] = [None] * len(sample_items)
-        if self.greedy_head is not None and not prompt_spans and Sampler.argmax_only(sampling_rows):
+        if self.greedy_head is not None and not prompt_spans and self.sampler.argmax_only(sampling_rows):
             tokens = self.greedy_head.tokens(hidden)
         prompt_logprobs: dict[str, list[Optional[PositionLogprobs]]] = {}
         if tokens is None:
@@ -141,6 +146,13 @@ class ModelRunner:
             if entry is not None:
                 logprobs[item.request_id] = entry
         return ModelRunnerOutput(sampled, logprobs, prompt_logprobs)
+
+    def _update_processors(self, items: list[ScheduledRequest], states: list[_RequestState]) -> None:
+        update = self._batch.update([(item.request_id, s.data.sampling_params, s.data.prompt_token_ids,
+                                      s.output_token_ids) for item, s in zip(items, states)])
+        if update is not None:
+            self.sampler.update_batch(update)
+            self._batch.committed()
 
     def _prepare_inputs(
         self, scheduled: tuple[ScheduledRequest, ...]

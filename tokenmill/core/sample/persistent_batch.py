@@ -1,0 +1,44 @@
+"""The sampling rows of consecutive steps, as the changes logits processors follow."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from tokenmill.interfaces.logits_processor import AddedRow, BatchUpdate
+from tokenmill.interfaces.types import SamplingParams
+
+
+class PersistentBatch:
+    """Which request sits in which sampling row; each step's new order becomes a BatchUpdate."""
+
+    def __init__(self) -> None:
+        self._ids: list[str] = []
+        #: after a processor failed mid-update its state is unknown: the next update rebuilds it
+        self._indices_in_doubt = 0
+
+    def update(self, rows: Sequence[tuple[str, SamplingParams, Sequence[int], Sequence[int]]]
+               ) -> Optional[BatchUpdate]:
+        """``rows``: (request id, params, prompt ids, live output ids) in this step's order.
+        None when nothing changed."""
+        ids = [row[0] for row in rows]
+        if ids == self._ids and not self._indices_in_doubt:
+            return None
+        if self._indices_in_doubt:
+            removed = tuple(range(self._indices_in_doubt))
+            moved: tuple[tuple[int, int], ...] = ()
+            added = tuple(AddedRow(j, *row[1:]) for j, row in enumerate(rows))
+        else:
+            old = {request_id: i for i, request_id in enumerate(self._ids)}
+            kept = set(ids)
+            removed = tuple(i for request_id, i in old.items() if request_id not in kept)
+            moved = tuple((old[request_id], j) for j, request_id in enumerate(ids)
+                          if request_id in old and old[request_id] != j)
+            added = tuple(AddedRow(j, *row[1:]) for j, row in enumerate(rows) if row[0] not in old)
+        # until the processors confirm (``committed``), any index either batch used may hold state
+        self._indices_in_doubt = max(len(self._ids), len(ids), self._indices_in_doubt)
+        self._ids = ids
+        return BatchUpdate(len(ids), removed, moved, added)
+
+    def committed(self) -> None:
+        """Every processor took the last update."""
+        self._indices_in_doubt = 0
