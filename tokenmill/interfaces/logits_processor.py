@@ -46,7 +46,8 @@ class AddedRow:
     index: int
     params: SamplingParams
     prompt_token_ids: Sequence[int]
-    #: the request's generated tokens: a live list, which the runner extends after every step
+    #: the request's generated tokens: a live list that the runner extends after every step and
+    #: that only grows while the row stays; read it, never change it
     output_token_ids: Sequence[int]
 
 
@@ -97,11 +98,13 @@ class LogitsProcessor(ABC):
     @classmethod
     def validate_params(cls, params: SamplingParams) -> None:
         """Refuse a request's arguments at admission (raise ``InvalidRequest`` or ``ValueError``),
-        so that a bad value is the caller's 400, not a failure at every step."""
+        so that a bad value is the caller's 400, not a failure at every step. Called for every
+        request, so a request that does not use this processor (its argument absent) must pass."""
 
     @abstractmethod
     def is_argmax_invariant(self) -> bool:
-        """Whether ``apply`` never changes the largest logit of a row."""
+        """Whether ``apply`` never changes the largest logit of a row. Read once, when the
+        sampler is built: the answer must not change."""
 
     @abstractmethod
     def update_state(self, update: Optional[BatchUpdate]) -> None:
@@ -111,7 +114,8 @@ class LogitsProcessor(ABC):
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """The edited logits, same shape and dtype (in place or a new tensor)."""
 
+    @abstractmethod
     def is_active(self) -> bool:
         """Whether any row of the current batch is affected; an inactive processor is not
-        applied, and a greedy batch keeps the platform's argmax fast path."""
-        return True
+        applied, and a greedy batch keeps the platform's argmax fast path. Abstract, because
+        a processor that always said yes would cost every greedy batch that fast path."""
