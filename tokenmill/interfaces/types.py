@@ -186,11 +186,32 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def truncated_prompt(self, token_ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt tokens this request keeps (``truncate_prompt``)."""
+        return truncate_prompt(token_ids, self.truncate_prompt_tokens, self.truncation_side, max_model_len,
+                               self.max_tokens)
+
     def token_ids(self) -> tuple[tuple[str, int], ...]:
         """(parameter, token id) for every token id the request names, to check against a vocabulary."""
         return tuple([("stop_token_ids", t) for t in self.stop_token_ids]
                      + [("logit_bias", t) for t in self.logit_bias or ()]
                      + [("allowed_token_ids", t) for t in self.allowed_token_ids or ()])
+
+
+def truncate_prompt(token_ids: list[int], limit: Optional[int], side: str, max_model_len: int,
+                    max_tokens: Optional[int]) -> list[int]:
+    """vLLM's truncate_prompt_tokens: keep ``limit`` tokens, cut from ``side`` ("left" keeps the
+    end); -1 keeps as many as fit beside ``max_tokens``. Applied before the context check, so a
+    long prompt can be made to fit."""
+    if limit is None:
+        return token_ids
+    if not _is_int(limit) or not (limit >= 1 or limit == -1):
+        raise InvalidRequest("truncate_prompt_tokens", f"must be -1 or at least 1, got {limit!r}")
+    if limit == -1:
+        limit = max(1, max_model_len - (max_tokens or 1))
+    if len(token_ids) <= limit:
+        return token_ids
+    return token_ids[-limit:] if side == "left" else token_ids[:limit]
 
 
 _FLOAT32_MAX = 3.4028234663852886e38

@@ -9,50 +9,75 @@ from fastapi.responses import StreamingResponse
 
 from tokenmill.interfaces.types import CompletionOutput, PositionLogprobs, RequestOutput, SamplingParams
 from tokenmill.server.errors import APIError, sse_error
+from tokenmill.server.beam_search import beam_search_stream, check_beam_fields, gather_beam_searches
 from tokenmill.server.generation import (
     MAX_SEQUENCES_PER_REQUEST,
     SSE_DONE,
     ServingContext,
+    prompt_logprobs_json,
     safe_logprob,
     sse,
+    token_name,
     unless_disconnected,
+    usage,
 )
 from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage, now, request_ids
+from tokenmill.server.request_fields import check_extra_fields
+
+
+#: apply_chat_template's own arguments: chat_template_kwargs may not set these
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "chat_template", "tools", "documents", "add_generation_prompt", "continue_final_message",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
 def chat_prompt_ids(ctx: ServingContext, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                    chat_template: Optional[str] = None) -> list[int]:
+                    chat_template: Optional[str] = None, *, continue_final_message: bool = False,
+                    template_kwargs: Optional[dict[str, Any]] = None, add_special_tokens: bool = False) -> list[int]:
     tokenizer = ctx.tokenizer
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
+    if continue_final_message and add_generation_prompt:
+        raise APIError(400, "continue_final_message needs add_generation_prompt=false", "continue_final_message")
+    if continue_final_message and messages[-1].role != "assistant":
+        raise APIError(400, "continue_final_message needs the last message to be the assistant's",
+                       "continue_final_message")
+    for key in template_kwargs or {}:
+        if key in _RESERVED_TEMPLATE_KWARGS:
+            raise APIError(400, f"{key} is an argument of the template call, not a template variable; "
+                                "use the request field of that name", f"chat_template_kwargs.{key}")
     conversation = [{"role": m.role, "content": m.text()} for m in messages]
     try:
         text = tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
+                                             add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message,
+                                             **(template_kwargs or {}))
     except Exception as exc:  # template errors (e.g. raise_exception on bad roles) are the caller's
         raise APIError(400, f"the chat template rejected the messages: {exc}", "messages") from None
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
-def _logprobs_content(token_ids: list[int], entries: list[PositionLogprobs], top: int) -> list[dict]:
+def _logprobs_content(token_ids: list[int], entries: list[PositionLogprobs], top: int, as_ids: bool) -> list[dict]:
     content = []
     for token, entry in zip(token_ids, entries):
         chosen = entry[token]
-        ranked = sorted((lp for t, lp in entry.items() if lp.rank is not None and lp.rank <= top),
-                        key=lambda lp: lp.rank)
+        ranked = sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None and lp.rank <= top),
+                        key=lambda item: item[1].rank)
+        name = token_name(token, chosen.decoded_token, as_ids)
         content.append({
-            "token": chosen.decoded_token, "logprob": safe_logprob(chosen.logprob),
-            "bytes": list(chosen.decoded_token.encode()),
-            "top_logprobs": [{"token": lp.decoded_token, "logprob": safe_logprob(lp.logprob),
-                              "bytes": list(lp.decoded_token.encode())} for lp in ranked[:top]],
+            "token": name, "logprob": safe_logprob(chosen.logprob), "bytes": list(name.encode()),
+            "top_logprobs": [{"token": token_name(t, lp.decoded_token, as_ids), "logprob": safe_logprob(lp.logprob),
+                              "bytes": list(token_name(t, lp.decoded_token, as_ids).encode())}
+                             for t, lp in ranked[:top]],
         })
     return content
 
 
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, ctx: ServingContext):
     model, adapter = ctx.resolve_model(body.model)
-    if body.tools:
-        raise APIError(400, "tools are not supported", "tools")
+    internal_id, request_id = request_ids("chatcmpl", request, body.request_id)
+    check_extra_fields("chat", body.model_extra or {}, internal_id)
     if body.n > MAX_SEQUENCES_PER_REQUEST:
         raise APIError(400, f"n must be at most {MAX_SEQUENCES_PER_REQUEST}", "n")
     if body.chat_template is not None and not ctx.trust_request_chat_template:
@@ -60,26 +85,52 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
                             "--trust-request-chat-template to allow it)", "chat_template")
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs requires logprobs=true", "top_logprobs")
-    token_ids = chat_prompt_ids(ctx, body.messages, body.add_generation_prompt, body.chat_template)
-    max_tokens = ctx.max_tokens_for(len(token_ids), body.max_completion_tokens or body.max_tokens)
+    check_beam_fields(body)
+    token_ids = chat_prompt_ids(ctx, body.messages, body.add_generation_prompt, body.chat_template,
+                                continue_final_message=body.continue_final_message,
+                                template_kwargs=body.chat_template_kwargs,
+                                add_special_tokens=body.add_special_tokens)
+    requested = body.max_completion_tokens or body.max_tokens
+    prompt = ctx.prepare_prompt(token_ids, body, requested)
+    max_tokens = ctx.max_tokens_for(len(prompt["prompt_token_ids"]), requested)
     top = body.top_logprobs or 0
-    params = body.sampling_params(max_tokens, top if body.logprobs else None)
-    internal_id, request_id = request_ids("chatcmpl", request, body.request_id)
-    prompt = {"prompt": None, "prompt_token_ids": token_ids}
+    params = body.sampling_params(max_tokens, top if body.logprobs else None, body.prompt_logprobs)
+    echo = _echoed(body)
+    created = now()
+    if body.use_beam_search:
+        [final] = await unless_disconnected(request, gather_beam_searches(
+            ctx, internal_id, [prompt], [params], body, adapter))
+        response = _response(body, request_id, model, created, final, echo)
+        return beam_search_stream(response, "chat.completion.chunk") if body.stream else response
     [stream] = ctx.start(internal_id, [(prompt, params)], priority=body.priority, user=body.user,
                          adapter=adapter)
-    created = now()
     if body.stream:
-        return StreamingResponse(_stream(body, request_id, model, created, stream, params),
+        return StreamingResponse(_stream(body, request_id, model, created, stream, params, echo),
                                  media_type="text/event-stream")
     final = await unless_disconnected(request, _last(stream))
-    choices = [_choice(c, body.logprobs, top) for c in final.outputs]
+    return _response(body, request_id, model, created, final, echo)
+
+
+def _echoed(body: ChatCompletionRequest) -> str:
+    """vLLM's chat echo: the reply starts with the last message's content when that message is
+    the assistant's (the turn the model continues)."""
+    last = body.messages[-1]
+    return last.text() if body.echo and last.role == "assistant" else ""
+
+
+def _response(body: ChatCompletionRequest, request_id: str, model: str, created: int, final: RequestOutput,
+              echo: str) -> dict[str, Any]:
+    top = body.top_logprobs or 0
+    choices = [_choice(c, body, top, echo) for c in final.outputs]
     completion_tokens = sum(len(c.token_ids) for c in final.outputs)
-    return {
-        "id": request_id, "object": "chat.completion", "created": created, "model": model, "choices": choices,
-        "usage": {"prompt_tokens": len(token_ids), "completion_tokens": completion_tokens,
-                  "total_tokens": len(token_ids) + completion_tokens},
-    }
+    response = {"id": request_id, "object": "chat.completion", "created": created, "model": model,
+                "choices": choices, "usage": usage(len(final.prompt_token_ids), completion_tokens)}
+    if body.prompt_logprobs is not None:
+        response["prompt_logprobs"] = prompt_logprobs_json(final.prompt_logprobs, final.prompt_token_ids,
+                                                           body.prompt_logprobs)
+    if body.return_token_ids:
+        response["prompt_token_ids"] = final.prompt_token_ids
+    return response
 
 
 async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
@@ -89,19 +140,23 @@ async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
     return final
 
 
-def _choice(completion: CompletionOutput, logprobs: bool, top: int) -> dict[str, Any]:
-    return {
+def _choice(completion: CompletionOutput, body: ChatCompletionRequest, top: int, echo: str) -> dict[str, Any]:
+    choice = {
         "index": completion.index,
-        "message": {"role": "assistant", "content": completion.text},
-        "logprobs": {"content": _logprobs_content(completion.token_ids, completion.logprobs or [], top)}
-        if logprobs else None,
+        "message": {"role": "assistant", "content": echo + completion.text},
+        "logprobs": {"content": _logprobs_content(completion.token_ids, completion.logprobs or [], top,
+                                                  body.return_tokens_as_token_ids)}
+        if body.logprobs else None,
         "finish_reason": completion.finish_reason,
         "stop_reason": completion.stop_reason,
     }
+    if body.return_token_ids:
+        choice["token_ids"] = list(completion.token_ids)
+    return choice
 
 
 async def _stream(body: ChatCompletionRequest, request_id: str, model: str, created: int,
-                  stream: AsyncIterator[RequestOutput], params: SamplingParams) -> AsyncIterator[str]:
+                  stream: AsyncIterator[RequestOutput], params: SamplingParams, echo: str) -> AsyncIterator[str]:
     def chunk(choices: list[dict], **extra: Any) -> str:
         return sse({"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
                     "choices": choices, **extra})
@@ -110,8 +165,11 @@ async def _stream(body: ChatCompletionRequest, request_id: str, model: str, crea
     sent_tokens: dict[int, int] = {}
     prompt_tokens = completion_tokens = 0
     top = body.top_logprobs or 0
+    options = body.stream_options
+    continuous = bool(options and options.include_usage and options.continuous_usage_stats)
     try:
-        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        # the first chunk opens each choice, with the echoed text; its usage counts no tokens yet
+        yield chunk([{"index": i, "delta": {"role": "assistant", "content": echo}, "logprobs": None,
                       "finish_reason": None} for i in range(params.n)])
         async for output in stream:
             prompt_tokens = len(output.prompt_token_ids)
@@ -125,13 +183,15 @@ async def _stream(body: ChatCompletionRequest, request_id: str, model: str, crea
                 completion_tokens += len(new_tokens)
                 logprobs = None
                 if body.logprobs:
-                    logprobs = {"content": _logprobs_content(new_tokens, (completion.logprobs or [])[token_from:], top)}
-                yield chunk([{"index": i, "delta": {"content": delta} if delta else {}, "logprobs": logprobs,
-                              "finish_reason": completion.finish_reason,
-                              "stop_reason": completion.stop_reason}])
-        if body.stream_options and body.stream_options.include_usage:
-            yield chunk([], usage={"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                                   "total_tokens": prompt_tokens + completion_tokens})
+                    logprobs = {"content": _logprobs_content(new_tokens, (completion.logprobs or [])[token_from:],
+                                                             top, body.return_tokens_as_token_ids)}
+                choice = {"index": i, "delta": {"content": delta} if delta else {}, "logprobs": logprobs,
+                          "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
+                if body.return_token_ids:
+                    choice["token_ids"] = list(new_tokens)
+                yield chunk([choice], **({"usage": usage(prompt_tokens, completion_tokens)} if continuous else {}))
+        if options and options.include_usage:
+            yield chunk([], usage=usage(prompt_tokens, completion_tokens))
     except Exception as exc:
         yield sse_error(exc)
     yield SSE_DONE

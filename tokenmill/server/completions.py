@@ -9,16 +9,21 @@ from fastapi.responses import StreamingResponse
 
 from tokenmill.interfaces.types import PositionLogprobs, RequestOutput
 from tokenmill.server.errors import APIError, sse_error
+from tokenmill.server.beam_search import beam_search_stream, check_beam_fields, gather_beam_searches
 from tokenmill.server.generation import (
     MAX_SEQUENCES_PER_REQUEST,
     SSE_DONE,
     ServingContext,
     merge_streams,
+    prompt_logprobs_json,
     safe_logprob,
     sse,
+    token_name,
     unless_disconnected,
+    usage,
 )
 from tokenmill.server.protocol import CompletionRequest, now, request_ids
+from tokenmill.server.request_fields import check_extra_fields
 
 
 def _prompts(prompt: Any) -> list[Any]:
@@ -35,18 +40,20 @@ def _prompts(prompt: Any) -> list[Any]:
 class _LogprobsBuilder:
     """The legacy ``logprobs`` object: tokens, token_logprobs, top_logprobs, text_offset."""
 
-    def __init__(self) -> None:
+    def __init__(self, as_ids: bool = False) -> None:
         self.tokens: list[str] = []
         self.token_logprobs: list[Optional[float]] = []
         self.top_logprobs: list[Optional[dict[str, float]]] = []
         self.text_offset: list[int] = []
         self.offset = 0
+        #: return_tokens_as_token_ids: tokens named 'token_id:{id}'
+        self.as_ids = as_ids
 
     def add(self, token_ids: list[int], entries: list[Optional[PositionLogprobs]], tokenizer: Any,
             k: int) -> None:
         for token, entry in zip(token_ids, entries):
             text = entry[token].decoded_token if entry else tokenizer.decode([token])
-            self.tokens.append(text)
+            self.tokens.append(token_name(token, text, self.as_ids))
             self.text_offset.append(self.offset)
             self.offset += len(text)
             if entry is None:
@@ -54,9 +61,10 @@ class _LogprobsBuilder:
                 self.top_logprobs.append(None)
                 continue
             self.token_logprobs.append(safe_logprob(entry[token].logprob))
-            top = sorted(entry.values(), key=lambda lp: lp.rank or 0)[: max(k, 1) if k else 1]
-            self.top_logprobs.append({lp.decoded_token: safe_logprob(lp.logprob) for lp in top} if k else
-                                     {entry[token].decoded_token: safe_logprob(entry[token].logprob)})
+            top = sorted(entry.items(), key=lambda item: item[1].rank or 0)[: max(k, 1) if k else 1] if k \
+                else [(token, entry[token])]
+            self.top_logprobs.append({token_name(t, lp.decoded_token, self.as_ids): safe_logprob(lp.logprob)
+                                      for t, lp in top})
 
     def as_dict(self) -> dict:
         return {"tokens": self.tokens, "token_logprobs": self.token_logprobs,
@@ -65,25 +73,30 @@ class _LogprobsBuilder:
 
 async def create_completion(body: CompletionRequest, request: Request, ctx: ServingContext):
     model, adapter = ctx.resolve_model(body.model)
-    if body.suffix is not None:
-        raise APIError(400, "suffix is not supported", "suffix")
+    internal_id, request_id = request_ids("cmpl", request, body.request_id)
+    check_extra_fields("completions", body.model_extra or {}, internal_id)
     if body.best_of is not None and body.best_of != body.n:
         raise APIError(400, "best_of other than n is not supported", "best_of")
     if body.echo and body.stream and body.logprobs is not None:
         raise APIError(400, "echo with logprobs is not supported when streaming", "echo")
-    prompts = [ctx.llm.prepare_prompt(p) for p in _prompts(body.prompt)]
+    check_beam_fields(body)
+    prompts = [ctx.prepare_prompt(p, body, body.max_tokens, body.add_special_tokens) for p in _prompts(body.prompt)]
     if len(prompts) * body.n > MAX_SEQUENCES_PER_REQUEST:
         raise APIError(400, f"at most {MAX_SEQUENCES_PER_REQUEST} sequences per request "
                             f"(prompts x n = {len(prompts) * body.n})", "n")
     params = []
     for prompt in prompts:
         max_tokens = ctx.max_tokens_for(len(prompt["prompt_token_ids"]), body.max_tokens)
-        prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
-        params.append(body.sampling_params(max_tokens, body.logprobs, prompt_logprobs))
-    internal_id, request_id = request_ids("cmpl", request, body.request_id)
+        echoed = body.logprobs if body.echo and body.logprobs is not None else None
+        params.append(body.sampling_params(max_tokens, body.logprobs, body.prompt_logprobs_wanted(echoed)))
+    created = now()
+    if body.use_beam_search:
+        finals = await unless_disconnected(request, gather_beam_searches(
+            ctx, internal_id, prompts, params, body, adapter))
+        response = _response(body, ctx, request_id, model, created, prompts, finals)
+        return beam_search_stream(response, "text_completion") if body.stream else response
     streams = ctx.start(internal_id, list(zip(prompts, params)), priority=body.priority, user=body.user,
                         adapter=adapter)
-    created = now()
     if body.stream:
         return StreamingResponse(_stream(body, ctx, request_id, model, created, prompts, streams),
                                  media_type="text/event-stream")
@@ -113,7 +126,7 @@ def _response(body, ctx, request_id, model, created, prompts, finals) -> dict:
             text = completion.text
             logprobs = None
             if body.logprobs is not None:
-                builder = _LogprobsBuilder()
+                builder = _LogprobsBuilder(body.return_tokens_as_token_ids)
                 if body.echo:
                     builder.add(output.prompt_token_ids, output.prompt_logprobs or [], ctx.tokenizer, body.logprobs)
                 builder.add(completion.token_ids, completion.logprobs or [], ctx.tokenizer, body.logprobs)
@@ -121,10 +134,25 @@ def _response(body, ctx, request_id, model, created, prompts, finals) -> dict:
             if body.echo:
                 text = _prompt_text(prompt, ctx) + text
             choices.append({"index": p_index * body.n + completion.index, "text": text, "logprobs": logprobs,
-                            "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason})
+                            "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,
+                            **_prompt_extras(body, output), **_token_ids(body, completion.token_ids)})
     return {"id": request_id, "object": "text_completion", "created": created, "model": model,
-            "choices": choices, "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                                          "total_tokens": prompt_tokens + completion_tokens}}
+            "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def _prompt_extras(body: CompletionRequest, output: RequestOutput) -> dict[str, Any]:
+    """prompt_logprobs and prompt_token_ids, where the request asked for them."""
+    extras: dict[str, Any] = {}
+    if body.prompt_logprobs is not None:
+        extras["prompt_logprobs"] = prompt_logprobs_json(output.prompt_logprobs, output.prompt_token_ids,
+                                                         body.prompt_logprobs)
+    if body.return_token_ids:
+        extras["prompt_token_ids"] = output.prompt_token_ids
+    return extras
+
+
+def _token_ids(body: Any, token_ids: list[int]) -> dict[str, Any]:
+    return {"token_ids": list(token_ids)} if body.return_token_ids else {}
 
 
 async def _stream(body, ctx, request_id, model, created, prompts, streams) -> AsyncIterator[str]:
@@ -132,9 +160,12 @@ async def _stream(body, ctx, request_id, model, created, prompts, streams) -> As
     sent_tokens: dict[tuple[int, int], int] = {}
     counted_prompts: set[int] = set()
     prompt_tokens = completion_tokens = 0
+    options = body.stream_options
+    continuous = bool(options and options.include_usage and options.continuous_usage_stats)
     try:
         async for p_index, output in merge_streams(streams):
-            if p_index not in counted_prompts:
+            first = p_index not in counted_prompts
+            if first:
                 counted_prompts.add(p_index)
                 prompt_tokens += len(output.prompt_token_ids)
             for completion in output.outputs:
@@ -142,7 +173,8 @@ async def _stream(body, ctx, request_id, model, created, prompts, streams) -> As
                 text_from, token_from = sent_text.get(key, 0), sent_tokens.get(key, 0)
                 delta = completion.text[text_from:]
                 new_tokens = completion.token_ids[token_from:]
-                if body.echo and key not in sent_text:
+                opening = key not in sent_text
+                if body.echo and opening:
                     delta = _prompt_text(prompts[p_index], ctx) + delta
                 if not delta and not new_tokens and completion.finish_reason is None:
                     continue
@@ -150,18 +182,18 @@ async def _stream(body, ctx, request_id, model, created, prompts, streams) -> As
                 completion_tokens += len(new_tokens)
                 logprobs = None
                 if body.logprobs is not None:
-                    builder = _LogprobsBuilder()
+                    builder = _LogprobsBuilder(body.return_tokens_as_token_ids)
                     builder.add(new_tokens, (completion.logprobs or [])[token_from:], ctx.tokenizer, body.logprobs)
                     logprobs = builder.as_dict()
+                choice = {"index": p_index * body.n + completion.index, "text": delta, "logprobs": logprobs,
+                          "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,
+                          **(_prompt_extras(body, output) if opening else {}), **_token_ids(body, new_tokens)}
                 yield sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
-                           "choices": [{"index": p_index * body.n + completion.index, "text": delta,
-                                        "logprobs": logprobs, "finish_reason": completion.finish_reason,
-                                        "stop_reason": completion.stop_reason}]})
-        if body.stream_options and body.stream_options.include_usage:
+                           "choices": [choice],
+                           **({"usage": usage(prompt_tokens, completion_tokens)} if continuous else {})})
+        if options and options.include_usage:
             yield sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
-                       "choices": [], "usage": {"prompt_tokens": prompt_tokens,
-                                                "completion_tokens": completion_tokens,
-                                                "total_tokens": prompt_tokens + completion_tokens}})
+                       "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
     except Exception as exc:
         yield sse_error(exc)
     yield SSE_DONE

@@ -10,7 +10,7 @@ from typing import Any, AsyncIterator, Awaitable, Optional
 from fastapi import Request
 
 from tokenmill.core.engine.async_llm import AsyncLLM
-from tokenmill.interfaces.types import RequestOutput, SamplingParams
+from tokenmill.interfaces.types import PositionLogprobs, RequestOutput, SamplingParams, truncate_prompt
 from tokenmill.server.errors import APIError
 from tokenmill.server.responses import LOGPROB_FLOOR
 
@@ -47,6 +47,20 @@ class ServingContext:
                 self.llm.abort(request_id)
             raise
         return streams
+
+    def prepare_prompt(self, prompt: Any, body: Any, max_tokens: Optional[int],
+                       add_special_tokens: bool = True) -> dict:
+        """An engine prompt from a request: tokenized, cut to ``truncate_prompt_tokens`` (before
+        the context check, so that a long prompt can be made to fit), with its cache_salt."""
+        prepared = self.llm.prepare_prompt(prompt, add_special_tokens) if not isinstance(prompt, list) \
+            else {"prompt": None, "prompt_token_ids": prompt}
+        kept = truncate_prompt(prepared["prompt_token_ids"], body.truncate_prompt_tokens, body.truncation_side,
+                               self.max_model_len, max_tokens)
+        if len(kept) < len(prepared["prompt_token_ids"]):
+            prepared = {"prompt": None, "prompt_token_ids": kept}
+        if body.cache_salt is not None:
+            prepared["cache_salt"] = body.cache_salt
+        return prepared
 
     def adapters(self) -> dict[str, str]:
         """Served LoRA adapters: name -> path (empty without enable_lora)."""
@@ -139,6 +153,31 @@ async def unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
         await asyncio.gather(task, return_exceptions=True)
         raise APIError(499, "client disconnected")
     return task.result()
+
+
+def token_name(token_id: int, decoded: Optional[str], as_ids: bool) -> str:
+    """How logprobs name a token: its text, or vLLM's ``token_id:{id}`` with
+    return_tokens_as_token_ids (which survives tokens that are not whole characters)."""
+    return f"token_id:{token_id}" if as_ids else (decoded or "")
+
+
+def prompt_logprobs_json(entries: Optional[list[Optional[PositionLogprobs]]], prompt_ids: list[int],
+                         k: int) -> list[Optional[dict[str, dict]]]:
+    """vLLM's prompt_logprobs: per prompt position (the first has none), the prompt token and
+    the ``k`` most likely tokens, by token id."""
+    out: list[Optional[dict[str, dict]]] = []
+    for token, entry in zip(prompt_ids, entries or [None] * len(prompt_ids)):
+        if entry is None:
+            out.append(None)
+            continue
+        out.append({str(t): {"logprob": safe_logprob(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+                    for t, lp in entry.items() if t == token or (lp.rank is not None and lp.rank <= k)})
+    return out
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 def safe_logprob(value: float) -> float:

@@ -28,15 +28,28 @@ class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
+class GenerationModel(OpenAIModel):
+    """A generation request keeps its undeclared fields (``model_extra``), so that the server
+    can refuse the unsupported ones by name and log the ignored ones (``request_fields``)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
 class StreamOptions(OpenAIModel):
     include_usage: bool = Field(False, description="Send a last chunk with the token usage of the request.")
+    continuous_usage_stats: bool = Field(False, description="vLLM: with include_usage, every chunk carries "
+                                                            "the usage so far.")
+
+
+#: a vllm_xargs value: what vLLM's extra_args accept on the wire
+XArg = Union[str, int, float, bool, list[Union[str, int, float, bool]]]
 
 
 TokenIds = list[int]
 Prompt = Union[str, list[str], TokenIds, list[TokenIds]]
 
 
-class SamplingFields(OpenAIModel):
+class SamplingFields(GenerationModel):
     """Fields shared by completions and chat completions."""
 
     model: Optional[str] = Field(None, description="A served model name or a loaded LoRA adapter; "
@@ -71,6 +84,26 @@ class SamplingFields(OpenAIModel):
         True, description="vLLM: only true is supported (the fast tokenizers' decoding); false is refused.")
     request_id: Optional[str] = Field(None, max_length=256, description="vLLM: the id to report in the response; "
                                                                         "the engine keeps its own internal ids.")
+    allowed_token_ids: Optional[list[int]] = Field(None, description="vLLM: only these token ids may be generated.")
+    bad_words: Optional[list[str]] = Field(None, description="vLLM: words that must not be generated.")
+    truncate_prompt_tokens: Optional[int] = Field(
+        None, description="vLLM: keep only this many prompt tokens (-1: as many as fit beside max_tokens).")
+    truncation_side: Literal["left", "right"] = Field("left", description="vLLM: which end of the prompt "
+                                                                          "truncate_prompt_tokens cuts.")
+    prompt_logprobs: Optional[int] = Field(None, description="vLLM: report each prompt token's logprob and the "
+                                                             "top-k (0-20) alternatives.")
+    return_tokens_as_token_ids: bool = Field(False, description="vLLM: name tokens in logprobs as "
+                                                                "'token_id:{id}'.")
+    return_token_ids: bool = Field(False, description="vLLM: include prompt_token_ids and each choice's "
+                                                      "token_ids.")
+    cache_salt: Optional[str] = Field(None, min_length=1, max_length=1024,
+                                      description="vLLM: requests share prefix-cache blocks only with requests "
+                                                  "of the same salt.")
+    vllm_xargs: Optional[dict[str, XArg]] = Field(None, description="vLLM: arguments for the server's logits "
+                                                                    "processors (SamplingParams.extra_args).")
+    use_beam_search: bool = Field(False, description="vLLM: beam search with n beams; returns the n best.")
+    length_penalty: float = Field(1.0, description="vLLM: with use_beam_search, scores are divided by "
+                                                   "length ** length_penalty.")
 
     def sampling_params(self, max_tokens: int, logprobs: Optional[int],
                         prompt_logprobs: Optional[int] = None) -> SamplingParams:
@@ -95,7 +128,17 @@ class SamplingFields(OpenAIModel):
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             logit_bias=self._logit_bias(),
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=tuple(self.bad_words or ()),
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
+            truncation_side=self.truncation_side,
+            extra_args=self.vllm_xargs,
         )
+
+    def prompt_logprobs_wanted(self, echoed: Optional[int] = None) -> Optional[int]:
+        """How many prompt alternatives to compute: prompt_logprobs, or what echo needs."""
+        wanted = [k for k in (self.prompt_logprobs, echoed) if k is not None]
+        return max(wanted) if wanted else None
 
     def _logit_bias(self) -> Optional[dict[int, float]]:
         """OpenAI sends token ids as JSON object keys, so as strings."""
@@ -115,8 +158,9 @@ class CompletionRequest(SamplingFields):
     logprobs: Optional[int] = Field(None, description="Report the sampled token's logprob and the top-k "
                                                       "(0-20) alternatives.")
     echo: bool = Field(False, description="Prepend the prompt (and its logprobs) to the completion.")
-    suffix: Optional[str] = Field(None, description="Not supported: refused with a 400.")
     best_of: Optional[int] = Field(None, description="Only equal to n is supported.")
+    add_special_tokens: bool = Field(True, description="vLLM: tokenize text prompts with the tokenizer's "
+                                                       "special tokens (BOS).")
 
 
 class ContentPart(OpenAIModel):
@@ -148,7 +192,15 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = Field(True, description="vLLM: end the prompt with the assistant's turn header.")
     chat_template: Optional[str] = Field(None, description="vLLM: a Jinja chat template to use instead of the "
                                                            "model's; refused unless the server trusts them.")
-    tools: Optional[list[dict[str, Any]]] = Field(None, description="Not supported yet: refused with a 400.")
+    chat_template_kwargs: Optional[dict[str, Any]] = Field(None, description="vLLM: extra variables for the "
+                                                                             "chat template.")
+    continue_final_message: bool = Field(False, description="vLLM: leave the last (assistant) message open, "
+                                                            "for the model to continue; needs "
+                                                            "add_generation_prompt=false.")
+    echo: bool = Field(False, description="vLLM: start the reply with the last message's content when it is "
+                                          "the assistant's.")
+    add_special_tokens: bool = Field(False, description="vLLM: also add the tokenizer's special tokens to the "
+                                                        "rendered template (which usually has them).")
 
 
 class TokenizeRequest(OpenAIModel):

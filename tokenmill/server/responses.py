@@ -29,12 +29,27 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+class PromptTokenLogprob(BaseModel):
+    """vLLM's Logprob: one candidate at one prompt position."""
+
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+#: vLLM's prompt_logprobs: per prompt position (the first has none), token id -> its Logprob
+PromptLogprobs = list[Optional[dict[str, PromptTokenLogprob]]]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[str] = Field(None, description="stop, length, abort or error; null while streaming.")
     stop_reason: Union[int, str, None] = Field(None, description="vLLM: the stop token id or string that matched.")
+    prompt_logprobs: Optional[PromptLogprobs] = Field(None, description="vLLM: with prompt_logprobs.")
+    prompt_token_ids: Optional[list[int]] = Field(None, description="vLLM: with return_token_ids.")
+    token_ids: Optional[list[int]] = Field(None, description="vLLM: with return_token_ids.")
 
 
 class CompletionResponse(BaseModel):
@@ -82,6 +97,7 @@ class ChatChoice(BaseModel):
     logprobs: Optional[ChatLogprobs] = None
     finish_reason: Optional[str] = None
     stop_reason: Union[int, str, None] = None
+    token_ids: Optional[list[int]] = Field(None, description="vLLM: with return_token_ids.")
 
 
 class ChatCompletionResponse(BaseModel):
@@ -91,6 +107,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: Optional[PromptLogprobs] = Field(None, description="vLLM: with prompt_logprobs.")
+    prompt_token_ids: Optional[list[int]] = Field(None, description="vLLM: with return_token_ids.")
 
 
 class DeltaMessage(BaseModel):
@@ -104,6 +122,7 @@ class ChatChunkChoice(BaseModel):
     logprobs: Optional[ChatLogprobs] = None
     finish_reason: Optional[str] = None
     stop_reason: Union[int, str, None] = None
+    token_ids: Optional[list[int]] = Field(None, description="vLLM: with return_token_ids, this chunk's tokens.")
 
 
 class ChatCompletionChunk(BaseModel):

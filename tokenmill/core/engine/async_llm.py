@@ -95,9 +95,9 @@ class AsyncLLM:
     def num_running(self) -> int:
         return len(self.engine.scheduler.running)
 
-    def prepare_prompt(self, prompt: PromptType) -> dict:
+    def prepare_prompt(self, prompt: PromptType, add_special_tokens: bool = True) -> dict:
         """Tokenize and validate on the caller's thread (tokenizers are thread-safe)."""
-        text, token_ids = self.engine.tokenize_prompt(prompt)
+        text, token_ids = self.engine.tokenize_prompt(prompt, add_special_tokens)
         return {"prompt": text, "prompt_token_ids": token_ids}
 
     def generate(

@@ -10,6 +10,7 @@ from typing import Any, Optional, Sequence, Union
 from tqdm.auto import tqdm
 
 from tokenmill.core.config.engine_config import EngineConfig, load_config
+from tokenmill.core.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from tokenmill.core.engine.builder import build_engine
 from tokenmill.core.engine.embedding_engine import EmbeddingEngine
 from tokenmill.core.engine.llm_engine import LLMEngine, PromptType
@@ -80,6 +81,65 @@ class LLM:
         priorities = _per_prompt(priority, len(prompt_list), "priority") or [0] * len(prompt_list)
         loras = _per_prompt(lora_request, len(prompt_list), "lora_request") or [None] * len(prompt_list)
         return self._run(prompt_list, params, priorities, loras, use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: Union[PromptType, Sequence[PromptType]],
+        params: BeamSearchParams,
+        *,
+        use_tqdm: bool = False,
+        lora_request: Optional[LoRARequest] = None,
+    ) -> list[BeamSearchOutput]:
+        """Beam search for every prompt (vLLM's API); outputs come back in the prompts' order,
+        each with ``beam_width`` sequences, best first.
+
+        The search runs as ordinary requests: each round, the live beams of all prompts go
+        to the engine together as one-token greedy requests asking for the top-K logprobs,
+        so they are batched and, with prefix caching, share their prefix's KV blocks. The
+        beams chosen are those of Hugging Face's ``generate(num_beams=beam_width,
+        do_sample=False, length_penalty=...)`` (see tokenmill.core.engine.beam_search).
+        """
+        engine = self.llm_engine
+        if not isinstance(engine, LLMEngine):
+            raise InvalidRequest("model", "this is an embedding model; use embed()")
+        if not isinstance(params, BeamSearchParams):
+            raise InvalidRequest("params", f"must be a BeamSearchParams, got {type(params).__name__}")
+        searches = []
+        for prompt in _as_prompt_list(prompts):
+            _, token_ids = engine.tokenize_prompt(prompt)
+            if len(token_ids) + params.max_tokens > engine.max_model_len:
+                raise InvalidRequest(
+                    "max_tokens", f"the prompt has {len(token_ids)} tokens: with max_tokens={params.max_tokens} "
+                    f"the beams would pass this model's context of {engine.max_model_len} tokens")
+            searches.append(BeamSearch(token_ids, params, engine.model_config.eos_token_ids))
+        step_params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=searches[0].num_candidates,
+                                     ignore_eos=True)
+        with tqdm(total=params.max_tokens, desc="Beam search", disable=not use_tqdm, dynamic_ncols=True) as bar:
+            while live := [search for search in searches if not search.done]:
+                pending = [search.pending() for search in live]
+                outputs = self.generate([{"prompt_token_ids": tokens} for beams in pending for tokens in beams],
+                                        step_params, use_tqdm=False, lora_request=lora_request)
+                if len(outputs) != sum(map(len, pending)):
+                    raise RuntimeError("a beam search step lost requests")
+                position = 0
+                for search, beams in zip(live, pending):
+                    step = outputs[position:position + len(beams)]
+                    position += len(beams)
+                    for output in step:
+                        if output.error is not None or not output.outputs[0].logprobs:
+                            raise RuntimeError(f"a beam search step failed: {output.error or 'no logprobs'}")
+                    search.advance([output.outputs[0].logprobs[0] for output in step])
+                bar.update(1)
+        tokenizer = self.get_tokenizer()
+        results = []
+        for search in searches:
+            sequences = search.result()
+            for sequence in sequences:
+                generated = sequence.tokens[len(search.prompt_token_ids):]
+                sequence.text = tokenizer.decode(generated, skip_special_tokens=True)
+                sequence.lora_request = lora_request
+            results.append(BeamSearchOutput(sequences))
+        return results
 
     def _ensure_adapter(self, lora: Optional[LoRARequest]) -> Optional[str]:
         if lora is None:

@@ -35,6 +35,8 @@ _NOTHING = ModelRunnerOutput({}, {}, {})
 
 #: a prompt: text, token ids, or vLLM's dict forms
 PromptType = Union[str, Sequence[int], dict]
+#: a cache_salt is hashed into every block of its request; bounded like every request field
+MAX_CACHE_SALT_CHARS = 1024
 
 
 class LLMEngine:
@@ -73,8 +75,9 @@ class LLMEngine:
         return self.model_config.max_model_len
 
     # --- requests ----------------------------------------------------------
-    def tokenize_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
-        """(text or None, token ids) for any accepted prompt form, validated."""
+    def tokenize_prompt(self, prompt: PromptType, add_special_tokens: bool = True) -> tuple[Optional[str], list[int]]:
+        """(text or None, token ids) for any accepted prompt form, validated. ``add_special_tokens``
+        (vLLM's name) lets a text prompt go without the BOS its tokenizer would add."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), self._check_token_ids(prompt["prompt_token_ids"])
@@ -87,7 +90,7 @@ class LLMEngine:
                 prompt.encode("utf-8")
             except UnicodeEncodeError:
                 raise InvalidRequest("prompt", "the prompt is not valid Unicode (it has a lone surrogate)") from None
-            ids = self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
             if not ids:
                 raise InvalidRequest("prompt", "the prompt is empty")
             return prompt, list(ids)
@@ -133,7 +136,11 @@ class LLMEngine:
     ) -> None:
         params = params or SamplingParams()
         text, token_ids = self.tokenize_prompt(prompt)
+        cache_salt = _cache_salt(prompt)
         self.check_params(params)
+        kept = params.truncated_prompt(token_ids, self.max_model_len)
+        if len(kept) < len(token_ids):
+            text, token_ids = None, kept  # the text no longer matches the tokens that run
         if len(token_ids) >= self.max_model_len:
             raise InvalidRequest(
                 "prompt",
@@ -170,6 +177,7 @@ class LLMEngine:
                 seed=seed,
                 adapter_name=adapter_name,
                 adapter_key=adapter_key,
+                cache_salt=cache_salt,
                 user=user,
             ))
 
@@ -278,3 +286,13 @@ class LLMEngine:
             except Exception:  # a plugin's bookkeeping must not take the engine down
                 log.exception("a request_finished hook failed", request_id=request_id)
         return output
+
+
+def _cache_salt(prompt: PromptType) -> Optional[str]:
+    """A prompt dict's ``cache_salt`` (vLLM's name): its requests share prefix-cache blocks only
+    with requests of the same salt."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is not None and (not isinstance(salt, str) or not salt or len(salt) > MAX_CACHE_SALT_CHARS):
+        raise InvalidRequest("cache_salt", f"must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters")
+    return salt
+

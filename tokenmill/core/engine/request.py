@@ -39,6 +39,7 @@ class Request:
         seed: Optional[int] = None,
         adapter_name: Optional[str] = None,
         adapter_key: Optional[str] = None,
+        cache_salt: Optional[str] = None,
         user: Optional[str] = None,
     ) -> None:
         self.request_id = request_id
@@ -49,8 +50,11 @@ class Request:
         self.priority = priority
         self.seed = seed
         self.adapter_name = adapter_name
-        #: the adapter's identity (name and path) for prefix-cache hashing
-        self.adapter_key = adapter_key or adapter_name
+        #: what besides the tokens a prefix-cache block's hash commits to: the adapter's
+        #: identity (name and path) and the request's cache_salt, so that neither an adapter's
+        #: KV nor another tenant's prefix is ever shared
+        self.cache_key = "\x00".join(part or "" for part in (adapter_key or adapter_name, cache_salt)) \
+            if (adapter_key or adapter_name or cache_salt) else None
         self.user = user
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len

@@ -2,8 +2,8 @@
 
 Prefix caching hashes each full block as ``sha256(parent_hash, extra, tokens)``,
 so a block's hash commits to its whole prefix; a hit is a run of leading
-blocks whose hashes are cached. ``extra`` carries the adapter identity, so
-two adapters never share KV.
+blocks whose hashes are cached. ``extra`` carries the adapter identity and the
+request's ``cache_salt``, so two adapters, or two tenants, never share KV.
 """
 
 from __future__ import annotations
@@ -110,5 +110,5 @@ class KVCacheManager:
             index = len(hashes)
             parent = hashes[-1] if hashes else _ROOT_HASH
             hashes.append(
-                hash_block(parent, tokens[index * size:(index + 1) * size], request.adapter_key)
+                hash_block(parent, tokens[index * size:(index + 1) * size], request.cache_key)
             )

@@ -1,0 +1,105 @@
+"""``use_beam_search`` on both endpoints: the engine's BeamSearch, driven over async requests.
+
+Each round, every live beam of every prompt is an ordinary one-token engine request (the
+same ones ``LLM.beam_search`` makes), so beams batch with other clients' requests and share
+prefix-cache blocks. The result is shaped as RequestOutputs, so the endpoints format it
+like any other; a streamed beam search sends its result as one chunk, when it is known.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, AsyncIterator
+
+from fastapi.responses import StreamingResponse
+
+from tokenmill.core.engine.beam_search import BeamSearch, BeamSearchParams
+from tokenmill.interfaces.errors import InvalidRequest
+from tokenmill.interfaces.types import CompletionOutput, RequestOutput, SamplingParams
+from tokenmill.server.errors import APIError
+from tokenmill.server.generation import SSE_DONE, ServingContext, merge_streams, sse
+
+#: request fields that steer sampling, which beam search does not do: (field, its inert value)
+_SAMPLING_ONLY = (("temperature", (None, 0.0, 0)), ("top_p", (None, 1.0, 1)), ("top_k", (None, -1)),
+                  ("min_p", (None, 0.0, 0)), ("seed", (None,)), ("presence_penalty", (0.0, 0)),
+                  ("frequency_penalty", (0.0, 0)), ("repetition_penalty", (None, 1.0, 1)),
+                  ("logit_bias", (None,)), ("allowed_token_ids", (None,)), ("bad_words", (None, [])),
+                  ("min_tokens", (0,)), ("stop", (None, [])), ("stop_token_ids", (None, [])),
+                  ("vllm_xargs", (None,)), ("prompt_logprobs", (None,)), ("echo", (False,)),
+                  ("best_of", (None,)))
+
+
+def check_beam_fields(body: Any) -> None:
+    """Refuse what beam search cannot honour, by name: beams are ranked by the model's raw
+    logprobs (HF's ``do_sample=False``), so sampling fields would be silently ignored."""
+    if not body.use_beam_search:
+        if body.length_penalty != 1.0:
+            raise APIError(400, "length_penalty applies only with use_beam_search", "length_penalty")
+        return
+    for name, inert in _SAMPLING_ONLY:
+        if hasattr(body, name) and getattr(body, name) not in inert:
+            raise APIError(400, f"{name} does not apply to beam search, which ranks beams by the model's "
+                                "logprobs", name)
+    if body.logprobs not in (None, False):
+        raise APIError(400, "logprobs are not reported for beam search", "logprobs")
+
+
+async def gather_beam_searches(ctx: ServingContext, internal_id: str, prompts: list[dict],
+                               params: list[SamplingParams], body: Any, adapter: Any) -> list[RequestOutput]:
+    """Run one search per prompt, all rounds batched together; RequestOutputs with ``n``
+    sequences each, best first."""
+    eos = ctx.llm.engine.model_config.eos_token_ids
+    try:
+        searches = [BeamSearch(prompt["prompt_token_ids"], BeamSearchParams(
+            beam_width=body.n, max_tokens=p.max_tokens, ignore_eos=body.ignore_eos,
+            length_penalty=body.length_penalty), eos) for prompt, p in zip(prompts, params)]
+    except InvalidRequest as exc:  # the beam width is the request's n
+        raise APIError(400, str(exc), "n" if exc.param == "beam_width" else exc.param) from None
+    step = SamplingParams(max_tokens=1, temperature=0.0, logprobs=searches[0].num_candidates, ignore_eos=True)
+    salt = {"cache_salt": prompts[0]["cache_salt"]} if "cache_salt" in prompts[0] else {}
+    for round_index in itertools.count():
+        live = [search for search in searches if not search.done]
+        if not live:
+            break
+        pending = [search.pending() for search in live]
+        requests = [({"prompt": None, "prompt_token_ids": tokens, **salt}, step) for beams in pending for tokens in beams]
+        streams = ctx.start(f"{internal_id}-beam{round_index}", requests, priority=body.priority, user=body.user,
+                            adapter=adapter)
+        finals: list[Any] = [None] * len(requests)
+        async for index, output in merge_streams(streams):
+            if output.finished:
+                finals[index] = output
+        position = 0
+        for search, beams in zip(live, pending):
+            outputs = finals[position:position + len(beams)]
+            position += len(beams)
+            for output in outputs:
+                if output.error is not None or not output.outputs[0].logprobs:
+                    raise RuntimeError(f"a beam search step failed: {output.error or 'no logprobs'}")
+            search.advance([output.outputs[0].logprobs[0] for output in outputs])
+    return [_as_request_output(f"{internal_id}-{i}", prompt, search, ctx.tokenizer, body.skip_special_tokens)
+            for i, (prompt, search) in enumerate(zip(prompts, searches))]
+
+
+def _as_request_output(request_id: str, prompt: dict, search: BeamSearch, tokenizer: Any,
+                       skip_special_tokens: bool) -> RequestOutput:
+    prompt_len = len(search.prompt_token_ids)
+    outputs = []
+    for index, sequence in enumerate(search.result()):
+        generated = sequence.tokens[prompt_len:]
+        outputs.append(CompletionOutput(index, tokenizer.decode(generated, skip_special_tokens=skip_special_tokens),
+                                        generated, sequence.cum_logprob, None, sequence.finish_reason,
+                                        sequence.stop_reason))
+    return RequestOutput(request_id, prompt.get("prompt"), list(search.prompt_token_ids), None, outputs, True)
+
+
+def beam_search_stream(response: dict[str, Any], chunk_object: str) -> StreamingResponse:
+    """A finished beam search as a stream: one chunk with every choice, then ``[DONE]``."""
+    async def events() -> AsyncIterator[str]:
+        choices = [{("delta" if key == "message" else key): value for key, value in choice.items()}
+                   for choice in response["choices"]]
+        yield sse({**{k: v for k, v in response.items() if k != "usage"}, "object": chunk_object,
+                   "choices": choices})
+        yield SSE_DONE
+
+    return StreamingResponse(events(), media_type="text/event-stream")
