@@ -15,7 +15,7 @@ RUN pip install --no-cache-dir torch==2.13.0 --index-url https://download.pytorc
 WORKDIR /opt/tokenmill
 COPY pyproject.toml README.md ./
 COPY tokenmill ./tokenmill
-RUN pip install --no-cache-dir .
+RUN pip install --no-cache-dir ".[structured]"
 
 RUN useradd --create-home --uid 10001 tokenmill
 USER tokenmill

@@ -26,6 +26,7 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     path = prepare(args)
     llm = LLM(str(path), num_threads=args.threads)

@@ -75,6 +75,11 @@ SAMPLING_FIELDS = {
     "ignore_eos": st.booleans(),
     "skip_special_tokens": st.booleans(),
     "spaces_between_special_tokens": _mostly(st.just(True), st.just(False)),
+    "allowed_token_ids": st.one_of(st.none(), st.lists(_mostly(st.integers(0, 511), HOSTILE_INTS), max_size=4)),
+    "bad_words": st.lists(_mostly(st.sampled_from(["the", "fox", " a", "lazy dog"]), HOSTILE_TEXT), max_size=3),
+    "truncate_prompt_tokens": _mostly(st.one_of(st.none(), st.just(-1), st.integers(1, 8)), HOSTILE_INTS),
+    "truncation_side": _mostly(st.sampled_from(["left", "right"]), HOSTILE_TEXT),
+    "extra_args": st.one_of(st.none(), st.dictionaries(HOSTILE_TEXT, VALUES, max_size=2)),
 }
 
 
@@ -98,7 +103,7 @@ def test_sampling_params_are_refused_or_served(engine, kwargs, prompt):
         engine.add_request("fuzz", prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt}, params)
     except InvalidRequest as exc:
         event(f"refused: {exc.param}")
-        assert exc.param is None or exc.param in {*kwargs, "prompt", "prompt_token_ids", "logit_bias"}
+        assert exc.param is None or exc.param in {*kwargs, "prompt", "prompt_token_ids", "logit_bias", "vllm_xargs"}
         assert not engine.has_unfinished_requests()
         return
     finals = []
@@ -122,12 +127,17 @@ def server(engine):
 #: as JSON has them), and with anything at all (VALUES)
 BODY_FIELDS = {
     **{name: _mostly(strategy, VALUES) for name, strategy in SAMPLING_FIELDS.items()
-       if name not in ("logit_bias", "prompt_logprobs")},
+       if name not in ("logit_bias", "prompt_logprobs", "extra_args")},
+    "vllm_xargs": _mostly(st.dictionaries(st.sampled_from(["a", "b"]), st.integers(0, 9), max_size=2), VALUES),
+    "prompt_logprobs": _mostly(st.one_of(st.none(), st.integers(0, 5)), VALUES),
     "logit_bias": st.dictionaries(_mostly(st.integers(0, 511), HOSTILE_INTS).map(str),
                                   _mostly(st.floats(-100, 100), _FLOATS), max_size=3),
     **{name: VALUES for name in ("model", "prompt", "messages", "top_logprobs", "echo", "stream", "stream_options",
                                  "priority", "request_id", "user", "max_completion_tokens", "chat_template",
-                                 "tools", "input", "tokens")},
+                                 "tools", "input", "tokens", "use_beam_search", "length_penalty", "cache_salt",
+                                 "return_tokens_as_token_ids", "return_token_ids", "add_special_tokens",
+                                 "continue_final_message", "chat_template_kwargs", "add_generation_prompt",
+                                 "response_format", "structured_outputs")},
 }
 
 

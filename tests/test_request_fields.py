@@ -90,6 +90,12 @@ _SHARED_TESTS = {
     "return_token_ids": "test_return_token_ids",
     "cache_salt": "test_cache_salt_keeps_prefix_blocks_apart",
     "vllm_xargs": "test_vllm_xargs_reach_a_logits_processor",
+    "response_format": "test_structured_outputs.py::test_every_reply_follows_its_json_schema",
+    "structured_outputs": "test_structured_outputs.py::test_regex_and_choice_match_fully",
+    "guided_json": "test_structured_outputs.py::test_completions_take_every_spelling_of_a_constraint",
+    "guided_regex": "test_structured_outputs.py::test_regex_and_choice_match_fully",
+    "guided_choice": "test_structured_outputs.py::test_regex_and_choice_match_fully",
+    "guided_grammar": "test_structured_outputs.py::test_an_ebnf_grammar_parses",
     "use_beam_search": "test_use_beam_search_equals_offline_beam_search",
     "length_penalty": "test_use_beam_search_equals_offline_beam_search",
 }
@@ -117,6 +123,9 @@ FIELD_TESTS = {
         "continue_final_message": "test_continue_final_message_leaves_the_turn_open",
         "echo": "test_chat_echo_starts_with_the_open_assistant_message",
         "add_special_tokens": "test_add_special_tokens",
+        "tools": "test_structured_outputs.py::test_a_named_tool_choice_returns_valid_arguments",
+        "tool_choice": "test_structured_outputs.py::test_required_tool_choice_returns_calls_of_the_given_tools",
+        "parallel_tool_calls": "test_structured_outputs.py::test_required_tool_choice_returns_calls_of_the_given_tools",
     },
 }
 
@@ -487,3 +496,17 @@ def test_best_of_other_than_n_is_refused(url):
     assert complete(url, n=2, best_of=2, temperature=1.0, max_tokens=2)["choices"][1]["index"] == 1
     refused = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "best_of": 3})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "best_of"
+
+
+def test_builtin_processors_min_tokens_and_logit_bias_on_the_server(url):
+    """The two built-ins whose fields predate the processor contract, observed end to end."""
+    first = complete(url, return_token_ids=True)["choices"][0]["token_ids"][0]
+    stopped = complete(url, stop_token_ids=[first], return_token_ids=True)["choices"][0]
+    assert stopped["finish_reason"] == "stop" and len(stopped["token_ids"]) == 1
+    held = complete(url, stop_token_ids=[first], min_tokens=5, return_token_ids=True)["choices"][0]
+    assert len(held["token_ids"]) >= 5 and first not in held["token_ids"][:4]
+    biased = complete(url, logit_bias={"77": 100}, return_token_ids=True)["choices"][0]["token_ids"]
+    assert biased == [77] * 12
+    chat_biased = chat(url, [{"role": "user", "content": PROMPT}], logit_bias={"77": 100},
+                       return_token_ids=True)["choices"][0]["token_ids"]
+    assert chat_biased == [77] * 8

@@ -10,6 +10,7 @@ from tokenmill.core.config.engine_config import EngineConfig, load_config
 from tokenmill.core.engine.beam_search import BeamSearchParams
 from tokenmill.interfaces.adapters import LoRARequest
 from tokenmill.interfaces.hookspecs import HOOKSPEC_VERSION, hookimpl
+from tokenmill.interfaces.structured_output import StructuredOutputsParams
 from tokenmill.interfaces.types import (
     CompletionOutput,
     FinishReason,
@@ -23,6 +24,7 @@ __all__ = [
     "LoRARequest",
     "SamplingParams",
     "BeamSearchParams",
+    "StructuredOutputsParams",
     "RequestOutput",
     "CompletionOutput",
     "Logprob",

@@ -151,6 +151,10 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
                        help="enable /v1/load_lora_adapter and /v1/unload_lora_adapter")
     group.add_argument("--trust-request-chat-template", action="store_true", default=None,
                        help="accept a chat_template in chat requests (off: a template is a program)")
+    group.add_argument("--enable-auto-tool-choice", action="store_true", default=None,
+                       help='let chat requests use tool_choice "auto" (needs --tool-call-parser)')
+    group.add_argument("--tool-call-parser", default=None,
+                       help="how tool calls are read from replies: hermes, llama3_json, or a plugin's")
     group.add_argument("--ssl-keyfile", default=None, help="serve https with this private key (PEM)")
     group.add_argument("--ssl-certfile", default=None, help="... and this certificate chain (PEM)")
     group.add_argument("--ssl-ca-certs", default=None, help="CA bundle client certificates are checked against")

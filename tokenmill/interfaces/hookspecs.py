@@ -19,7 +19,7 @@ from typing import Any, Callable, Protocol
 import pluggy
 
 PROJECT_NAME = "tokenmill"
-HOOKSPEC_VERSION = 3  # 2: register_platforms; 3: register_logits_processors
+HOOKSPEC_VERSION = 4  # 2: register_platforms; 3: register_logits_processors; 4: structured outputs, tool parsers
 ENTRY_POINT_GROUP = "tokenmill.plugins"
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
@@ -91,6 +91,18 @@ def register_logits_processors(register: Register) -> None:
     Registering makes a processor selectable; an engine uses it only when its
     ``logits_processors`` list names it. It is constructed as ``cls(context)``.
     """
+
+
+@hookspec
+def register_structured_output_backends(register: Register) -> None:
+    """Register StructuredOutputBackend classes (``tokenmill.interfaces.structured_output``) by
+    name; ``structured_outputs: {backend: name}`` selects one. Built as ``cls(context)``."""
+
+
+@hookspec
+def register_tool_parsers(register: Register) -> None:
+    """Register ToolParser classes (``tokenmill.interfaces.tool_parser``) by name;
+    ``--tool-call-parser name`` selects one for ``tool_choice: "auto"``. Built as ``cls(tokenizer)``."""
 
 
 @hookspec(firstresult=True)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Mapping, Optional
 
 from tokenmill.interfaces.errors import InvalidRequest
+from tokenmill.interfaces.structured_output import StructuredOutputsParams
 
 #: vLLM's sentinel for "sample from the whole vocabulary".
 ALL_TOKENS = -1
@@ -75,6 +76,8 @@ class SamplingParams:
     truncation_side: Literal["left", "right"] = "left"
     #: arguments for the engine's logits processors (vLLM's extra_args; ``vllm_xargs`` on the wire)
     extra_args: Optional[Mapping[str, Any]] = None
+    #: a JSON schema, regex, choice or grammar the output must follow (vLLM's structured_outputs)
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
     #: the largest ``logprobs``/``prompt_logprobs`` accepted (vLLM's default cap)
     MAX_LOGPROBS = 20
@@ -97,6 +100,8 @@ class SamplingParams:
         object.__setattr__(self, "bad_words", tuple(self.bad_words or ()))
         if isinstance(self.allowed_token_ids, (list, range)):
             object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        if isinstance(self.structured_outputs, Mapping):
+            object.__setattr__(self, "structured_outputs", StructuredOutputsParams(**self.structured_outputs))
         self._validate()
         # integers are accepted where floats are meant, and stored as floats: torch would make an
         # int64 tensor of them, which 2**63 overflows
@@ -113,11 +118,11 @@ class SamplingParams:
                 raise InvalidRequest(param, message)
 
         for name in ("n", "top_k", "min_tokens"):
-            check(_is_int(getattr(self, name)), name, "must be an integer")
+            check(is_int(getattr(self, name)), name, "must be an integer")
         for name in _FLOAT_FIELDS:
             value = getattr(self, name)
             # the sampler computes in float32: a value past its range would turn logits into inf / NaN
-            check(_is_finite(value) and abs(value) <= _FLOAT32_MAX, name,
+            check(is_finite(value) and abs(value) <= _FLOAT32_MAX, name,
                   f"must be a finite number within float32's range, got {value!r}")
         check(self.n >= 1, "n", f"must be at least 1, got {self.n}")
         check(self.temperature >= 0, "temperature", f"must be non-negative, got {self.temperature}")
@@ -131,10 +136,10 @@ class SamplingParams:
         check(self.repetition_penalty >= _MIN_REPETITION_PENALTY, "repetition_penalty",
               f"must be at least {_MIN_REPETITION_PENALTY:g} (dividing a logit by less overflows float32), "
               f"got {self.repetition_penalty}")
-        check(self.seed is None or (_is_int(self.seed) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]), "seed",
+        check(self.seed is None or (is_int(self.seed) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]), "seed",
               f"must be a 64-bit integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed!r}")
         if self.max_tokens is not None:
-            check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
+            check(is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
                   f"must be at least 1, got {self.max_tokens}")
         check(self.min_tokens >= 0, "min_tokens", f"must be non-negative, got {self.min_tokens}")
         if self.max_tokens is not None:
@@ -143,13 +148,13 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
-                check(_is_int(value) and 0 <= value <= self.MAX_LOGPROBS, name,
+                check(is_int(value) and 0 <= value <= self.MAX_LOGPROBS, name,
                       f"must be in [0, {self.MAX_LOGPROBS}], got {value}")
         check(all(isinstance(s, str) and s for s in self.stop), "stop",
               "must be non-empty strings")
         check(len(self.stop) <= self.MAX_STOP_STRINGS and all(len(s) <= self.MAX_STOP_STRING_CHARS for s in self.stop),
               "stop", f"at most {self.MAX_STOP_STRINGS} strings of at most {self.MAX_STOP_STRING_CHARS} characters")
-        check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+        check(all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
               "must be non-negative integers")
         check(len(self.stop_token_ids) <= self.MAX_STOP_TOKEN_IDS, "stop_token_ids",
               f"at most {self.MAX_STOP_TOKEN_IDS} token ids")
@@ -158,14 +163,14 @@ class SamplingParams:
         if self.logit_bias is not None:
             check(isinstance(self.logit_bias, Mapping), "logit_bias", "must map token ids to biases")
             for token, bias in self.logit_bias.items():
-                check(_is_int(token) and token >= 0, "logit_bias", f"keys must be token ids, got {token!r}")
-                check(_is_finite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS, "logit_bias",
+                check(is_int(token) and token >= 0, "logit_bias", f"keys must be token ids, got {token!r}")
+                check(is_finite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS, "logit_bias",
                       f"biases must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias!r}")
 
         if self.allowed_token_ids is not None:
             check(isinstance(self.allowed_token_ids, tuple) and len(self.allowed_token_ids) > 0, "allowed_token_ids",
                   "must be a non-empty list of token ids")
-            check(all(_is_int(t) and t >= 0 for t in self.allowed_token_ids), "allowed_token_ids",
+            check(all(is_int(t) and t >= 0 for t in self.allowed_token_ids), "allowed_token_ids",
                   "must be non-negative integers")
         check(all(isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words",
               "must be non-empty strings")
@@ -173,11 +178,17 @@ class SamplingParams:
               and all(len(w) <= self.MAX_BAD_WORD_CHARS for w in self.bad_words), "bad_words",
               f"at most {self.MAX_BAD_WORDS} words of at most {self.MAX_BAD_WORD_CHARS} characters")
         if self.truncate_prompt_tokens is not None:
-            check(_is_int(self.truncate_prompt_tokens) and (self.truncate_prompt_tokens >= 1
+            check(is_int(self.truncate_prompt_tokens) and (self.truncate_prompt_tokens >= 1
                                                             or self.truncate_prompt_tokens == -1),
                   "truncate_prompt_tokens", f"must be -1 or at least 1, got {self.truncate_prompt_tokens!r}")
         check(self.truncation_side in ("left", "right"), "truncation_side",
               f"must be 'left' or 'right', got {self.truncation_side!r}")
+        if self.structured_outputs is not None:
+            check(isinstance(self.structured_outputs, StructuredOutputsParams), "structured_outputs",
+                  "must be a StructuredOutputsParams")
+            # a complete constraint allows only EOS: these would leave it no token, or none that ends it
+            check(self.min_tokens == 0, "min_tokens", "cannot be combined with structured outputs")
+            check(not self.ignore_eos, "ignore_eos", "cannot be combined with structured outputs")
         if self.extra_args is not None:
             check(isinstance(self.extra_args, Mapping) and all(isinstance(k, str) for k in self.extra_args),
                   "extra_args", "must map names to values")
@@ -205,7 +216,7 @@ def truncate_prompt(token_ids: list[int], limit: Optional[int], side: str, max_m
     long prompt can be made to fit."""
     if limit is None:
         return token_ids
-    if not _is_int(limit) or not (limit >= 1 or limit == -1):
+    if not is_int(limit) or not (limit >= 1 or limit == -1):
         raise InvalidRequest("truncate_prompt_tokens", f"must be -1 or at least 1, got {limit!r}")
     if limit == -1:
         limit = max(1, max_model_len - (max_tokens or 1))
@@ -221,11 +232,11 @@ _MIN_REPETITION_PENALTY = 1e-6
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
-def _is_int(value: object) -> bool:
+def is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_finite(value: object) -> bool:
+def is_finite(value: object) -> bool:
     """A real number a float holds: not NaN or infinite, and no integer past float's range."""
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         return False

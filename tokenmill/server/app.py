@@ -19,6 +19,7 @@ from tokenmill.core.engine.async_llm import AsyncLLM
 from tokenmill.core.engine.embedding_engine import EmbeddingEngine
 from tokenmill.server.adapters import add_adapter_routes
 from tokenmill.server.chat import chat_prompt_ids, create_chat_completion
+from tokenmill.server.tool_parsers import tool_parser_factory
 from tokenmill.server.completions import create_completion
 from tokenmill.server.embeddings import EmbeddingService
 from tokenmill.server.errors import APIError, install_error_handlers
@@ -69,7 +70,7 @@ def create_app(llm: AsyncLLM | EmbeddingEngine, config: Optional[ServerConfig] =
     engine = llm.engine if generating else llm
     names = config.served_model_name or default_model_names(str(engine.config.model))
     ctx = ServingContext(llm if generating else None, names, engine.max_model_len, engine.tokenizer,
-                         config.trust_request_chat_template)
+                         config.trust_request_chat_template, tool_parser_factory(config, engine))
     metrics = ServerMetrics(names[0])
     embeddings = None if generating else EmbeddingService(engine, names[0])
     if generating:

@@ -13,7 +13,7 @@ from typing import Any, AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
-from tokenmill.core.engine.beam_search import BeamSearch, BeamSearchParams
+from tokenmill.core.engine.beam_search import BeamSearch, BeamSearchParams, advance_searches
 from tokenmill.interfaces.errors import InvalidRequest
 from tokenmill.interfaces.types import CompletionOutput, RequestOutput, SamplingParams
 from tokenmill.server.errors import APIError
@@ -26,7 +26,9 @@ _SAMPLING_ONLY = (("temperature", (None, 0.0, 0)), ("top_p", (None, 1.0, 1)), ("
                   ("logit_bias", (None,)), ("allowed_token_ids", (None,)), ("bad_words", (None, [])),
                   ("min_tokens", (0,)), ("stop", (None, [])), ("stop_token_ids", (None, [])),
                   ("vllm_xargs", (None,)), ("prompt_logprobs", (None,)), ("echo", (False,)),
-                  ("best_of", (None,)))
+                  ("best_of", (None,)), ("response_format", (None,)), ("structured_outputs", (None,)),
+                  ("guided_json", (None,)), ("guided_regex", (None,)), ("guided_choice", (None,)),
+                  ("guided_grammar", (None,)), ("tools", (None, [])))
 
 
 def check_beam_fields(body: Any) -> None:
@@ -69,14 +71,7 @@ async def gather_beam_searches(ctx: ServingContext, internal_id: str, prompts: l
         async for index, output in merge_streams(streams):
             if output.finished:
                 finals[index] = output
-        position = 0
-        for search, beams in zip(live, pending):
-            outputs = finals[position:position + len(beams)]
-            position += len(beams)
-            for output in outputs:
-                if output.error is not None or not output.outputs[0].logprobs:
-                    raise RuntimeError(f"a beam search step failed: {output.error or 'no logprobs'}")
-            search.advance([output.outputs[0].logprobs[0] for output in outputs])
+        advance_searches(live, pending, finals)
     return [_as_request_output(f"{internal_id}-{i}", prompt, search, ctx.tokenizer, body.skip_special_tokens)
             for i, (prompt, search) in enumerate(zip(prompts, searches))]
 

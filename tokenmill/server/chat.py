@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Optional
+import dataclasses
+from typing import Any, AsyncIterator, Callable, Optional
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from tokenmill.core.engine.chat_template import render_chat
 from tokenmill.interfaces.types import CompletionOutput, PositionLogprobs, RequestOutput, SamplingParams
-from tokenmill.server.errors import APIError, sse_error
 from tokenmill.server.beam_search import beam_search_stream, check_beam_fields, gather_beam_searches
+from tokenmill.server.errors import APIError, sse_error
 from tokenmill.server.generation import (
     MAX_SEQUENCES_PER_REQUEST,
     SSE_DONE,
     ServingContext,
-    prompt_logprobs_json,
+    prompt_extras,
     safe_logprob,
     sse,
     token_name,
@@ -23,39 +25,17 @@ from tokenmill.server.generation import (
 )
 from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage, now, request_ids
 from tokenmill.server.request_fields import check_extra_fields
-
-
-#: apply_chat_template's own arguments: chat_template_kwargs may not set these
-_RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "chat_template", "tools", "documents", "add_generation_prompt", "continue_final_message",
-    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
-    "return_assistant_tokens_mask", "tokenizer_kwargs"})
+from tokenmill.server.tools import ToolReply, plan_tools
 
 
 def chat_prompt_ids(ctx: ServingContext, messages: list[ChatMessage], add_generation_prompt: bool = True,
                     chat_template: Optional[str] = None, *, continue_final_message: bool = False,
-                    template_kwargs: Optional[dict[str, Any]] = None, add_special_tokens: bool = False) -> list[int]:
-    tokenizer = ctx.tokenizer
-    if chat_template is None and not getattr(tokenizer, "chat_template", None):
-        raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
-    if continue_final_message and add_generation_prompt:
-        raise APIError(400, "continue_final_message needs add_generation_prompt=false", "continue_final_message")
-    if continue_final_message and messages[-1].role != "assistant":
-        raise APIError(400, "continue_final_message needs the last message to be the assistant's",
-                       "continue_final_message")
-    for key in template_kwargs or {}:
-        if key in _RESERVED_TEMPLATE_KWARGS:
-            raise APIError(400, f"{key} is an argument of the template call, not a template variable; "
-                                "use the request field of that name", f"chat_template_kwargs.{key}")
-    conversation = [{"role": m.role, "content": m.text()} for m in messages]
-    try:
-        text = tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt,
-                                             continue_final_message=continue_final_message,
-                                             **(template_kwargs or {}))
-    except Exception as exc:  # template errors (e.g. raise_exception on bad roles) are the caller's
-        raise APIError(400, f"the chat template rejected the messages: {exc}", "messages") from None
-    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+                    template_kwargs: Optional[dict[str, Any]] = None, add_special_tokens: bool = False,
+                    tools: Optional[list[dict[str, Any]]] = None) -> list[int]:
+    conversation = [m.for_template() for m in messages]
+    return render_chat(ctx.tokenizer, conversation, chat_template, add_generation_prompt=add_generation_prompt,
+                       continue_final_message=continue_final_message, chat_template_kwargs=template_kwargs,
+                       add_special_tokens=add_special_tokens, tools=tools)
 
 
 def _logprobs_content(token_ids: list[int], entries: list[PositionLogprobs], top: int, as_ids: bool) -> list[dict]:
@@ -86,29 +66,33 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs requires logprobs=true", "top_logprobs")
     check_beam_fields(body)
+    tool_constraint, template_tools, make_reply = plan_tools(body, ctx.tool_parser)
     token_ids = chat_prompt_ids(ctx, body.messages, body.add_generation_prompt, body.chat_template,
                                 continue_final_message=body.continue_final_message,
                                 template_kwargs=body.chat_template_kwargs,
-                                add_special_tokens=body.add_special_tokens)
+                                add_special_tokens=body.add_special_tokens, tools=template_tools)
     requested = body.max_completion_tokens or body.max_tokens
     prompt = ctx.prepare_prompt(token_ids, body, requested)
     max_tokens = ctx.max_tokens_for(len(prompt["prompt_token_ids"]), requested)
     top = body.top_logprobs or 0
     params = body.sampling_params(max_tokens, top if body.logprobs else None, body.prompt_logprobs)
+    if tool_constraint is not None:
+        params = dataclasses.replace(params, structured_outputs=tool_constraint)
     echo = _echoed(body)
     created = now()
     if body.use_beam_search:
         [final] = await unless_disconnected(request, gather_beam_searches(
             ctx, internal_id, [prompt], [params], body, adapter))
-        response = _response(body, request_id, model, created, final, echo)
+        response = _response(body, request_id, model, created, final, echo, make_reply)
         return beam_search_stream(response, "chat.completion.chunk") if body.stream else response
+    await ctx.llm.compile_constraint(params)
     [stream] = ctx.start(internal_id, [(prompt, params)], priority=body.priority, user=body.user,
                          adapter=adapter)
     if body.stream:
-        return StreamingResponse(_stream(body, request_id, model, created, stream, params, echo),
+        return StreamingResponse(_stream(body, request_id, model, created, stream, params, echo, make_reply),
                                  media_type="text/event-stream")
     final = await unless_disconnected(request, _last(stream))
-    return _response(body, request_id, model, created, final, echo)
+    return _response(body, request_id, model, created, final, echo, make_reply)
 
 
 def _echoed(body: ChatCompletionRequest) -> str:
@@ -119,18 +103,13 @@ def _echoed(body: ChatCompletionRequest) -> str:
 
 
 def _response(body: ChatCompletionRequest, request_id: str, model: str, created: int, final: RequestOutput,
-              echo: str) -> dict[str, Any]:
+              echo: str, make_reply: Callable[[], ToolReply]) -> dict[str, Any]:
     top = body.top_logprobs or 0
-    choices = [_choice(c, body, top, echo) for c in final.outputs]
+    choices = [_choice(c, body, top, echo, make_reply()) for c in final.outputs]
     completion_tokens = sum(len(c.token_ids) for c in final.outputs)
-    response = {"id": request_id, "object": "chat.completion", "created": created, "model": model,
-                "choices": choices, "usage": usage(len(final.prompt_token_ids), completion_tokens)}
-    if body.prompt_logprobs is not None:
-        response["prompt_logprobs"] = prompt_logprobs_json(final.prompt_logprobs, final.prompt_token_ids,
-                                                           body.prompt_logprobs)
-    if body.return_token_ids:
-        response["prompt_token_ids"] = final.prompt_token_ids
-    return response
+    return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
+            "choices": choices, "usage": usage(len(final.prompt_token_ids), completion_tokens),
+            **prompt_extras(body, final)}
 
 
 async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
@@ -140,14 +119,18 @@ async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
     return final
 
 
-def _choice(completion: CompletionOutput, body: ChatCompletionRequest, top: int, echo: str) -> dict[str, Any]:
+def _choice(completion: CompletionOutput, body: ChatCompletionRequest, top: int, echo: str,
+            reply: ToolReply) -> dict[str, Any]:
+    message, finish_reason = reply.message(completion.text, completion.finish_reason)
+    if message["content"] is not None:
+        message["content"] = echo + message["content"]
     choice = {
         "index": completion.index,
-        "message": {"role": "assistant", "content": echo + completion.text},
+        "message": message,
         "logprobs": {"content": _logprobs_content(completion.token_ids, completion.logprobs or [], top,
                                                   body.return_tokens_as_token_ids)}
         if body.logprobs else None,
-        "finish_reason": completion.finish_reason,
+        "finish_reason": finish_reason,
         "stop_reason": completion.stop_reason,
     }
     if body.return_token_ids:
@@ -156,7 +139,8 @@ def _choice(completion: CompletionOutput, body: ChatCompletionRequest, top: int,
 
 
 async def _stream(body: ChatCompletionRequest, request_id: str, model: str, created: int,
-                  stream: AsyncIterator[RequestOutput], params: SamplingParams, echo: str) -> AsyncIterator[str]:
+                  stream: AsyncIterator[RequestOutput], params: SamplingParams, echo: str,
+                  make_reply: Callable[[], ToolReply]) -> AsyncIterator[str]:
     def chunk(choices: list[dict], **extra: Any) -> str:
         return sse({"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
                     "choices": choices, **extra})
@@ -167,6 +151,7 @@ async def _stream(body: ChatCompletionRequest, request_id: str, model: str, crea
     top = body.top_logprobs or 0
     options = body.stream_options
     continuous = bool(options and options.include_usage and options.continuous_usage_stats)
+    replies = [make_reply() for _ in range(params.n)]
     try:
         # the first chunk opens each choice, with the echoed text; its usage counts no tokens yet
         yield chunk([{"index": i, "delta": {"role": "assistant", "content": echo}, "logprobs": None,
@@ -181,12 +166,16 @@ async def _stream(body: ChatCompletionRequest, request_id: str, model: str, crea
                     continue
                 sent_text[i], sent_tokens[i] = len(completion.text), len(completion.token_ids)
                 completion_tokens += len(new_tokens)
+                message, finish_reason = replies[i].delta(completion.text[:text_from], completion.text, delta,
+                                                          completion.finish_reason)
+                if message is None:
+                    continue
                 logprobs = None
                 if body.logprobs:
                     logprobs = {"content": _logprobs_content(new_tokens, (completion.logprobs or [])[token_from:],
                                                              top, body.return_tokens_as_token_ids)}
-                choice = {"index": i, "delta": {"content": delta} if delta else {}, "logprobs": logprobs,
-                          "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
+                choice = {"index": i, "delta": message, "logprobs": logprobs,
+                          "finish_reason": finish_reason, "stop_reason": completion.stop_reason}
                 if body.return_token_ids:
                     choice["token_ids"] = list(new_tokens)
                 yield chunk([choice], **({"usage": usage(prompt_tokens, completion_tokens)} if continuous else {}))

@@ -15,7 +15,7 @@ from tokenmill.server.generation import (
     SSE_DONE,
     ServingContext,
     merge_streams,
-    prompt_logprobs_json,
+    prompt_extras,
     safe_logprob,
     sse,
     token_name,
@@ -95,6 +95,7 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
             ctx, internal_id, prompts, params, body, adapter))
         response = _response(body, ctx, request_id, model, created, prompts, finals)
         return beam_search_stream(response, "text_completion") if body.stream else response
+    await ctx.llm.compile_constraint(params[0])  # every prompt's constraint is the same one
     streams = ctx.start(internal_id, list(zip(prompts, params)), priority=body.priority, user=body.user,
                         adapter=adapter)
     if body.stream:
@@ -135,20 +136,9 @@ def _response(body, ctx, request_id, model, created, prompts, finals) -> dict:
                 text = _prompt_text(prompt, ctx) + text
             choices.append({"index": p_index * body.n + completion.index, "text": text, "logprobs": logprobs,
                             "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,
-                            **_prompt_extras(body, output), **_token_ids(body, completion.token_ids)})
+                            **prompt_extras(body, output), **_token_ids(body, completion.token_ids)})
     return {"id": request_id, "object": "text_completion", "created": created, "model": model,
             "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
-
-
-def _prompt_extras(body: CompletionRequest, output: RequestOutput) -> dict[str, Any]:
-    """prompt_logprobs and prompt_token_ids, where the request asked for them."""
-    extras: dict[str, Any] = {}
-    if body.prompt_logprobs is not None:
-        extras["prompt_logprobs"] = prompt_logprobs_json(output.prompt_logprobs, output.prompt_token_ids,
-                                                         body.prompt_logprobs)
-    if body.return_token_ids:
-        extras["prompt_token_ids"] = output.prompt_token_ids
-    return extras
 
 
 def _token_ids(body: Any, token_ids: list[int]) -> dict[str, Any]:
@@ -187,7 +177,7 @@ async def _stream(body, ctx, request_id, model, created, prompts, streams) -> As
                     logprobs = builder.as_dict()
                 choice = {"index": p_index * body.n + completion.index, "text": delta, "logprobs": logprobs,
                           "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,
-                          **(_prompt_extras(body, output) if opening else {}), **_token_ids(body, new_tokens)}
+                          **(prompt_extras(body, output) if opening else {}), **_token_ids(body, new_tokens)}
                 yield sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
                            "choices": [choice],
                            **({"usage": usage(prompt_tokens, completion_tokens)} if continuous else {})})

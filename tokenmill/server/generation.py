@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Optional
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
 from fastapi import Request
 
@@ -28,6 +28,8 @@ class ServingContext:
     tokenizer: Any
     #: whether chat requests may bring their own chat_template (vLLM's --trust-request-chat-template)
     trust_request_chat_template: bool = False
+    #: a new ToolParser per choice, for tool_choice "auto" (None: the server reads no tool calls)
+    tool_parser: Optional[Callable[[], Any]] = None
 
     def start(self, internal_id: str, requests: list[tuple[dict, SamplingParams]], priority: int,
               user: Optional[str], adapter: Optional[str] = None) -> list[AsyncIterator[RequestOutput]]:
@@ -173,6 +175,17 @@ def prompt_logprobs_json(entries: Optional[list[Optional[PositionLogprobs]]], pr
         out.append({str(t): {"logprob": safe_logprob(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
                     for t, lp in entry.items() if t == token or (lp.rank is not None and lp.rank <= k)})
     return out
+
+
+def prompt_extras(body: Any, output: RequestOutput) -> dict[str, Any]:
+    """prompt_logprobs and prompt_token_ids, where the request asked for them."""
+    extras: dict[str, Any] = {}
+    if body.prompt_logprobs is not None:
+        extras["prompt_logprobs"] = prompt_logprobs_json(output.prompt_logprobs, output.prompt_token_ids,
+                                                         body.prompt_logprobs)
+    if body.return_token_ids:
+        extras["prompt_token_ids"] = output.prompt_token_ids
+    return extras
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

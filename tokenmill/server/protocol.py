@@ -15,6 +15,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from tokenmill.interfaces.errors import InvalidRequest
+from tokenmill.interfaces.structured_output import StructuredOutputsParams
 from tokenmill.interfaces.types import SEED_RANGE, SamplingParams
 
 #: a logit_bias key: a token id in decimal (bounded, so int() never sees thousands of digits)
@@ -43,6 +44,30 @@ class StreamOptions(OpenAIModel):
 
 #: a vllm_xargs value: what vLLM's extra_args accept on the wire
 XArg = Union[str, int, float, bool, list[Union[str, int, float, bool]]]
+
+
+class JsonSchemaFormat(OpenAIModel):
+    name: str = Field("response", max_length=256)
+    description: Optional[str] = None
+    json_schema: dict[str, Any] = Field(alias="schema", description="The JSON schema the reply must follow.")
+    strict: Optional[bool] = Field(None, description="Accepted; the schema is always enforced.")
+
+
+class ResponseFormat(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
+class StructuredOutputsField(OpenAIModel):
+    """vLLM's structured_outputs: exactly one constraint."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    json_: Union[dict[str, Any], str, None] = Field(None, alias="json", description="A JSON schema.")
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = Field(None, description="An EBNF grammar (the backend's dialect).")
+    json_object: Optional[bool] = None
 
 
 TokenIds = list[int]
@@ -101,6 +126,16 @@ class SamplingFields(GenerationModel):
                                                   "of the same salt.")
     vllm_xargs: Optional[dict[str, XArg]] = Field(None, description="vLLM: arguments for the server's logits "
                                                                     "processors (SamplingParams.extra_args).")
+    response_format: Optional[ResponseFormat] = Field(None, description="OpenAI's: json_object or json_schema "
+                                                                        "constrains the reply; text does nothing.")
+    structured_outputs: Optional[StructuredOutputsField] = Field(
+        None, description="vLLM: a JSON schema, regex, choice or grammar the reply must follow.")
+    guided_json: Union[dict[str, Any], str, None] = Field(None, description="vLLM's older spelling of "
+                                                                            "structured_outputs.json.")
+    guided_regex: Optional[str] = Field(None, description="vLLM's older spelling of structured_outputs.regex.")
+    guided_choice: Optional[list[str]] = Field(None, description="vLLM's older spelling of "
+                                                                 "structured_outputs.choice.")
+    guided_grammar: Optional[str] = Field(None, description="vLLM's older spelling of structured_outputs.grammar.")
     use_beam_search: bool = Field(False, description="vLLM: beam search with n beams; returns the n best.")
     length_penalty: float = Field(1.0, description="vLLM: with use_beam_search, scores are divided by "
                                                    "length ** length_penalty.")
@@ -133,7 +168,31 @@ class SamplingFields(GenerationModel):
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             truncation_side=self.truncation_side,
             extra_args=self.vllm_xargs,
+            structured_outputs=self.constraint(),
         )
+
+    def constraint(self) -> Optional[StructuredOutputsParams]:
+        """The one constraint the request asks for, from whichever field it used."""
+        given = []
+        if self.response_format is not None and self.response_format.type != "text":
+            fmt = self.response_format
+            if fmt.type == "json_object":
+                given.append(StructuredOutputsParams(json_object=True, param="response_format"))
+            elif fmt.json_schema is None:
+                raise InvalidRequest("response_format", "type json_schema needs json_schema")
+            else:
+                given.append(StructuredOutputsParams(json=fmt.json_schema.json_schema, param="response_format"))
+        if self.structured_outputs is not None:
+            so = self.structured_outputs
+            given.append(StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
+                                                 json_object=bool(so.json_object), param="structured_outputs"))
+        for field, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                            ("guided_grammar", "grammar")):
+            if getattr(self, field) is not None:
+                given.append(StructuredOutputsParams(**{kind: getattr(self, field)}, param=field))
+        if len(given) > 1:
+            raise InvalidRequest(given[1].param, f"one constraint per request: {given[0].param} is given too")
+        return given[0] if given else None
 
     def prompt_logprobs_wanted(self, echoed: Optional[int] = None) -> Optional[int]:
         """How many prompt alternatives to compute: prompt_logprobs, or what echo needs."""
@@ -168,10 +227,35 @@ class ContentPart(OpenAIModel):
     text: str
 
 
+class ToolCallFunction(OpenAIModel):
+    name: str
+    arguments: str
+
+
+class MessageToolCall(OpenAIModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(OpenAIModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Union[str, list[ContentPart], None] = None
     name: Optional[str] = None
+    #: an assistant turn's earlier tool calls, and a tool turn's answer to one: for the template
+    tool_calls: Optional[list[MessageToolCall]] = None
+    tool_call_id: Optional[str] = None
+
+    def for_template(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
+                "name": c.function.name, "arguments": c.function.arguments}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
     def text(self) -> str:
         if self.content is None:
@@ -179,6 +263,27 @@ class ChatMessage(OpenAIModel):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+class FunctionDefinition(OpenAIModel):
+    name: str = Field(min_length=1, max_length=256)
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = Field(None, description="A JSON schema of the arguments.")
+    strict: Optional[bool] = None
+
+
+class ChatTool(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -201,6 +306,11 @@ class ChatCompletionRequest(SamplingFields):
                                           "the assistant's.")
     add_special_tokens: bool = Field(False, description="vLLM: also add the tokenizer's special tokens to the "
                                                         "rendered template (which usually has them).")
+    tools: Optional[list[ChatTool]] = Field(None, max_length=128, description="Functions the model may call.")
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = Field(
+        None, description="none; auto (the server's --tool-call-parser reads calls from the text); required or "
+                          "a named function (the reply is constrained to the arguments' schema).")
+    parallel_tool_calls: bool = Field(True, description="With tool_choice required: more than one call allowed.")
 
 
 class TokenizeRequest(OpenAIModel):

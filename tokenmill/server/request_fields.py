@@ -31,18 +31,11 @@ class Refused:
 
 _MULTIMODAL = "multimodal inputs are not supported (the served models are text-only)"
 _DISAGGREGATED = "disaggregated serving (KV and encoder-cache transfer) is not supported"
-_STRUCTURED = "structured outputs are not supported yet: the output would not be constrained"
 _REASONING = "reasoning parsers are not supported"
-_TOOLS = "tool calling is not supported yet: the output would not be constrained"
+_FUNCTIONS = "functions and function_call are OpenAI's deprecated spelling: use tools and tool_choice"
 
 #: refused on both endpoints
 _COMMON: dict[str, Refused] = {
-    "response_format": Refused(_STRUCTURED, (None, {"type": "text"})),
-    "structured_outputs": Refused(_STRUCTURED),
-    "guided_json": Refused(_STRUCTURED),
-    "guided_regex": Refused(_STRUCTURED),
-    "guided_choice": Refused(_STRUCTURED),
-    "guided_grammar": Refused(_STRUCTURED),
     "kv_transfer_params": Refused(_DISAGGREGATED),
     "ec_transfer_params": Refused(_DISAGGREGATED),
     "mm_payload": Refused(_MULTIMODAL),
@@ -65,11 +58,8 @@ REFUSED_FIELDS: dict[str, dict[str, Refused]] = {
     },
     "chat": {
         **_COMMON,
-        "tools": Refused(_TOOLS, (None, [])),
-        "tool_choice": Refused(_TOOLS, (None, "none")),
-        "parallel_tool_calls": Refused(_TOOLS, (None, True, False)),
-        "functions": Refused(_TOOLS, (None, [])),
-        "function_call": Refused(_TOOLS, (None, "none")),
+        "functions": Refused(_FUNCTIONS, (None, [])),
+        "function_call": Refused(_FUNCTIONS, (None, "none")),
         "documents": Refused("documents for retrieval-augmented chat templates are not supported"),
         "include_reasoning": Refused(_REASONING, (None, True)),
         "reasoning_effort": Refused(_REASONING),

@@ -70,6 +70,14 @@ class QuantizationConfig(BaseModel):
     quantize_activations: bool = True
 
 
+class StructuredOutputsConfig(BaseModel):
+    model_config = _STRICT
+
+    #: the backend that compiles constraints: a registered name ("xgrammar", "guidance", a
+    #: plugin's), or "auto" (xgrammar where installed, else guidance)
+    backend: str = "auto"
+
+
 class AdaptersConfig(BaseModel):
     model_config = _STRICT
 
@@ -118,6 +126,10 @@ class ServerConfig(BaseModel):
     #: accept a request's own ``chat_template`` (vLLM's --trust-request-chat-template): a
     #: template is a program, and one can keep the event loop busy for as long as it likes
     trust_request_chat_template: bool = False
+    #: let the model decide when to call tools (tool_choice "auto"), read by tool_call_parser
+    enable_auto_tool_choice: bool = False
+    #: how tool calls are read from the model's text: a registered ToolParser ("hermes", "llama3_json")
+    tool_call_parser: Optional[str] = None
     #: seconds in-flight requests may take to finish on shutdown
     drain_timeout: float = Field(10.0, ge=0)
     #: TLS (vLLM's flags): the private key and certificate chain files serve https
@@ -169,6 +181,7 @@ class EngineConfig(BaseSettings):
     attention: AttentionConfig = AttentionConfig()
     quantization: QuantizationConfig = QuantizationConfig()
     adapters: AdaptersConfig = AdaptersConfig()
+    structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()
     server: ServerConfig = ServerConfig()
 
     @classmethod
@@ -216,6 +229,7 @@ VLLM_NAMES: dict[str, str] = {
     "max_loras": "adapters.max_loras",
     "max_lora_rank": "adapters.max_lora_rank",
     "max_cpu_loras": "adapters.max_cpu_loras",
+    "guided_decoding_backend": "structured_outputs.backend",
 }
 
 #: `tokenmill serve` flags (vLLM's names where vLLM has one) -> dotted paths
@@ -232,6 +246,8 @@ SERVER_NAMES: dict[str, str] = {
     "allowed_lora_dirs": "adapters.allowed_lora_dirs",
     "allow_runtime_lora_updating": "adapters.allow_runtime_lora_updating",
     "trust_request_chat_template": "server.trust_request_chat_template",
+    "enable_auto_tool_choice": "server.enable_auto_tool_choice",
+    "tool_call_parser": "server.tool_call_parser",
     "ssl_keyfile": "server.ssl_keyfile",
     "ssl_certfile": "server.ssl_certfile",
     "ssl_ca_certs": "server.ssl_ca_certs",

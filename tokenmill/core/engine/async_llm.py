@@ -100,6 +100,14 @@ class AsyncLLM:
         text, token_ids = self.engine.tokenize_prompt(prompt, add_special_tokens)
         return {"prompt": text, "prompt_token_ids": token_ids}
 
+    async def compile_constraint(self, params: SamplingParams) -> None:
+        """Compile a request's structured output constraint on a compiler thread, so that
+        admission then finds it cached: a slow compile delays this request alone. An invalid
+        constraint raises InvalidRequest here."""
+        manager = self.engine.structured_outputs
+        if params.structured_outputs is not None and manager is not None:
+            await asyncio.wrap_future(manager.compile_async(params.structured_outputs))
+
     def generate(
         self,
         request_id: str,

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence
 
 from tokenmill.interfaces.errors import InvalidRequest
-from tokenmill.interfaces.types import PositionLogprobs, SamplingParams
+from tokenmill.interfaces.types import PositionLogprobs, RequestOutput, SamplingParams, is_finite, is_int
 
 
 @dataclass(frozen=True)
@@ -62,17 +62,17 @@ class BeamSearchParams:
             if not ok:
                 raise InvalidRequest(param, message)
 
-        check(_is_int(self.beam_width) and self.beam_width >= 1, "beam_width",
+        check(is_int(self.beam_width) and self.beam_width >= 1, "beam_width",
               f"must be an integer of at least 1, got {self.beam_width!r}")
         # the step requests ask for K >= 2 * beam_width logprobs (more with several EOS ids)
         check(2 * self.beam_width <= SamplingParams.MAX_LOGPROBS, "beam_width",
               f"at most {SamplingParams.MAX_LOGPROBS // 2}: each step asks for 2 * beam_width "
               f"logprobs and at most {SamplingParams.MAX_LOGPROBS} are served, got {self.beam_width}")
-        check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
+        check(is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
               f"must be an integer of at least 1, got {self.max_tokens!r}")
-        check(_is_finite(self.length_penalty), "length_penalty",
+        check(is_finite(self.length_penalty), "length_penalty",
               f"must be a finite number, got {self.length_penalty!r}")
-        check(_is_finite(self.temperature) and self.temperature >= 0, "temperature",
+        check(is_finite(self.temperature) and self.temperature >= 0, "temperature",
               f"must be a finite non-negative number, got {self.temperature!r}")
         check(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a boolean")
         check(isinstance(self.include_stop_str_in_output, bool), "include_stop_str_in_output",
@@ -235,17 +235,20 @@ def _length_divisor(generated: int, length_penalty: float) -> float:
         return math.inf
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def advance_searches(searches: Sequence[BeamSearch], pending: Sequence[list[list[int]]],
+                     outputs: Sequence[RequestOutput]) -> None:
+    """Hand each search its beams' next-position logprobs from one round's outputs, which
+    are the round's requests in ``pending`` order (one list of beams per search)."""
+    if len(outputs) != sum(map(len, pending)):
+        raise RuntimeError("a beam search round lost requests")
+    position = 0
+    for search, beams in zip(searches, pending):
+        step = outputs[position:position + len(beams)]
+        position += len(beams)
+        for output in step:
+            if output.error is not None or not output.outputs[0].logprobs:
+                raise RuntimeError(f"a beam search step failed: {output.error or 'no logprobs'}")
+        search.advance([output.outputs[0].logprobs[0] for output in step])
 
 
-def _is_finite(value: object) -> bool:
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        return False
-    try:
-        return math.isfinite(value)
-    except OverflowError:
-        return False
-
-
-__all__ = ["BeamSearch", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "num_candidates"]
+__all__ = ["advance_searches", "BeamSearch", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "num_candidates"]

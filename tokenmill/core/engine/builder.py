@@ -8,6 +8,7 @@ each other directly on the hot path.
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Optional
 
 import structlog
@@ -25,6 +26,8 @@ from tokenmill.core.model_loader.weights import load_strictly
 from tokenmill.core.plugin_host.components import Components, collect_components
 from tokenmill.core.plugin_host.registry import import_class_path
 from tokenmill.core.sample.logits_processors import BUILTIN_LOGITS_PROCESSORS
+from tokenmill.core.sample.logits_processors.structured_output import StructuredOutput
+from tokenmill.core.structured_output.manager import StructuredOutputManager
 from tokenmill.core.plugin_host.platform_selection import select_platform
 from tokenmill.core.plugin_host.plugin_manager import PluginManager, make_plugin_manager
 from tokenmill.core.sched.kv_cache_manager import KVCacheManager
@@ -35,10 +38,15 @@ from tokenmill.core.worker.model_runner import ModelRunner
 from tokenmill.interfaces.attention import AttentionBackend
 from tokenmill.interfaces.errors import ConfigError
 from tokenmill.interfaces.logits_processor import LogitsProcessor, LogitsProcessorContext
+from tokenmill.interfaces.structured_output import StructuredOutputBackend, StructuredOutputContext
 from tokenmill.interfaces.models import ModelContext
 from tokenmill.interfaces.platform import Platform
 
 log = structlog.get_logger("tokenmill.builder")
+
+#: what structured_outputs.backend "auto" tries, in order (vLLM's default is xgrammar too),
+#: with the library each needs
+_AUTO_BACKENDS = {"xgrammar": "xgrammar", "guidance": "llguidance"}
 
 
 def build_engine(config: EngineConfig, pm: Optional[PluginManager] = None) -> LLMEngine | EmbeddingEngine:
@@ -98,12 +106,15 @@ def build_engine(config: EngineConfig, pm: Optional[PluginManager] = None) -> LL
     scheduler = Scheduler(config.scheduler, kv_cache, policy, swap_space,
                           max_adapters=adapters.max_active if adapters else None)
     greedy_head = None if config.enforce_eager or adapters else platform.greedy_head(model)
-    processors = _logits_processors(config, components, LogitsProcessorContext(
+    context = LogitsProcessorContext(
         vocab_size=model_config.vocab_size, eos_token_ids=model_config.eos_token_ids,
-        max_num_seqs=config.scheduler.max_num_seqs, device=torch.device(platform.device_type), tokenizer=tokenizer))
+        max_num_seqs=config.scheduler.max_num_seqs, device=torch.device(platform.device_type), tokenizer=tokenizer)
+    structured = _structured_outputs(config, components, context)
+    processors = ((StructuredOutput(context, structured),) if structured else ()) + _logits_processors(
+        config, components, context)
     runner = ModelRunner(model, backend, config.cache.block_size, config.seed, swap_caches, adapters, greedy_head,
                          processors)
-    engine = LLMEngine(config, model_config, tokenizer, scheduler, runner, pm, adapters, platform)
+    engine = LLMEngine(config, model_config, tokenizer, scheduler, runner, pm, adapters, platform, structured)
     log.info("engine built", **platform.describe(), model=str(model_config.path),
              architecture=model_config.architecture,
              dtype=str(model_config.dtype).removeprefix("torch."), attention=backend.name,
@@ -128,6 +139,33 @@ def _logits_processors(config: EngineConfig, components: Components,
                               "(tokenmill.interfaces.logits_processor)")
         classes.append(cls)
     return tuple(cls(context) for cls in classes)
+
+
+def _structured_outputs(config: EngineConfig, components: Components,
+                        context: LogitsProcessorContext) -> Optional[StructuredOutputManager]:
+    """The engine's structured output backend: the configured one (resolved now, so a name
+    or library that is missing fails at startup), or for "auto" the first first-party one
+    whose library is installed, imported only when the first constraint arrives: most
+    engines never see one, and importing xgrammar loads a compiler runtime."""
+    name = config.structured_outputs.backend
+    if name == "auto":
+        name = next((n for n, library in _AUTO_BACKENDS.items()
+                     if n in components.structured_output_backends and importlib.util.find_spec(library)), None)
+        if name is None:
+            log.info("no structured output backend installed: constrained requests will be refused")
+            return None
+    else:
+        _backend_class(components, name)
+    backend_context = StructuredOutputContext(context.tokenizer, context.vocab_size, context.eos_token_ids)
+    return StructuredOutputManager(name, lambda: _backend_class(components, name)(backend_context))
+
+
+def _backend_class(components: Components, name: str) -> type[StructuredOutputBackend]:
+    cls = components.structured_output_backends.get(name)
+    if not (isinstance(cls, type) and issubclass(cls, StructuredOutputBackend)):
+        raise ConfigError("structured_outputs.backend", f"{name!r} is not a StructuredOutputBackend "
+                                                        "(tokenmill.interfaces.structured_output)")
+    return cls
 
 
 def _check_scheduler_limits(config: EngineConfig, model_config: ModelConfig) -> None:

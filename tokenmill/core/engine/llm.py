@@ -10,8 +10,9 @@ from typing import Any, Optional, Sequence, Union
 from tqdm.auto import tqdm
 
 from tokenmill.core.config.engine_config import EngineConfig, load_config
-from tokenmill.core.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from tokenmill.core.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, advance_searches
 from tokenmill.core.engine.builder import build_engine
+from tokenmill.core.engine.chat_template import render_chat
 from tokenmill.core.engine.embedding_engine import EmbeddingEngine
 from tokenmill.core.engine.llm_engine import LLMEngine, PromptType
 from tokenmill.core.plugin_host.plugin_manager import PluginManager
@@ -119,16 +120,7 @@ class LLM:
                 pending = [search.pending() for search in live]
                 outputs = self.generate([{"prompt_token_ids": tokens} for beams in pending for tokens in beams],
                                         step_params, use_tqdm=False, lora_request=lora_request)
-                if len(outputs) != sum(map(len, pending)):
-                    raise RuntimeError("a beam search step lost requests")
-                position = 0
-                for search, beams in zip(live, pending):
-                    step = outputs[position:position + len(beams)]
-                    position += len(beams)
-                    for output in step:
-                        if output.error is not None or not output.outputs[0].logprobs:
-                            raise RuntimeError(f"a beam search step failed: {output.error or 'no logprobs'}")
-                    search.advance([output.outputs[0].logprobs[0] for output in step])
+                advance_searches(live, pending, outputs)
                 bar.update(1)
         tokenizer = self.get_tokenizer()
         results = []
@@ -159,29 +151,29 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: Optional[str] = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Optional[dict[str, Any]] = None,
     ) -> list[RequestOutput]:
-        """Generate replies to conversations, formatted by the model's chat template."""
+        """Generate replies to conversations, formatted by the model's chat template (vLLM's
+        options: ``continue_final_message`` continues the last assistant message;
+        ``chat_template_kwargs`` are variables for the template)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [
-            {"prompt_token_ids": self.apply_chat_template(conv, chat_template, add_generation_prompt)}
+            {"prompt_token_ids": self.apply_chat_template(conv, chat_template, add_generation_prompt,
+                                                          continue_final_message, chat_template_kwargs)}
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def apply_chat_template(
         self, conversation: Sequence[Message], chat_template: Optional[str] = None,
-        add_generation_prompt: bool = True,
+        add_generation_prompt: bool = True, continue_final_message: bool = False,
+        chat_template_kwargs: Optional[dict[str, Any]] = None,
     ) -> list[int]:
-        tokenizer = self.get_tokenizer()
-        if not conversation:
-            raise InvalidRequest("messages", "the conversation is empty")
-        if chat_template is None and not getattr(tokenizer, "chat_template", None):
-            raise InvalidRequest("messages", "this model has no chat template; pass chat_template=")
-        text = tokenizer.apply_chat_template(
-            list(conversation), chat_template=chat_template, tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-        )
-        return tokenizer.encode(text, add_special_tokens=False)
+        return render_chat(self.get_tokenizer(), conversation, chat_template,
+                           add_generation_prompt=add_generation_prompt,
+                           continue_final_message=continue_final_message,
+                           chat_template_kwargs=chat_template_kwargs)
 
     def _run(self, prompts: list[PromptType], params: list[SamplingParams], priorities: list[int],
              loras: list[Optional[LoRARequest]], use_tqdm: bool) -> list[RequestOutput]:

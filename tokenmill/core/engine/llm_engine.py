@@ -21,6 +21,7 @@ from tokenmill.core.engine.output_processor import OutputProcessor
 from tokenmill.core.engine.request import Request
 from tokenmill.core.plugin_host.plugin_manager import PluginManager
 from tokenmill.core.sched.scheduler import Scheduler
+from tokenmill.core.structured_output.manager import StructuredOutputManager
 from tokenmill.core.worker.model_runner import ModelRunner
 from tokenmill.interfaces.adapters import AdapterType
 from tokenmill.interfaces.batch import ModelRunnerOutput, SchedulerOutput, SchedulerStats
@@ -52,6 +53,7 @@ class LLMEngine:
         plugin_manager: PluginManager,
         adapters: Optional[AdapterType] = None,
         platform: Optional[Platform] = None,
+        structured_outputs: Optional[StructuredOutputManager] = None,
     ) -> None:
         self.config = config
         self.model_config = model_config
@@ -62,6 +64,8 @@ class LLMEngine:
         self.adapters = adapters
         #: the platform the engine was built for (tokenmill.interfaces.platform)
         self.platform = platform
+        #: compiles structured output constraints (None: no backend installed)
+        self.structured_outputs = structured_outputs
         if adapters is not None:
             adapters.in_use = lambda name: any(r.adapter_name == name for r in scheduler.requests.values())
         self.outputs = OutputProcessor(tokenizer)
@@ -103,6 +107,10 @@ class LLMEngine:
         for param, token in params.token_ids():
             if not 0 <= token < vocab:
                 raise InvalidRequest(param, f"token ids must be in [0, {vocab}), got {token}")
+        constraint = params.structured_outputs
+        if constraint is not None and self.structured_outputs is None:
+            raise InvalidRequest(constraint.param, "structured outputs need a backend: pip install xgrammar "
+                                                   "(or llguidance), or register one")
         for processor in self.runner.sampler.processors:
             try:
                 type(processor).validate_params(params)
@@ -138,6 +146,8 @@ class LLMEngine:
         text, token_ids = self.tokenize_prompt(prompt)
         cache_salt = _cache_salt(prompt)
         self.check_params(params)
+        if params.structured_outputs is not None:  # compiled now unless the caller compiled it already
+            self.structured_outputs.compiled(params.structured_outputs)
         kept = params.truncated_prompt(token_ids, self.max_model_len)
         if len(kept) < len(token_ids):
             text, token_ids = None, kept  # the text no longer matches the tokens that run

@@ -20,6 +20,8 @@ class Components:
     adapter_types: Registry
     platforms: Registry
     logits_processors: Registry
+    structured_output_backends: Registry
+    tool_parsers: Registry
 
     def by_kind(self) -> dict[str, Registry]:
         return {
@@ -30,6 +32,8 @@ class Components:
             "model_architectures": self.model_architectures,
             "adapter_types": self.adapter_types,
             "logits_processors": self.logits_processors,
+            "structured_output_backends": self.structured_output_backends,
+            "tool_parsers": self.tool_parsers,
         }
 
 
@@ -41,6 +45,8 @@ _REGISTRATION_HOOKS = {
     "adapter_types": ("register_adapter_types", "adapter type"),
     "platforms": ("register_platforms", "platform"),
     "logits_processors": ("register_logits_processors", "logits processor"),
+    "structured_output_backends": ("register_structured_output_backends", "structured output backend"),
+    "tool_parsers": ("register_tool_parsers", "tool parser"),
 }
 
 

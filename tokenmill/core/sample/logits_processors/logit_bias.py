@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from tokenmill.interfaces.logits_processor import AddedRow, BatchUpdate, LogitsProcessor
+from tokenmill.interfaces.logits_processor import BatchUpdate, LogitsProcessor
 
 
 class LogitBias(LogitsProcessor):

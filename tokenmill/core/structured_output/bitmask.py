@@ -1,0 +1,29 @@
+"""The batch's token bitmask (xgrammar's layout) applied to the logits in one operation."""
+
+from __future__ import annotations
+
+import torch
+
+_BIT = torch.arange(32, dtype=torch.int32)
+
+
+def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """An int32 bitmask for ``rows`` rows, every token allowed."""
+    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Set ``logits[rows[i], t]`` to -inf wherever bit ``t`` of ``bitmask[i]`` is clear."""
+    allowed = ((bitmask.unsqueeze(-1) >> _BIT.to(bitmask.device)) & 1).bool().flatten(1)[:, :logits.shape[1]]
+    logits[rows] = logits[rows].masked_fill(~allowed.to(logits.device), float("-inf"))
+    return logits
+
+
+def allow_only(bitmask: torch.Tensor, row: int, token_ids: tuple[int, ...]) -> None:
+    """Make ``token_ids`` the only tokens ``row`` allows."""
+    bitmask[row] = 0
+    for token in token_ids:
+        word, bit = divmod(token, 32)
+        # int32 holds bit 31 as the sign bit
+        value = int(bitmask[row, word]) | (1 << bit)
+        bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value
