@@ -367,3 +367,21 @@ def test_a_slow_compile_does_not_delay_other_requests(choice_only_engine):
 
         fast_done, slow_done, compile_seconds = asyncio.run(scenario())
     assert fast_done < compile_seconds <= slow_done, (fast_done, slow_done)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_constraints_survive_preemption(model_dir, mode):
+    """Requests preempted mid-constraint (their matchers rebuilt from the history, or kept
+    across a swap) still give exactly the replies an unpressed engine gives."""
+    schema = SCHEMAS["array_of_objects"]
+    prompts = [f"Order {i}: " + "lorem ipsum " * (8 + i) for i in range(10)]
+    params = [SamplingParams(max_tokens=120, temperature=1.0, seed=i, structured_outputs={"json": schema})
+              for i in range(10)]
+    roomy = make_llm(model_dir("llama")).generate(prompts, params, use_tqdm=False)
+    tight = make_llm(model_dir("llama"), num_gpu_blocks_override=24, block_size=8, max_model_len=192,
+                     preemption_mode=mode, swap_space="4MiB")
+    pressed = tight.generate(prompts, params, use_tqdm=False)
+    assert tight.llm_engine.scheduler.num_preemptions_total > 0
+    assert [o.outputs[0].text for o in pressed] == [o.outputs[0].text for o in roomy]
+    for output in pressed:
+        _valid(output.outputs[0].text, schema)
