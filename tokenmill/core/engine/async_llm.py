@@ -105,8 +105,14 @@ class AsyncLLM:
         admission then finds it cached: a slow compile delays this request alone. An invalid
         constraint raises InvalidRequest here."""
         manager = self.engine.structured_outputs
-        if params.structured_outputs is not None and manager is not None:
-            await asyncio.wrap_future(manager.compile_async(params.structured_outputs))
+        constraint = params.structured_outputs
+        if constraint is not None and manager is not None:
+            try:
+                await asyncio.wait_for(asyncio.wrap_future(manager.compile_async(constraint)),
+                                       manager.COMPILE_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                raise InvalidRequest(constraint.param, f"the constraint did not compile within "
+                                                       f"{manager.COMPILE_TIMEOUT_S:g} s; simplify it") from None
 
     def generate(
         self,

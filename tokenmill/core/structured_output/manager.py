@@ -30,8 +30,12 @@ class StructuredOutputManager:
     is the blocking form, which the engine calls at admission and which then hits the cache.
     """
 
-    #: distinct compiled constraints kept (least recently used dropped first)
-    MAX_CACHED = 512
+    #: distinct compiled constraints kept (least recently used dropped first): a compiled
+    #: grammar carries per-token tables (megabytes for a large vocabulary), and distinct
+    #: schemas are the client's to choose
+    MAX_CACHED = 64
+    #: a compile that takes longer fails its request (the thread finishes it in the background)
+    COMPILE_TIMEOUT_S = 60.0
 
     def __init__(self, name: str, make_backend: Callable[[], StructuredOutputBackend]) -> None:
         self.name = name
