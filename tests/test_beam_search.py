@@ -180,12 +180,11 @@ def test_ignore_eos_runs_to_max_tokens(eos_models):
 
 
 # --- prefix sharing ----------------------------------------------------------------------
-@pytest.mark.parametrize("caching", [True, False])
-def test_beams_run_as_batched_requests_sharing_prefix_blocks(caching, model_dir):
+def test_beams_run_as_batched_requests_sharing_prefix_blocks(model_dir):
     """Each round is one generate() call holding every prompt's live beams; from the second
     round on, each beam's request is served the prompt's blocks from the prefix cache."""
     block_size = 8
-    llm = make_llm(model_dir("llama"), block_size=block_size, enable_prefix_caching=caching)
+    llm = make_llm(model_dir("llama"), block_size=block_size)
     prompts = [p[:30] for p in random_prompts(count=2, seed=11, low=30, high=40)]
     rounds = []
     generate = llm.generate
@@ -206,12 +205,16 @@ def test_beams_run_as_batched_requests_sharing_prefix_blocks(caching, model_dir)
         assert len(beams) == 3 * len(prompts)  # all prompts' beams batched together
         for tokens, output in zip(beams, outputs):
             full_prompt_blocks = (len(tokens) - 1) // block_size * block_size
-            if caching:
-                assert output.num_cached_tokens == full_prompt_blocks > 0
-            else:
-                assert output.num_cached_tokens == 0
-    hits = llm.llm_engine.scheduler.kv_cache.prefix_hits - hits_before
-    assert (hits > 0) == caching
+            assert output.num_cached_tokens == full_prompt_blocks > 0
+    assert llm.llm_engine.scheduler.kv_cache.prefix_hits > hits_before
+
+
+def test_beam_search_needs_prefix_caching(model_dir):
+    """Without the prefix cache every round would prefill every beam's whole sequence again."""
+    llm = make_llm(model_dir("llama"), enable_prefix_caching=False)
+    with pytest.raises(InvalidRequest) as info:
+        llm.beam_search(["a prompt"], BeamSearchParams(beam_width=2, max_tokens=3))
+    assert info.value.param == "use_beam_search"
 
 
 def test_string_prompts_and_text(model_dir):

@@ -269,3 +269,22 @@ def test_the_kit_catches_a_bad_argument_that_validate_params_accepts():
     with pytest.raises(AssertionError, match=r"accepts invalid_params\[0\]"):
         check_logits_processor(BanToken, active_params=[SP(extra_args={"ban": 3})], inactive_params=SP(),
                                invalid_params=[SP(extra_args={"ban": 3})])
+
+
+def test_a_reused_request_id_starts_with_fresh_processor_state(model_dir):
+    """A request id used again right after its request finished is a new request: it must not
+    inherit the old one's processor state (here, its allowed_token_ids)."""
+    from conftest import make_llm
+
+    engine = make_llm(model_dir("llama")).llm_engine
+
+    def run(params):
+        engine.add_request("same-id", {"prompt_token_ids": [5, 9, 3]}, params)
+        finals = []
+        while engine.has_unfinished_requests():
+            finals += [o for o in engine.step() if o.finished]
+        return finals[0].outputs[0].token_ids
+
+    free = run(SP(temperature=0, max_tokens=6, ignore_eos=True))
+    assert set(run(SP(temperature=0, max_tokens=6, ignore_eos=True, allowed_token_ids=[7, 8]))) <= {7, 8}
+    assert run(SP(temperature=0, max_tokens=6, ignore_eos=True)) == free

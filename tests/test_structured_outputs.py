@@ -385,3 +385,27 @@ def test_constraints_survive_preemption(model_dir, mode):
     assert [o.outputs[0].text for o in pressed] == [o.outputs[0].text for o in roomy]
     for output in pressed:
         _valid(output.outputs[0].text, schema)
+
+
+def test_replies_write_properties_in_the_schemas_order(client):
+    """The schema's own property order is the reply's (no canonical re-sorting of the schema)."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["zeta", "alpha", "mid"],
+              "properties": {"zeta": {"type": "boolean"}, "alpha": {"type": "integer", "minimum": 0, "maximum": 9},
+                             "mid": {"enum": ["x", "y"]}}}
+    reply = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=60, temperature=0,
+                                           response_format=_json_schema(schema))
+    assert list(json.loads(reply.choices[0].message.content)) == ["zeta", "alpha", "mid"]
+
+
+def test_a_schema_nested_past_the_bound_is_a_400(url):
+    deep: dict = {"type": "integer"}
+    for _ in range(80):
+        deep = {"type": "array", "items": deep}
+    for body in ({"guided_json": json.dumps(deep)}, {"structured_outputs": {"json": json.dumps(deep)}}):
+        response = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, **body},
+                              timeout=60)
+        assert response.status_code == 400, response.text
+        assert "nests deeper" in response.json()["error"]["message"]
+    bad = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES,
+                                                         "guided_choice": ["a"], "bad_words": ["a"]}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "bad_words"

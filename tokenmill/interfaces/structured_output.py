@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 from tokenmill.interfaces.errors import InvalidRequest
@@ -37,17 +37,23 @@ class StructuredOutputsParams:
     dialect; xgrammar's is GBNF-like). ``whitespace_pattern`` is not supported.
     """
 
-    json: Union[str, dict, None] = None
+    #: a schema object, or its JSON text (parsed at construction)
+    json: Union[str, dict, bool, None] = None
     regex: Optional[str] = None
     choice: Optional[tuple[str, ...]] = None
     grammar: Optional[str] = None
     json_object: bool = False
     #: where the constraint came from on the wire, for errors (``response_format``, ``tools``...)
     param: str = "structured_outputs"
+    #: (the manager that compiled it, the compiled constraint): the request carries its compiled
+    #: constraint, so no later step compiles it again, whatever the cache has dropped since
+    compiled: Any = field(default=None, init=False, repr=False, compare=False)
 
     #: a constraint's text is compiled and kept in a cache: bounded like every request field
     MAX_SPEC_CHARS = 64 * 1024
     MAX_CHOICES = 256
+    #: a JSON schema's nesting (the request body's own bound): grammar size grows fast with it
+    MAX_SCHEMA_DEPTH = 64
 
     def __post_init__(self) -> None:
         if isinstance(self.choice, list):
@@ -64,6 +70,16 @@ class StructuredOutputsParams:
                 raise InvalidRequest(self.param, "regex and grammar must be strings")
         if self.json is not None and not isinstance(self.json, (str, dict)):
             raise InvalidRequest(self.param, "json must be a JSON schema (an object, or its text)")
+        if isinstance(self.json, str):
+            if len(self.json) > self.MAX_SPEC_CHARS:
+                raise InvalidRequest(self.param, f"the constraint is longer than {self.MAX_SPEC_CHARS} characters")
+            try:
+                schema = json.loads(self.json)
+            except (ValueError, RecursionError):
+                raise InvalidRequest(self.param, "invalid json constraint: not a JSON document") from None
+            object.__setattr__(self, "json", schema)
+        if isinstance(self.json, (dict, list)) and _depth(self.json) > self.MAX_SCHEMA_DEPTH:
+            raise InvalidRequest(self.param, f"the JSON schema nests deeper than {self.MAX_SCHEMA_DEPTH} levels")
         if len(self.spec) > self.MAX_SPEC_CHARS:
             raise InvalidRequest(self.param, f"the constraint is longer than {self.MAX_SPEC_CHARS} characters")
 
@@ -73,10 +89,11 @@ class StructuredOutputsParams:
 
     @property
     def spec(self) -> str:
-        """The constraint as text: a schema as canonical JSON, choices as a JSON list."""
+        """The constraint as text: a schema as compact JSON in its own key order (the order of
+        ``properties`` is the order the reply writes them), choices as a JSON list."""
         value = getattr(self, self.kind)
         if self.kind == "json":
-            return value if isinstance(value, str) else json.dumps(value, sort_keys=True, separators=(",", ":"))
+            return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
         if self.kind == "choice":
             return json.dumps(list(value))
         return "" if self.kind == "json_object" else value
@@ -85,6 +102,17 @@ class StructuredOutputsParams:
     def key(self) -> tuple[str, str]:
         """What the compile cache is keyed by."""
         return self.kind, self.spec
+
+
+def _depth(value: Any) -> int:
+    """How deep JSON containers nest (iteratively: the value may be deeper than Python's stack)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
 
 
 class InvalidConstraint(ValueError):

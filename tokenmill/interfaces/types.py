@@ -189,6 +189,9 @@ class SamplingParams:
             # a complete constraint allows only EOS: these would leave it no token, or none that ends it
             check(self.min_tokens == 0, "min_tokens", "cannot be combined with structured outputs")
             check(not self.ignore_eos, "ignore_eos", "cannot be combined with structured outputs")
+            # masks of their own: with the constraint's they can leave a row no token at all
+            check(self.allowed_token_ids is None, "allowed_token_ids", "cannot be combined with structured outputs")
+            check(not self.bad_words, "bad_words", "cannot be combined with structured outputs")
         if self.extra_args is not None:
             check(isinstance(self.extra_args, Mapping) and all(isinstance(k, str) for k in self.extra_args),
                   "extra_args", "must map names to values")

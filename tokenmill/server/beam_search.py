@@ -28,7 +28,11 @@ _SAMPLING_ONLY = (("temperature", (None, 0.0, 0)), ("top_p", (None, 1.0, 1)), ("
                   ("vllm_xargs", (None,)), ("prompt_logprobs", (None,)), ("echo", (False,)),
                   ("best_of", (None,)), ("response_format", (None,)), ("structured_outputs", (None,)),
                   ("guided_json", (None,)), ("guided_regex", (None,)), ("guided_choice", (None,)),
-                  ("guided_grammar", (None,)), ("tools", (None, [])))
+                  ("guided_grammar", (None,)), ("tools", (None,)), ("include_stop_str_in_output", (False,)))
+
+
+#: the longest beam search: each round hands every beam's whole sequence to the engine
+MAX_BEAM_TOKENS = 1024
 
 
 def check_beam_fields(body: Any) -> None:
@@ -39,9 +43,11 @@ def check_beam_fields(body: Any) -> None:
             raise APIError(400, "length_penalty applies only with use_beam_search", "length_penalty")
         return
     for name, inert in _SAMPLING_ONLY:
-        if hasattr(body, name) and getattr(body, name) not in inert:
-            raise APIError(400, f"{name} does not apply to beam search, which ranks beams by the model's "
-                                "logprobs", name)
+        value = getattr(body, name, None)
+        if value in inert or value in ({}, []) or getattr(value, "type", None) == "text":
+            continue
+        raise APIError(400, f"{name} does not apply to beam search, which ranks beams by the model's "
+                            "logprobs", name)
     if body.logprobs not in (None, False):
         raise APIError(400, "logprobs are not reported for beam search", "logprobs")
 
@@ -50,7 +56,15 @@ async def gather_beam_searches(ctx: ServingContext, internal_id: str, prompts: l
                                params: list[SamplingParams], body: Any, adapter: Any) -> list[RequestOutput]:
     """Run one search per prompt, all rounds batched together; RequestOutputs with ``n``
     sequences each, best first."""
-    eos = ctx.llm.engine.model_config.eos_token_ids
+    engine = ctx.llm.engine
+    if not engine.config.cache.prefix_caching:
+        raise APIError(400, "beam search needs the server's prefix caching (each round would prefill every "
+                            "beam again)", "use_beam_search")
+    longest = max(p.max_tokens for p in params)
+    if longest > MAX_BEAM_TOKENS:
+        raise APIError(400, f"beam search generates at most {MAX_BEAM_TOKENS} tokens (each round scores every "
+                            f"beam's whole sequence); got {longest}: set max_tokens", "max_tokens")
+    eos = engine.model_config.eos_token_ids
     try:
         searches = [BeamSearch(prompt["prompt_token_ids"], BeamSearchParams(
             beam_width=body.n, max_tokens=p.max_tokens, ignore_eos=body.ignore_eos,
@@ -88,13 +102,16 @@ def _as_request_output(request_id: str, prompt: dict, search: BeamSearch, tokeni
     return RequestOutput(request_id, prompt.get("prompt"), list(search.prompt_token_ids), None, outputs, True)
 
 
-def beam_search_stream(response: dict[str, Any], chunk_object: str) -> StreamingResponse:
-    """A finished beam search as a stream: one chunk with every choice, then ``[DONE]``."""
+def beam_search_stream(response: dict[str, Any], chunk_object: str, body: Any) -> StreamingResponse:
+    """A finished beam search as a stream: one chunk with every choice, the usage chunk if
+    asked for, then ``[DONE]``."""
     async def events() -> AsyncIterator[str]:
         choices = [{("delta" if key == "message" else key): value for key, value in choice.items()}
                    for choice in response["choices"]]
-        yield sse({**{k: v for k, v in response.items() if k != "usage"}, "object": chunk_object,
-                   "choices": choices})
+        head = {k: v for k, v in response.items() if k not in ("usage", "choices")}
+        yield sse({**head, "object": chunk_object, "choices": choices})
+        if body.stream_options and body.stream_options.include_usage:
+            yield sse({**head, "object": chunk_object, "choices": [], "usage": response["usage"]})
         yield SSE_DONE
 
     return StreamingResponse(events(), media_type="text/event-stream")

@@ -84,7 +84,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         [final] = await unless_disconnected(request, gather_beam_searches(
             ctx, internal_id, [prompt], [params], body, adapter))
         response = _response(body, request_id, model, created, final, echo, make_reply)
-        return beam_search_stream(response, "chat.completion.chunk") if body.stream else response
+        return beam_search_stream(response, "chat.completion.chunk", body) if body.stream \
+            else response
     await ctx.llm.compile_constraint(params)
     [stream] = ctx.start(internal_id, [(prompt, params)], priority=body.priority, user=body.user,
                          adapter=adapter)
@@ -152,6 +153,7 @@ async def _stream(body: ChatCompletionRequest, request_id: str, model: str, crea
     options = body.stream_options
     continuous = bool(options and options.include_usage and options.continuous_usage_stats)
     replies = [make_reply() for _ in range(params.n)]
+    sent_prompt = False
     try:
         # the first chunk opens each choice, with the echoed text; its usage counts no tokens yet
         yield chunk([{"index": i, "delta": {"role": "assistant", "content": echo}, "logprobs": None,
@@ -166,8 +168,7 @@ async def _stream(body: ChatCompletionRequest, request_id: str, model: str, crea
                     continue
                 sent_text[i], sent_tokens[i] = len(completion.text), len(completion.token_ids)
                 completion_tokens += len(new_tokens)
-                message, finish_reason = replies[i].delta(completion.text[:text_from], completion.text, delta,
-                                                          completion.finish_reason)
+                message, finish_reason = replies[i].delta(completion.text, text_from, delta, completion.finish_reason)
                 if message is None:
                     continue
                 logprobs = None
@@ -178,7 +179,11 @@ async def _stream(body: ChatCompletionRequest, request_id: str, model: str, crea
                           "finish_reason": finish_reason, "stop_reason": completion.stop_reason}
                 if body.return_token_ids:
                     choice["token_ids"] = list(new_tokens)
-                yield chunk([choice], **({"usage": usage(prompt_tokens, completion_tokens)} if continuous else {}))
+                extra = {"usage": usage(prompt_tokens, completion_tokens)} if continuous else {}
+                if not sent_prompt:  # the prompt's figures come once, with the first tokens
+                    sent_prompt = True
+                    extra.update(prompt_extras(body, output))
+                yield chunk([choice], **extra)
         if options and options.include_usage:
             yield chunk([], usage=usage(prompt_tokens, completion_tokens))
     except Exception as exc:

@@ -94,7 +94,7 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
         finals = await unless_disconnected(request, gather_beam_searches(
             ctx, internal_id, prompts, params, body, adapter))
         response = _response(body, ctx, request_id, model, created, prompts, finals)
-        return beam_search_stream(response, "text_completion") if body.stream else response
+        return beam_search_stream(response, "text_completion", body) if body.stream else response
     await ctx.llm.compile_constraint(params[0])  # every prompt's constraint is the same one
     streams = ctx.start(internal_id, list(zip(prompts, params)), priority=body.priority, user=body.user,
                         adapter=adapter)

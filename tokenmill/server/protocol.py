@@ -7,6 +7,7 @@ the context window) by the engine at admission, so each rule has one home.
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
@@ -14,6 +15,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tokenmill.core.engine.llm_engine import MAX_CACHE_SALT_CHARS
 from tokenmill.interfaces.errors import InvalidRequest
 from tokenmill.interfaces.structured_output import StructuredOutputsParams
 from tokenmill.interfaces.types import SEED_RANGE, SamplingParams
@@ -121,7 +123,7 @@ class SamplingFields(GenerationModel):
                                                                 "'token_id:{id}'.")
     return_token_ids: bool = Field(False, description="vLLM: include prompt_token_ids and each choice's "
                                                       "token_ids.")
-    cache_salt: Optional[str] = Field(None, min_length=1, max_length=1024,
+    cache_salt: Optional[str] = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS,
                                       description="vLLM: requests share prefix-cache blocks only with requests "
                                                   "of the same salt.")
     vllm_xargs: Optional[dict[str, XArg]] = Field(None, description="vLLM: arguments for the server's logits "
@@ -251,8 +253,9 @@ class ChatMessage(OpenAIModel):
         if self.name is not None:
             message["name"] = self.name
         if self.tool_calls:
+            # templates (Llama 3's `arguments | tojson`) expect the arguments as an object, as vLLM gives them
             message["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
-                "name": c.function.name, "arguments": c.function.arguments}} for c in self.tool_calls]
+                "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in self.tool_calls]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
         return message
@@ -284,6 +287,13 @@ class NamedFunction(OpenAIModel):
 class NamedToolChoice(OpenAIModel):
     type: Literal["function"] = "function"
     function: NamedFunction
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise InvalidRequest("messages", f"a tool call's arguments are not JSON: {text[:64]!r}") from None
 
 
 class ChatCompletionRequest(SamplingFields):

@@ -161,6 +161,10 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Optional[Usage] = None
+    prompt_logprobs: Optional[PromptLogprobs] = Field(None, description="vLLM: with prompt_logprobs, in the "
+                                                                        "first chunk that has tokens.")
+    prompt_token_ids: Optional[list[int]] = Field(None, description="vLLM: with return_token_ids, in the first "
+                                                                    "chunk that has tokens.")
 
 
 class Embedding(BaseModel):

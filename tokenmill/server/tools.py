@@ -29,8 +29,11 @@ def _tool_call(name: str, arguments: str, call_id: Optional[str] = None) -> dict
 class ToolReply:
     """How one choice's text becomes the message (and stream deltas) of one tool mode."""
 
-    def __init__(self, mode: str, function: Optional[str] = None, parser: Optional[ToolParser] = None) -> None:
+    def __init__(self, mode: str, function: Optional[str] = None, parser: Optional[ToolParser] = None,
+                 single_call: bool = False) -> None:
         self.mode = mode
+        #: parallel_tool_calls false: a parsed reply gives its first call only
+        self.single_call = single_call
         self.function = function
         self.parser = parser
         self._call_id = make_tool_call_id()
@@ -49,13 +52,15 @@ class ToolReply:
         if self.mode == "auto":
             extracted = self.parser.extract_tool_calls(text)
             if extracted.tools_called:
+                calls = extracted.tool_calls[:1] if self.single_call else extracted.tool_calls
                 return {"role": "assistant", "content": extracted.content or None, "tool_calls": [
-                    _tool_call(c.name, c.arguments, c.id) for c in extracted.tool_calls]}, "tool_calls"
+                    _tool_call(c.name, c.arguments, c.id) for c in calls]}, "tool_calls"
         return {"role": "assistant", "content": text}, finish_reason
 
-    def delta(self, previous: str, current: str, delta: str,
+    def delta(self, current: str, sent: int, delta: str,
               finish_reason: Optional[str]) -> tuple[Optional[dict[str, Any]], Optional[str]]:
-        """(the delta to send, or None for nothing yet; the finish reason to report)."""
+        """(the delta to send, or None for nothing yet; the finish reason to report), given the
+        text so far, how much of it was handed over before, and the new part."""
         if self.mode == "named":
             if not delta and self._opened:
                 return ({} if finish_reason else None), finish_reason
@@ -73,7 +78,7 @@ class ToolReply:
                 return {"content": current}, reason
             return {"tool_calls": [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]}, reason
         if self.mode == "auto":
-            parts = [self.parser.extract_tool_calls_streaming(previous, current, delta)]
+            parts = [self.parser.extract_tool_calls_streaming(current[:sent], current, delta)]
             reason = finish_reason
             if finish_reason is not None:
                 parts.append(self.parser.finish_streaming())  # what the parser held back
@@ -86,7 +91,8 @@ class ToolReply:
             content = "".join(part.content or "" for part in parts)
             if content:
                 out["content"] = content
-            calls = [_delta_call(c) for part in parts for c in part.tool_calls]
+            calls = [_delta_call(c) for part in parts for c in part.tool_calls
+                     if not (self.single_call and c.index > 0)]
             if calls:
                 out["tool_calls"] = calls
             return out, reason
@@ -136,7 +142,8 @@ def plan_tools(body: ChatCompletionRequest, make_parser: Optional[Callable[[], T
         if make_parser is None:
             raise APIError(400, '"auto" tool choice needs the server started with --enable-auto-tool-choice and '
                                 "--tool-call-parser", "tool_choice")
-        return None, template_tools, lambda: ToolReply("auto", parser=make_parser())
+        return None, template_tools, lambda: ToolReply("auto", parser=make_parser(),
+                                                       single_call=not body.parallel_tool_calls)
     if choice == "required":
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": [{
             "type": "object", "properties": {"name": {"type": "string", "enum": [t.function.name]},

@@ -158,7 +158,7 @@ def test_greedy_output_matches_transformers(engine, hf_model, prompts, n):
     assert generate(engine, prompts, greedy(no_repeat_ngram_size=n)) == expected
 
 
-@pytest.mark.parametrize("bad", [0, -1, 2.5, "2", True])
+@pytest.mark.parametrize("bad", [0, -1, 2.5, "2", True, 65])
 def test_a_bad_size_is_an_invalid_request(engine, bad):
     """validate_params' ValueError reaches the caller as InvalidRequest on vllm_xargs, before any step."""
     with pytest.raises(InvalidRequest, match="no_repeat_ngram_size") as info:

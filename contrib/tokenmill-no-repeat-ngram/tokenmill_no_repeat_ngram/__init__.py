@@ -27,13 +27,18 @@ from tokenmill.interfaces.types import SamplingParams
 ARG = "no_repeat_ngram_size"
 
 
+#: the index keeps n - 1 tokens per position of the sequence: a bound keeps one request's
+#: memory, and the engine thread's time, in proportion to its length
+MAX_NGRAM_SIZE = 64
+
+
 def ngram_size(params: SamplingParams) -> Optional[int]:
     """The request's size, None when it did not ask; ValueError when it is not one."""
     size = (params.extra_args or {}).get(ARG)
     if size is None:
         return None
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"{ARG} must be an integer of at least 1, got {size!r}")
+    if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= MAX_NGRAM_SIZE:
+        raise ValueError(f"{ARG} must be an integer in [1, {MAX_NGRAM_SIZE}], got {size!r}")
     return size
 
 

@@ -98,7 +98,10 @@ class AsyncLLM:
     def prepare_prompt(self, prompt: PromptType, add_special_tokens: bool = True) -> dict:
         """Tokenize and validate on the caller's thread (tokenizers are thread-safe)."""
         text, token_ids = self.engine.tokenize_prompt(prompt, add_special_tokens)
-        return {"prompt": text, "prompt_token_ids": token_ids}
+        prepared = {"prompt": text, "prompt_token_ids": token_ids}
+        if isinstance(prompt, dict) and "cache_salt" in prompt:
+            prepared["cache_salt"] = prompt["cache_salt"]
+        return prepared
 
     async def compile_constraint(self, params: SamplingParams) -> None:
         """Compile a request's structured output constraint on a compiler thread, so that

@@ -6,15 +6,16 @@ same things the same way (``InvalidRequest`` naming the field).
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Mapping, Optional, Sequence
 
 from tokenmill.interfaces.errors import InvalidRequest
 
-#: apply_chat_template's own arguments: chat_template_kwargs may not set these
-RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "chat_template", "tools", "documents", "add_generation_prompt", "continue_final_message",
-    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
-    "return_assistant_tokens_mask", "tokenizer_kwargs"})
+def _reserved(tokenizer: Any) -> frozenset[str]:
+    """apply_chat_template's own arguments (read from the installed transformers), and the
+    conversation's name in templates: chat_template_kwargs may not set these."""
+    names = set(inspect.signature(tokenizer.apply_chat_template).parameters) - {"kwargs"}
+    return frozenset(names | {"messages", "conversation"})
 
 
 def render_chat(
@@ -44,8 +45,9 @@ def render_chat(
         raise InvalidRequest("continue_final_message", "needs add_generation_prompt=false")
     if continue_final_message and conversation[-1].get("role") != "assistant":
         raise InvalidRequest("continue_final_message", "needs the last message to be the assistant's")
+    reserved = _reserved(tokenizer) if chat_template_kwargs else frozenset()
     for key in chat_template_kwargs or {}:
-        if key in RESERVED_TEMPLATE_KWARGS:
+        if key in reserved:
             raise InvalidRequest(f"chat_template_kwargs.{key}", f"{key} is an argument of the template call, "
                                                                 "not a template variable; use the field of that name")
     try:

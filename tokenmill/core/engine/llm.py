@@ -105,8 +105,15 @@ class LLM:
             raise InvalidRequest("model", "this is an embedding model; use embed()")
         if not isinstance(params, BeamSearchParams):
             raise InvalidRequest("params", f"must be a BeamSearchParams, got {type(params).__name__}")
+        if not engine.config.cache.prefix_caching:
+            raise InvalidRequest("use_beam_search", "beam search needs prefix caching (each round would "
+                                                    "prefill every beam again)")
         searches = []
+        #: each prompt's cache_salt, which its beams' requests keep
+        salts: dict[int, dict] = {}
         for prompt in _as_prompt_list(prompts):
+            if isinstance(prompt, dict) and "cache_salt" in prompt:
+                salts[len(searches)] = {"cache_salt": prompt["cache_salt"]}
             _, token_ids = engine.tokenize_prompt(prompt)
             if len(token_ids) + params.max_tokens > engine.max_model_len:
                 raise InvalidRequest(
@@ -118,8 +125,9 @@ class LLM:
         with tqdm(total=params.max_tokens, desc="Beam search", disable=not use_tqdm, dynamic_ncols=True) as bar:
             while live := [search for search in searches if not search.done]:
                 pending = [search.pending() for search in live]
-                outputs = self.generate([{"prompt_token_ids": tokens} for beams in pending for tokens in beams],
-                                        step_params, use_tqdm=False, lora_request=lora_request)
+                requests = [{"prompt_token_ids": tokens, **salts.get(searches.index(search), {})}
+                            for search, beams in zip(live, pending) for tokens in beams]
+                outputs = self.generate(requests, step_params, use_tqdm=False, lora_request=lora_request)
                 advance_searches(live, pending, outputs)
                 bar.update(1)
         tokenizer = self.get_tokenizer()

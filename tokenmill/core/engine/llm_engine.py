@@ -111,6 +111,9 @@ class LLMEngine:
         if constraint is not None and self.structured_outputs is None:
             raise InvalidRequest(constraint.param, "structured outputs need a backend: pip install xgrammar "
                                                    "(or llguidance), or register one")
+        if constraint is not None and not self.model_config.eos_token_ids:
+            raise InvalidRequest(constraint.param, "this model has no end-of-sequence token, so a completed "
+                                                   "constraint could not end the reply")
         for processor in self.runner.sampler.processors:
             try:
                 type(processor).validate_params(params)

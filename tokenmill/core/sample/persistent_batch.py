@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 from tokenmill.interfaces.logits_processor import AddedRow, BatchUpdate
 from tokenmill.interfaces.types import SamplingParams
@@ -12,7 +12,8 @@ class PersistentBatch:
     """Which request sits in which sampling row; each step's new order becomes a BatchUpdate."""
 
     def __init__(self) -> None:
-        self._ids: list[str] = []
+        #: the request in each row of the last batch (None: finished since)
+        self._ids: list[Optional[str]] = []
         #: after a processor failed mid-update its state is unknown: the next update rebuilds it
         self._indices_in_doubt = 0
 
@@ -28,9 +29,9 @@ class PersistentBatch:
             moved: tuple[tuple[int, int], ...] = ()
             added = tuple(AddedRow(j, *row[1:]) for j, row in enumerate(rows))
         else:
-            old = {request_id: i for i, request_id in enumerate(self._ids)}
+            old = {request_id: i for i, request_id in enumerate(self._ids) if request_id is not None}
             kept = set(ids)
-            removed = tuple(i for request_id, i in old.items() if request_id not in kept)
+            removed = tuple(i for i, request_id in enumerate(self._ids) if request_id is None or request_id not in kept)
             moved = tuple((old[request_id], j) for j, request_id in enumerate(ids)
                           if request_id in old and old[request_id] != j)
             added = tuple(AddedRow(j, *row[1:]) for j, row in enumerate(rows) if row[0] not in old)
@@ -38,6 +39,13 @@ class PersistentBatch:
         self._indices_in_doubt = max(len(self._ids), len(ids), self._indices_in_doubt)
         self._ids = ids
         return BatchUpdate(len(ids), removed, moved, added)
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        """Finished requests: their rows are removed at the next update, even if a new request
+        with the same id takes the same row."""
+        finished = set(request_ids)
+        if finished & set(self._ids):
+            self._ids = [None if request_id in finished else request_id for request_id in self._ids]
 
     def committed(self) -> None:
         """Every processor took the last update."""

@@ -54,13 +54,18 @@ class StructuredOutputManager:
             return self._backend
 
     def compiled(self, params: StructuredOutputsParams) -> CompiledConstraint:
-        """The compiled constraint, from the cache or compiled now. A constraint the backend
-        cannot take is an InvalidRequest naming the field it came from."""
+        """The compiled constraint: the one the request already carries, or the cache's, or
+        compiled now; the request then carries it. A constraint the backend cannot take is an
+        InvalidRequest naming the field it came from."""
+        if params.compiled is not None and params.compiled[0] is self:
+            return params.compiled[1]
         key = params.key
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
-                return self._cache[key]
+                compiled = self._cache[key]
+                object.__setattr__(params, "compiled", (self, compiled))
+                return compiled
         backend = self.backend
         if not backend.supports(params.kind):
             raise InvalidRequest(params.param, f"the {self.name} structured output backend does not support "
@@ -73,6 +78,7 @@ class StructuredOutputManager:
             self._cache[key] = compiled
             while len(self._cache) > self.MAX_CACHED:
                 self._cache.popitem(last=False)
+        object.__setattr__(params, "compiled", (self, compiled))
         return compiled
 
     def compile_async(self, params: StructuredOutputsParams) -> Future:

@@ -64,6 +64,8 @@ class ModelRunner:
         # Finished first: a request id may be reused as soon as its request finished.
         for request_id in batch.finished_request_ids:
             self._states.pop(request_id, None)
+        # a reused id is a new request: the logits processors must not keep the old one's state
+        self._batch.forget(batch.finished_request_ids)
         for data in batch.new_requests:
             generator = None
             if data.seed is not None:

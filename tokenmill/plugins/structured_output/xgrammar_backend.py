@@ -53,7 +53,8 @@ class XGrammarBackend(StructuredOutputBackend):
         super().__init__(context)
         info = xgr.TokenizerInfo.from_huggingface(context.tokenizer, vocab_size=context.vocab_size,
                                                   stop_token_ids=list(context.eos_token_ids))
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        # the engine caches compiled constraints itself (bounded); xgrammar's cache has no bound
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
 
     def supports(self, kind: str) -> bool:
         return True
