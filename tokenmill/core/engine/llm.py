@@ -110,22 +110,22 @@ class LLM:
                                                     "prefill every beam again)")
         searches = []
         #: each prompt's cache_salt, which its beams' requests keep
-        salts: dict[int, dict] = {}
+        salts: dict[BeamSearch, dict] = {}
         for prompt in _as_prompt_list(prompts):
-            if isinstance(prompt, dict) and "cache_salt" in prompt:
-                salts[len(searches)] = {"cache_salt": prompt["cache_salt"]}
             _, token_ids = engine.tokenize_prompt(prompt)
             if len(token_ids) + params.max_tokens > engine.max_model_len:
                 raise InvalidRequest(
                     "max_tokens", f"the prompt has {len(token_ids)} tokens: with max_tokens={params.max_tokens} "
                     f"the beams would pass this model's context of {engine.max_model_len} tokens")
             searches.append(BeamSearch(token_ids, params, engine.model_config.eos_token_ids))
+            if isinstance(prompt, dict) and "cache_salt" in prompt:
+                salts[searches[-1]] = {"cache_salt": prompt["cache_salt"]}
         step_params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=searches[0].num_candidates,
                                      ignore_eos=True)
         with tqdm(total=params.max_tokens, desc="Beam search", disable=not use_tqdm, dynamic_ncols=True) as bar:
             while live := [search for search in searches if not search.done]:
                 pending = [search.pending() for search in live]
-                requests = [{"prompt_token_ids": tokens, **salts.get(searches.index(search), {})}
+                requests = [{"prompt_token_ids": tokens, **salts.get(search, {})}
                             for search, beams in zip(live, pending) for tokens in beams]
                 outputs = self.generate(requests, step_params, use_tqdm=False, lora_request=lora_request)
                 advance_searches(live, pending, outputs)

@@ -23,14 +23,8 @@ import re
 from typing import Any, Optional
 
 from tokenmill.interfaces.tool_parser import ExtractedToolCalls, ToolCall
-from tokenmill.plugins.tool_parsers._common import (
-    JSON_WS,
-    CallScanner,
-    DeltaBuilder,
-    StreamingToolParser,
-    call_from_json,
-    partial_tag,
-)
+from tokenmill.plugins.tool_parsers.json_calls import JSON_WS, CallScanner, call_from_json
+from tokenmill.plugins.tool_parsers.streaming import DeltaBuilder, StreamingToolParser, partial_tag
 
 START = "<tool_call>"
 END = "</tool_call>"

@@ -20,7 +20,8 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from tokenmill.interfaces.tool_parser import ExtractedToolCalls, ToolCall
-from tokenmill.plugins.tool_parsers._common import CallScanner, DeltaBuilder, StreamingToolParser, call_from_json
+from tokenmill.plugins.tool_parsers.json_calls import CallScanner, call_from_json
+from tokenmill.plugins.tool_parsers.streaming import DeltaBuilder, StreamingToolParser
 
 PYTHON_TAG = "<|python_tag|>"
 _ARGS_KEYS = ("parameters", "arguments")
