@@ -107,6 +107,10 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: vLLM's short spellings of engine flags
+_SHORT_FLAGS = {"tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-pp",)}
+
+
 def add_engine_flags(parser: argparse.ArgumentParser, as_text: bool = False) -> None:
     """One flag per vLLM engine argument, typed from the config tree (or plain text, for
     comma-separated variant lists)."""
@@ -118,17 +122,19 @@ def add_engine_flags(parser: argparse.ArgumentParser, as_text: bool = False) -> 
             group.add_argument("--model", default=None)
             continue
         annotation = _annotation(EngineConfig, dotted)
-        flag = "--" + name.replace("_", "-")
+        flags = ["--" + name.replace("_", "-"), *_SHORT_FLAGS.get(name, ())]
         if as_text:
-            group.add_argument(flag, default=None, dest=name)
+            group.add_argument(*flags, default=None, dest=name)
         elif annotation is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, dest=name)
+            group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=None, dest=name)
         elif annotation is int:
-            group.add_argument(flag, type=int, default=None, dest=name)
+            group.add_argument(*flags, type=int, default=None, dest=name)
+        elif annotation is float:
+            group.add_argument(*flags, type=float, default=None, dest=name)
         elif typing.get_origin(annotation) is list:
-            group.add_argument(flag, nargs="+", default=None, dest=name)
+            group.add_argument(*flags, nargs="+", default=None, dest=name)
         else:
-            group.add_argument(flag, default=None, dest=name)
+            group.add_argument(*flags, default=None, dest=name)
 
 
 def add_server_flags(parser: argparse.ArgumentParser) -> None:

@@ -45,3 +45,8 @@ class DuplicateComponent(TokenmillError):
 
 class ComponentUnavailable(TokenmillError):
     """A registered component cannot be used here (missing dependency, no GPU, ...)."""
+
+
+class WorkerFailed(TokenmillError):
+    """A worker of a multi-process engine died, hung past the collective timeout, or lost its
+    connection: the engine cannot run another step, and every request in flight fails."""

@@ -19,7 +19,8 @@ from typing import Any, Callable, Protocol
 import pluggy
 
 PROJECT_NAME = "tokenmill"
-HOOKSPEC_VERSION = 4  # 2: register_platforms; 3: register_logits_processors; 4: structured outputs, tool parsers
+HOOKSPEC_VERSION = 5  # 2: register_platforms; 3: register_logits_processors; 4: structured outputs, tool parsers;
+#                      5: register_executors
 ENTRY_POINT_GROUP = "tokenmill.plugins"
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
@@ -103,6 +104,14 @@ def register_structured_output_backends(register: Register) -> None:
 def register_tool_parsers(register: Register) -> None:
     """Register ToolParser classes (``tokenmill.interfaces.tool_parser``) by name;
     ``--tool-call-parser name`` selects one for ``tool_choice: "auto"``. Built as ``cls(tokenizer)``."""
+
+
+@hookspec
+def register_executors(register: Register) -> None:
+    """Register Executor classes (``tokenmill.interfaces.executor``) by name;
+    ``distributed_executor_backend: name`` selects one. Built as ``cls(options)``. Every rank
+    of a multi-process model builds its own plugin manager from entry points, so a plugin
+    that a rank needs must be installed as a package, not registered in one process."""
 
 
 @hookspec(firstresult=True)

@@ -19,6 +19,7 @@ from typing import Any, Iterable, Mapping, Optional, Protocol, runtime_checkable
 import torch
 
 from tokenmill.interfaces.attention import AttentionBackend, AttentionMetadata
+from tokenmill.interfaces.parallel import SINGLE, ParallelContext
 from tokenmill.interfaces.quantization import QuantizationMethod
 
 
@@ -34,6 +35,9 @@ class ModelContext:
     dtype: torch.dtype
     attention: AttentionBackend
     quantization: Optional[QuantizationMethod] = None
+    #: this rank's tensor-parallel shard and pipeline stage (tokenmill.interfaces.parallel);
+    #: a model that builds from tokenmill.core.layers passes it on to them
+    parallel: ParallelContext = SINGLE
 
 
 @runtime_checkable

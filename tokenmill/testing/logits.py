@@ -1,16 +1,17 @@
 """Raw logits of every prompt position, computed through an engine's own model and KV cache.
 
 For comparisons against reference logits (quantized checkpoints): the prompt
-runs as one request in a single forward pass, exactly as a prefill would.
+runs as one request in a single forward pass, exactly as a prefill would (on
+every rank of a multi-process model, whose logits are gathered).
 """
 
 from __future__ import annotations
 
 import torch
 
+from tokenmill.core.distributed.messages import Row, Step
 from tokenmill.core.engine.llm_engine import LLMEngine
 from tokenmill.core.engine.request import Request
-from tokenmill.interfaces.batch import ScheduledRequest
 from tokenmill.interfaces.types import SamplingParams
 
 
@@ -23,10 +24,7 @@ def prompt_logits(engine: LLMEngine, token_ids: list[int]) -> torch.Tensor:
     if not kv.allocate_slots(request, len(token_ids)):
         raise RuntimeError("the KV cache cannot hold this prompt")
     try:
-        item = ScheduledRequest("__logits__", tuple(token_ids), 0, kv.block_ids("__logits__"), True)
-        runner = engine.runner
-        input_ids, positions, metadata = runner._prepare_inputs((item,))
-        hidden = runner.model.forward(input_ids, positions, metadata)
-        return runner.model.compute_logits(hidden)
+        step = Step([Row(list(token_ids), 0, list(kv.block_ids("__logits__")))], list(range(len(token_ids))), False)
+        return engine.runner.model_step.run(step).logits
     finally:
         kv.free(request)

@@ -95,6 +95,34 @@ class AdaptersConfig(BaseModel):
     allow_runtime_lora_updating: bool = False
 
 
+class ParallelConfig(BaseModel):
+    """How a model spans ranks (vLLM's names): tensor parallelism splits every layer over
+    ``tensor_parallel_size`` ranks, pipeline parallelism splits the layer stack into
+    ``pipeline_parallel_size`` stages; the executor decides where the ranks run."""
+
+    model_config = _STRICT
+
+    tensor_parallel_size: int = Field(1, ge=1, le=512)
+    pipeline_parallel_size: int = Field(1, ge=1, le=512)
+    #: "uni" (one process), "mp" (worker processes on this machine), "ray" (Ray actors,
+    #: placed by a placement group, possibly on several machines) or a plugin's executor.
+    #: None: uni for one rank, mp for more (vLLM's default on one machine)
+    distributed_executor_backend: Optional[str] = None
+    #: seconds a collective may wait for another rank before the engine declares it failed
+    #: (a rank that dies is noticed at once: its connections close)
+    distributed_timeout_seconds: float = Field(60.0, gt=0, le=86400)
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def executor(self) -> str:
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "uni" if self.world_size == 1 else "mp"
+
+
 class PlatformConfig(BaseModel):
     """``name``, and one section per platform (``cpu: {num_threads: 4}``): each section is
     validated by its platform's ``options_model`` when the engine is built, and a section
@@ -176,6 +204,7 @@ class EngineConfig(BaseSettings):
     #: logits processors to add to the built-ins: registered names or 'module:Class' paths (vLLM: logits_processors)
     logits_processors: list[str] = []
     platform: PlatformConfig = PlatformConfig()
+    parallel: ParallelConfig = ParallelConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     cache: CacheConfig = CacheConfig()
     attention: AttentionConfig = AttentionConfig()
@@ -212,6 +241,10 @@ VLLM_NAMES: dict[str, str] = {
     "small_batch_gemv": "platform.cpu.small_batch_gemv",
     "huge_pages": "platform.cpu.huge_pages",
     "keep_freed_memory": "platform.cpu.keep_freed_memory",
+    "tensor_parallel_size": "parallel.tensor_parallel_size",
+    "pipeline_parallel_size": "parallel.pipeline_parallel_size",
+    "distributed_executor_backend": "parallel.distributed_executor_backend",
+    "distributed_timeout_seconds": "parallel.distributed_timeout_seconds",
     "block_size": "cache.block_size",
     "enable_prefix_caching": "cache.prefix_caching",
     "num_gpu_blocks_override": "cache.num_blocks",

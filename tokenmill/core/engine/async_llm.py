@@ -187,6 +187,7 @@ class AsyncLLM:
         self._stopping.set()
         self._wake.set()
         self._thread.join(10.0)
+        self.engine.shutdown()
 
     def _send(self, command: object) -> None:
         self._commands.put(command)
@@ -199,6 +200,7 @@ class AsyncLLM:
             while not self._stopping.is_set():
                 self._drain_commands()
                 if not engine.has_unfinished_requests():
+                    engine.check_health()  # an idle engine notices a dead worker too
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue

@@ -50,6 +50,17 @@ class LLM:
     def from_config(cls, path: str | Path, **overrides: Any) -> "LLM":
         return cls(config=load_config(path, **overrides))
 
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes (multi-process models); also done at exit."""
+        if isinstance(self.llm_engine, LLMEngine):
+            self.llm_engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 

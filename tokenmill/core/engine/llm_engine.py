@@ -3,20 +3,23 @@
 A request is checked against the model once, when it is added; after that, an
 exception while one request is processed (its sampling, detokenizing, stop
 check, a plugin hook) finishes that request with ``finish_reason="error"`` and
-the engine serves on. Only errors in the scheduler's own bookkeeping propagate
-out of ``step``: those leave the engine's state unusable.
+the engine serves on. Only errors in the scheduler's own bookkeeping, and a
+worker of a multi-process model failing (``WorkerFailed``), propagate out of
+``step``: those leave the engine unable to run another step.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
+import weakref
 from typing import Any, Optional, Sequence, Union
 
 import structlog
 
 from tokenmill.core.config.engine_config import EngineConfig
 from tokenmill.core.config.model_config import ModelConfig
+from tokenmill.core.distributed.driver import WorkerGroup
 from tokenmill.core.engine.output_processor import OutputProcessor
 from tokenmill.core.engine.request import Request
 from tokenmill.core.plugin_host.plugin_manager import PluginManager
@@ -25,7 +28,7 @@ from tokenmill.core.structured_output.manager import StructuredOutputManager
 from tokenmill.core.worker.model_runner import ModelRunner
 from tokenmill.interfaces.adapters import AdapterType
 from tokenmill.interfaces.batch import ModelRunnerOutput, SchedulerOutput, SchedulerStats
-from tokenmill.interfaces.errors import InvalidRequest
+from tokenmill.interfaces.errors import InvalidRequest, WorkerFailed
 from tokenmill.interfaces.platform import Platform
 from tokenmill.interfaces.types import FinishReason, RequestOutput, SamplingParams
 
@@ -54,6 +57,7 @@ class LLMEngine:
         adapters: Optional[AdapterType] = None,
         platform: Optional[Platform] = None,
         structured_outputs: Optional[StructuredOutputManager] = None,
+        workers: Optional[WorkerGroup] = None,
     ) -> None:
         self.config = config
         self.model_config = model_config
@@ -66,6 +70,10 @@ class LLMEngine:
         self.platform = platform
         #: compiles structured output constraints (None: no backend installed)
         self.structured_outputs = structured_outputs
+        #: the ranks beyond this process of a multi-process model (None: one process)
+        self.workers = workers
+        if workers is not None:  # an engine dropped without shutdown() still stops its workers
+            self._finalizer = weakref.finalize(self, workers.shutdown)
         if adapters is not None:
             adapters.in_use = lambda name: any(r.adapter_name == name for r in scheduler.requests.values())
         self.outputs = OutputProcessor(tokenizer)
@@ -210,6 +218,16 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def check_health(self) -> None:
+        """Raise WorkerFailed once a worker of a multi-process model is gone."""
+        if self.workers is not None:
+            self.workers.check_health()
+
+    def shutdown(self) -> None:
+        """Stop the worker processes, if any (safe to call twice)."""
+        if self.workers is not None:
+            self.workers.shutdown()
+
     # --- the step ----------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, and return outputs of requests that advanced or failed."""
@@ -260,6 +278,8 @@ class LLMEngine:
         generators = self.runner.generator_states(batch)
         try:
             return self.runner.execute(batch), {}
+        except WorkerFailed:  # the model's ranks are out of step: no request can run again
+            raise
         except Exception as exc:
             if len(batch.scheduled) <= 1:
                 return _NOTHING, {item.request_id: exc for item in batch.scheduled}
@@ -270,6 +290,8 @@ class LLMEngine:
                                      num_scheduled_tokens=len(item.new_token_ids))
             try:
                 part = self.runner.execute(single)
+            except WorkerFailed:
+                raise
             except Exception as exc:
                 failures[item.request_id] = exc
                 continue

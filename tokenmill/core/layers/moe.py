@@ -8,6 +8,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from tokenmill.interfaces.errors import ConfigError
+from tokenmill.interfaces.parallel import SINGLE, ParallelContext
+
 
 class FusedMoE(nn.Module):
     """``E`` gated experts stored as ``w13 [E, 2 * inter, hidden]`` (gate rows, then up)
@@ -15,11 +18,22 @@ class FusedMoE(nn.Module):
 
     Tokens are sorted by expert and each expert runs one matmul over all of its
     tokens: a Python loop over experts, never over tokens.
+
+    Under tensor parallelism every rank holds every expert's slice of the intermediate
+    dimension (gate/up split by rows, down by columns, vLLM's scheme), routes all tokens
+    the same way, and the partial outputs are all-reduced.
     """
 
     def __init__(self, num_experts: int, top_k: int, hidden: int, inter: int, renormalize: bool,
-                 activation: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype) -> None:
+                 activation: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype,
+                 parallel: ParallelContext = SINGLE) -> None:
         super().__init__()
+        if inter % parallel.tp_size:
+            raise ConfigError("tensor_parallel_size", f"the experts' intermediate size {inter} is not divisible "
+                                                      f"by tensor_parallel_size={parallel.tp_size}")
+        self.parallel = parallel
+        self.full_inter = inter
+        inter //= parallel.tp_size
         self.num_experts, self.top_k, self.inter = num_experts, top_k, inter
         self.renormalize = renormalize
         self.act = activation
@@ -36,6 +50,21 @@ class FusedMoE(nn.Module):
         if part == "up":
             return self.w13.data[expert, self.inter:]
         return self.w2.data[expert]
+
+    def rank_slice(self, part: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a checkpoint tensor: one expert's ``part`` ("gate", "up",
+        "down"), or all experts' fused "w13" ``[E, 2 * inter, hidden]`` / "w2" ``[E, hidden, inter]``."""
+        if self.parallel.tp_size == 1:
+            return tensor
+        start = self.parallel.tp_rank * self.inter
+        if part in ("gate", "up"):
+            return tensor.narrow(0, start, self.inter)
+        if part == "down":
+            return tensor.narrow(1, start, self.inter)
+        if part == "w13":
+            gate, up = tensor.split(self.full_inter, dim=1)
+            return torch.cat([gate.narrow(1, start, self.inter), up.narrow(1, start, self.inter)], dim=1)
+        return tensor.narrow(2, start, self.inter)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
         probs = F.softmax(self.gate(x).float(), dim=-1)
@@ -58,4 +87,4 @@ class FusedMoE(nn.Module):
             y = F.linear(self.act(gate) * up, self.w2[expert])
             out.index_add_(0, tokens, (y * flat_weights[rows, None]).to(out.dtype))
             start += count
-        return out
+        return self.parallel.comm.all_reduce(out) if self.parallel.tp_size > 1 else out

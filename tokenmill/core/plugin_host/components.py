@@ -22,6 +22,7 @@ class Components:
     logits_processors: Registry
     structured_output_backends: Registry
     tool_parsers: Registry
+    executors: Registry
 
     def by_kind(self) -> dict[str, Registry]:
         return {
@@ -34,7 +35,14 @@ class Components:
             "logits_processors": self.logits_processors,
             "structured_output_backends": self.structured_output_backends,
             "tool_parsers": self.tool_parsers,
+            "executors": self.executors,
         }
+
+    def fingerprint(self) -> dict[str, list[str]]:
+        """Every registration as "name=module:qualname", by kind: what another process that
+        built its plugin manager from the same entry points must have registered too."""
+        return {kind: [f"{entry.name}={entry.target}" for entry in registry.entries()]
+                for kind, registry in self.by_kind().items()}
 
 
 _REGISTRATION_HOOKS = {
@@ -47,6 +55,7 @@ _REGISTRATION_HOOKS = {
     "logits_processors": ("register_logits_processors", "logits processor"),
     "structured_output_backends": ("register_structured_output_backends", "structured output backend"),
     "tool_parsers": ("register_tool_parsers", "tool parser"),
+    "executors": ("register_executors", "executor"),
 }
 
 

@@ -1,10 +1,13 @@
-"""One step on the model: SchedulerOutput -> flat tensors -> forward -> sampler.
+"""One step on the driver: SchedulerOutput -> a ``Step`` for the model -> sampler.
 
 The runner keeps what it needs per request across steps (sampling params,
 output history for penalties, the seeded generator) so the scheduler sends
-only per-step deltas. Logits are computed only for rows that sample or that
-report prompt logprobs, and not at all where every row takes the argmax of its
-raw logits and the platform's greedy head can find it.
+only per-step deltas, and it decides which rows need logits before the forward
+pass: rows that sample or that report prompt logprobs, and none at all where
+every row takes the argmax of its raw logits and the model side can find it
+(the platform's greedy head, or the gathered (max, index) of vocabulary shards).
+The forward itself is a ``ModelStep``'s: in this process, or on every rank of a
+multi-process model.
 """
 
 from __future__ import annotations
@@ -12,14 +15,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-import numpy as np
 import torch
 
+from tokenmill.core.distributed.messages import Row, Step
 from tokenmill.core.sample.persistent_batch import PersistentBatch
 from tokenmill.core.sample.sampler import Sampler, SamplingRow, gather_logprobs
-from tokenmill.core.worker.kv_cache import SwapCaches
-from tokenmill.interfaces.adapters import AdapterType
-from tokenmill.interfaces.attention import AttentionBackend, AttentionMetadata
+from tokenmill.core.worker.model_step import ModelStep
 from tokenmill.interfaces.batch import (
     ModelRunnerOutput,
     NewRequestData,
@@ -27,8 +28,6 @@ from tokenmill.interfaces.batch import (
     SchedulerOutput,
 )
 from tokenmill.interfaces.logits_processor import LogitsProcessor
-from tokenmill.interfaces.models import CausalLM
-from tokenmill.interfaces.platform import GreedyArgmax
 from tokenmill.interfaces.types import PositionLogprobs
 
 
@@ -42,21 +41,22 @@ class _RequestState:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, attention: AttentionBackend, block_size: int, seed: int,
-                 swap: Optional["SwapCaches"] = None, adapters: Optional[AdapterType] = None,
-                 greedy_head: Optional[GreedyArgmax] = None,
+    def __init__(self, model_step: ModelStep, seed: int,
                  logits_processors: tuple[LogitsProcessor, ...] = ()) -> None:
-        self.model = model
-        #: the backend's per-step metadata builder, where it has one (AttentionBackend)
-        self._build_metadata = getattr(attention, "build_metadata", None)
-        #: tokens for steps whose rows all take the argmax of their raw logits
-        self.greedy_head = greedy_head
-        self.block_size = block_size
+        #: runs the forward pass: here, or broadcast to every rank first (DistributedModelStep)
+        self.model_step = model_step
         self.sampler = Sampler(seed, logits_processors)
         self._batch = PersistentBatch()
-        self.swap = swap
-        self.adapters = adapters
         self._states: dict[str, _RequestState] = {}
+
+    @property
+    def model(self):
+        """The driver rank's model (its shard, under tensor or pipeline parallelism)."""
+        return self.model_step.model
+
+    @property
+    def greedy_head(self):
+        return self.model_step.greedy_head
 
     def prepare(self, batch: SchedulerOutput) -> None:
         """The step's bookkeeping before any compute: forget finished requests, keep new
@@ -72,9 +72,7 @@ class ModelRunner:
                 generator = torch.Generator().manual_seed(data.seed)
             self._states[data.request_id] = _RequestState(data, generator)
         if batch.blocks_to_swap_out or batch.blocks_to_swap_in:
-            assert self.swap is not None, "swap requested but no swap space was allocated"
-            self.swap.copy(batch.blocks_to_swap_out, to_host=True)
-            self.swap.copy(batch.blocks_to_swap_in, to_host=False)
+            self.model_step.swap_blocks(list(batch.blocks_to_swap_out), list(batch.blocks_to_swap_in))
 
     def generator_states(self, batch: SchedulerOutput) -> list[tuple[torch.Generator, torch.Tensor]]:
         """The random state the step's samples will draw from, to rewind a failed step with."""
@@ -87,26 +85,19 @@ class ModelRunner:
         for generator, state in states:
             generator.set_state(state)
 
-    @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> ModelRunnerOutput:
         """The forward pass and sampling for a prepared batch. Request state changes only once
         the whole step succeeded, so a failed step can be run again (one request at a time)."""
         if batch.is_empty:
             return ModelRunnerOutput({}, {}, {})
 
-        input_ids, positions, metadata = self._prepare_inputs(batch.scheduled)
-        if self.adapters is not None:
-            self.adapters.prepare_step([self._states[s.request_id].data.adapter_name for s in batch.scheduled],
-                                       [len(s.new_token_ids) for s in batch.scheduled])
-        hidden = self.model.forward(input_ids, positions, metadata)
-
         # Rows to compute logits for: prompt-logprob positions, then sampling positions.
-        starts = metadata.query_start_loc_cpu
+        start = 0
         sample_rows: list[int] = []
         sample_items: list[ScheduledRequest] = []
         prompt_spans: list[tuple[ScheduledRequest, int, int, int]] = []  # item, row0, first token, count
         rows: list[int] = []
-        for i, item in enumerate(batch.scheduled):
+        for item in batch.scheduled:
             state = self._states[item.request_id]
             if state.data.sampling_params.prompt_logprobs is not None:
                 span = self._prompt_logprob_span(item, state)
@@ -114,25 +105,29 @@ class ModelRunner:
                     first, count = span
                     offset = first - 1 - item.num_computed_tokens
                     prompt_spans.append((item, len(rows), first, count))
-                    rows.extend(range(starts[i] + offset, starts[i] + offset + count))
+                    rows.extend(range(start + offset, start + offset + count))
+            start += len(item.new_token_ids)
             if item.sample:
                 sample_rows.append(len(rows))
                 sample_items.append(item)
-                rows.append(starts[i + 1] - 1)
-        if not rows:
-            return ModelRunnerOutput({}, {}, {})
-        hidden = hidden[torch.tensor(rows)]
+                rows.append(start - 1)
         states = [self._states[item.request_id] for item in sample_items]
         self._update_processors(sample_items, states)
         sampling_rows = [SamplingRow(s.data.sampling_params, s.data.prompt_token_ids, s.output_token_ids,
                                      s.generator) for s in states]
-        tokens: Optional[list[int]] = None
+        greedy = (bool(rows) and not prompt_spans and self.sampler.argmax_only(sampling_rows)
+                  and (self.greedy_head is not None or self.model_step.parallel.world_size > 1))
+        step = Step([Row(item.new_token_ids, item.num_computed_tokens, item.block_ids,
+                         self._states[item.request_id].data.adapter_name) for item in batch.scheduled],
+                    rows, greedy)
+        result = self.model_step.run(step)
+        if not rows:
+            return ModelRunnerOutput({}, {}, {})
+        tokens = result.tokens
         token_logprobs: list[Optional[PositionLogprobs]] = [None] * len(sample_items)
-        if self.greedy_head is not None and not prompt_spans and self.sampler.argmax_only(sampling_rows):
-            tokens = self.greedy_head.tokens(hidden)
         prompt_logprobs: dict[str, list[Optional[PositionLogprobs]]] = {}
         if tokens is None:
-            logits = self.model.compute_logits(hidden)
+            logits = result.logits
             prompt_logprobs = self._prompt_logprobs(logits, prompt_spans)
             if sample_items:
                 if len(sample_rows) < len(rows):
@@ -155,42 +150,6 @@ class ModelRunner:
         if update is not None:
             self.sampler.update_batch(update)
             self._batch.committed()
-
-    def _prepare_inputs(
-        self, scheduled: tuple[ScheduledRequest, ...]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        bs = self.block_size
-        query_lens = np.fromiter((len(s.new_token_ids) for s in scheduled), np.int64, len(scheduled))
-        computed = np.fromiter((s.num_computed_tokens for s in scheduled), np.int64, len(scheduled))
-        query_start = np.zeros(len(scheduled) + 1, dtype=np.int64)
-        np.cumsum(query_lens, out=query_start[1:])
-        seq_lens = computed + query_lens
-        num_tokens = int(query_start[-1])
-
-        request_index = np.repeat(np.arange(len(scheduled)), query_lens)
-        positions = computed[request_index] + np.arange(num_tokens) - query_start[:-1][request_index]
-        max_blocks = max(len(s.block_ids) for s in scheduled)
-        block_table = np.zeros((len(scheduled), max_blocks), dtype=np.int32)
-        for i, s in enumerate(scheduled):
-            block_table[i, : len(s.block_ids)] = s.block_ids
-        slots = block_table[request_index, positions // bs].astype(np.int64) * bs + positions % bs
-
-        input_ids = torch.tensor(
-            [t for s in scheduled for t in s.new_token_ids], dtype=torch.long
-        )
-        common = AttentionMetadata(
-            query_start_loc=torch.from_numpy(query_start.astype(np.int32)),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
-            block_table=torch.from_numpy(block_table),
-            slot_mapping=torch.from_numpy(slots),
-            max_query_len=int(query_lens.max()),
-            max_seq_len=int(seq_lens.max()),
-            query_start_loc_cpu=tuple(query_start.tolist()),
-            seq_lens_cpu=tuple(seq_lens.tolist()),
-            block_size=bs,
-        )
-        metadata = common if self._build_metadata is None else self._build_metadata(common)
-        return input_ids, torch.from_numpy(positions), metadata
 
     @staticmethod
     def _prompt_logprob_span(item: ScheduledRequest, state: _RequestState) -> Optional[tuple[int, int]]:

@@ -40,6 +40,8 @@ class _StepGroups:
 class LoRALayer:
     def __init__(self, linear: Linear, slots: int, max_rank: int, step: _StepGroups) -> None:
         self.sizes = linear.output_sizes
+        #: the base layer's tensor-parallel slice: adapters are cut to match it
+        self.shard = linear.shard
         self.offsets = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
         self.max_rank = max_rank
         dtype = linear.dtype
@@ -168,6 +170,8 @@ class LoRAAdapters:
                 problems.append(f"{module} has lora_A but no lora_B")
                 continue
             layer, part = self._layers[module]
+            if layer.shard is not None:
+                a, b = layer.shard.lora(part, a, b)
             mismatch = layer.mismatch(part, a, b)
             if mismatch is not None:
                 problems.append(f"{module}: {mismatch}")

@@ -19,8 +19,11 @@ from tokenmill.core.layers.activation import GatedActivation
 from tokenmill.core.layers.attention import Attention
 from tokenmill.core.layers.fused_decoder import DecoderLayerParts, FusableDecoder
 from tokenmill.core.layers.linear import Linear
+from tokenmill.core.layers.linear_shard import column_shard, qkv_shard, row_shard, vocab_shard
 from tokenmill.core.layers.norm import RMSNorm
+from tokenmill.core.layers.pipeline import MissingLayer, stage_skips
 from tokenmill.core.layers.rotary import ApplyRotary, RotaryEmbedding, rotary_dim
+from tokenmill.core.layers.vocab_parallel import VocabParallelEmbedding
 from tokenmill.core.model_loader.weights import load_weights
 from tokenmill.interfaces.attention import AttentionLayerSpec, AttentionMetadata
 from tokenmill.interfaces.hookspecs import hookimpl
@@ -32,15 +35,18 @@ class LlamaAttention(nn.Module):
         super().__init__()
         cfg = ctx.hf_config
         hidden = cfg["hidden_size"]
-        self.num_heads = cfg["num_attention_heads"]
-        self.num_kv_heads = cfg.get("num_key_value_heads") or self.num_heads
-        self.head_dim = cfg.get("head_dim") or hidden // self.num_heads
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.split = [q_size, kv_size, kv_size]
-        self.qkv_proj = Linear(hidden, self.split, bias=model.qkv_bias(cfg), dtype=ctx.dtype,
-                               quantization=ctx.quantization, prefix=f"{prefix}.qkv_proj")
+        num_heads = cfg["num_attention_heads"]
+        num_kv_heads = cfg.get("num_key_value_heads") or num_heads
+        self.head_dim = cfg.get("head_dim") or hidden // num_heads
+        q_size, kv_size = num_heads * self.head_dim, num_kv_heads * self.head_dim
+        qkv, self.num_heads, self.num_kv_heads = qkv_shard(hidden, num_heads, num_kv_heads, self.head_dim,
+                                                           ctx.parallel, f"{prefix}.qkv_proj")
+        self.split = [self.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2
+        self.qkv_proj = Linear(hidden, [q_size, kv_size, kv_size], bias=model.qkv_bias(cfg), dtype=ctx.dtype,
+                               quantization=ctx.quantization, prefix=f"{prefix}.qkv_proj", shard=qkv)
         self.o_proj = Linear(q_size, [hidden], bias=model.o_bias(cfg), dtype=ctx.dtype,
-                             quantization=ctx.quantization, prefix=f"{prefix}.o_proj")
+                             quantization=ctx.quantization, prefix=f"{prefix}.o_proj",
+                             shard=row_shard(q_size, hidden, ctx.parallel, f"{prefix}.o_proj"))
         if model.qk_norm:
             eps = cfg.get("rms_norm_eps", 1e-6)
             self.q_norm = model.norm_class(self.head_dim, eps, ctx.dtype)
@@ -76,9 +82,11 @@ class LlamaMLP(nn.Module):
         hidden, inter = cfg["hidden_size"], intermediate_size or cfg["intermediate_size"]
         bias = bool(cfg.get("mlp_bias", False))
         self.gate_up_proj = Linear(hidden, [inter, inter], bias=bias, dtype=ctx.dtype,
-                                   quantization=ctx.quantization, prefix=f"{prefix}.gate_up_proj")
+                                   quantization=ctx.quantization, prefix=f"{prefix}.gate_up_proj",
+                                   shard=column_shard(hidden, [inter, inter], ctx.parallel, f"{prefix}.gate_up_proj"))
         self.down_proj = Linear(inter, [hidden], bias=bias, dtype=ctx.dtype,
-                                quantization=ctx.quantization, prefix=f"{prefix}.down_proj")
+                                quantization=ctx.quantization, prefix=f"{prefix}.down_proj",
+                                shard=row_shard(inter, hidden, ctx.parallel, f"{prefix}.down_proj"))
         self.act = GatedActivation(cfg.get("hidden_activation") or cfg.get("hidden_act", "silu"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -112,19 +120,32 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module, FusableDecoder):
+    """The decoder stack; under pipeline parallelism, this stage's layers of it (the first
+    stage embeds, the last normalises, and hidden states travel between them)."""
+
     def __init__(self, model: "LlamaForCausalLM", ctx: ModelContext) -> None:
         super().__init__()
         cfg = ctx.hf_config
+        self.parallel = stage = ctx.parallel
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        self.hidden_size, self.dtype = cfg["hidden_size"], ctx.dtype
         self.rotary_emb = RotaryEmbedding(head_dim, cfg["rope_parameters"], cfg.get("max_position_embeddings") or 2048)
-        self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"], dtype=ctx.dtype)
-        self.embed_tokens.weight.requires_grad_(False)
+        # a tied head computes the logits from the embedding: the last stage needs it too
+        if stage.is_first_stage or (stage.is_last_stage and model.tie_word_embeddings):
+            self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], cfg["hidden_size"], ctx.dtype, stage)
+        else:
+            self.embed_tokens = MissingLayer()
         self.embed_scale = model.embed_scale(cfg)
+        self.held = stage.layer_range(cfg["num_hidden_layers"])
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(model, ctx, f"model.layers.{i}", i) for i in range(cfg["num_hidden_layers"]))
-        self.norm = model.norm_class(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6), ctx.dtype)
+            LlamaDecoderLayer(model, ctx, f"model.layers.{i}", i) if i in self.held else MissingLayer()
+            for i in range(cfg["num_hidden_layers"]))
+        self.norm = (model.norm_class(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6), ctx.dtype)
+                     if stage.is_last_stage else MissingLayer())
 
     def decoder_layer_parts(self) -> Optional[list[DecoderLayerParts]]:
+        if self.parallel.world_size > 1:  # the fused stack has no collectives in it
+            return None
         if not all(type(layer) is LlamaDecoderLayer and not layer.sandwich and type(layer.mlp) is LlamaMLP
                    and type(layer.self_attn) is LlamaAttention and not hasattr(layer.self_attn, "q_norm")
                    for layer in self.layers):
@@ -135,14 +156,21 @@ class LlamaModel(nn.Module, FusableDecoder):
                 for layer in self.layers]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        if self.embed_scale is not None:
-            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        stage = self.parallel
+        if stage.is_first_stage:
+            x = self.embed_tokens(input_ids)
+            if self.embed_scale is not None:
+                x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        else:
+            x = stage.comm.recv_prev((input_ids.shape[0], self.hidden_size), self.dtype)
         cos_sin = self.rotary_emb(positions, x.dtype)  # once per step, shared by every layer
         if self.fused_decoder is not None and self.fused_decoder.accepts(x, metadata):
             return self.norm(self.fused_decoder(x, cos_sin, metadata))
-        for layer in self.layers:
-            x = layer(cos_sin, x, metadata)
+        for i in self.held:
+            x = self.layers[i](cos_sin, x, metadata)
+        if not stage.is_last_stage:
+            stage.comm.send_next(x)
+            return x
         return self.norm(x)
 
 
@@ -161,15 +189,19 @@ class LlamaForCausalLM(nn.Module):
     #: HF's ``tie_word_embeddings`` default for the family: transformers 4 omits the key
     #: from config.json when it equals that default
     tie_word_embeddings_default = False
+    #: the stack splits into pipeline stages (LlamaModel)
+    supports_pipeline_parallel = True
 
     def __init__(self, ctx: ModelContext) -> None:
         super().__init__()
         cfg = ctx.hf_config
+        self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", self.tie_word_embeddings_default))
         self.model = LlamaModel(self, ctx)
         self.final_logit_softcapping = cfg.get("final_logit_softcapping")
-        self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", self.tie_word_embeddings_default))
-        if not self.tie_word_embeddings:
-            self.lm_head = Linear(cfg["hidden_size"], [cfg["vocab_size"]], bias=False, dtype=ctx.dtype)
+        self.parallel = ctx.parallel
+        if not self.tie_word_embeddings and ctx.parallel.is_last_stage:
+            self.lm_head = Linear(cfg["hidden_size"], [cfg["vocab_size"]], bias=False, dtype=ctx.dtype,
+                                  shard=vocab_shard(cfg["hidden_size"], cfg["vocab_size"], ctx.parallel))
 
     # --- switches ----------------------------------------------------------
     @staticmethod
@@ -205,6 +237,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, metadata)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The logits of this rank's vocabulary range (all of it without tensor parallelism)."""
         if self.tie_word_embeddings:
             logits = nn.functional.linear(hidden, self.model.embed_tokens.weight).float()
         else:
@@ -222,9 +255,21 @@ class LlamaForCausalLM(nn.Module):
             return self.model.embed_tokens.weight
         return getattr(self.lm_head, "weight", None)  # prepacking without the GEMV drops it
 
+    def checkpoint_skips(self) -> list[str]:
+        """Checkpoint tensors this rank does not load: rotary caches, a tied head's copy, and
+        under pipeline parallelism what other stages hold."""
+        stage = self.parallel
+        skip = ["rotary_emb.inv_freq"]
+        if self.tie_word_embeddings or not stage.is_last_stage:
+            skip.append("lm_head.")
+        if isinstance(self.model.embed_tokens, MissingLayer):
+            skip.append("model.embed_tokens.")
+        if not stage.is_last_stage:
+            skip.append("model.norm.")
+        return skip + stage_skips(stage, len(self.model.layers), "model.layers.")
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        skip = ["rotary_emb.inv_freq"] + (["lm_head."] if self.tie_word_embeddings else [])
-        return load_weights(self, weights, self.stacked_params, skip)
+        return load_weights(self, weights, self.stacked_params, self.checkpoint_skips())
 
 
 class MistralForCausalLM(LlamaForCausalLM):

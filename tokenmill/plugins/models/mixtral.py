@@ -22,10 +22,11 @@ class MixtralForCausalLM(LlamaForCausalLM):
     def make_mlp(self, ctx: ModelContext, prefix: str, layer: int) -> nn.Module:
         cfg = ctx.hf_config
         return FusedMoE(cfg["num_local_experts"], cfg["num_experts_per_tok"], cfg["hidden_size"],
-                        cfg["intermediate_size"], True, activation(cfg.get("hidden_act", "silu")), ctx.dtype)
+                        cfg["intermediate_size"], True, activation(cfg.get("hidden_act", "silu")), ctx.dtype,
+                        ctx.parallel)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        skip = ["rotary_emb.inv_freq"] + (["lm_head."] if self.tie_word_embeddings else [])
+        skip = self.checkpoint_skips()
         # checkpoints name the MoE block "block_sparse_moe" (transformers 4) or "mlp" (5)
         return load_moe_weights(self, weights, _EXPERT, {"w1": "gate", "w3": "up", "w2": "down"},
                                 self.stacked_params, skip, rename={".block_sparse_moe.": ".mlp."})

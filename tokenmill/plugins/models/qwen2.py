@@ -66,14 +66,15 @@ def load_moe_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor
             match = expert_pattern.match(name)
             if match and _takes_expert(modules.get(match.group(1)), int(match.group(2))):
                 moe, expert, part = match.groups()
-                copy_tensor(name, modules[moe].expert_weight(int(expert), parts[part]), tensor)
+                copy_tensor(name, modules[moe].expert_weight(int(expert), parts[part]),
+                            modules[moe].rank_slice(parts[part], tensor))
                 arrived.setdefault(moe, set()).add((int(expert), parts[part]))
                 continue
             fused = _FUSED_EXPERTS.match(name)
             if fused and isinstance(modules.get(fused.group(1)), FusedMoE):
                 moe, kind = fused.groups()
                 param = "w13" if kind == "gate_up_proj" else "w2"
-                copy_tensor(name, getattr(modules[moe], param), tensor)
+                copy_tensor(name, getattr(modules[moe], param), modules[moe].rank_slice(param, tensor))
                 loaded.add(f"{moe}.{param}")
                 continue
             yield name, tensor
@@ -105,10 +106,10 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
             return LlamaMLP(ctx, cfg, prefix)
         return FusedMoE(num_experts, cfg["num_experts_per_tok"], cfg["hidden_size"],
                         cfg["moe_intermediate_size"], bool(cfg.get("norm_topk_prob", False)),
-                        activation(cfg.get("hidden_act", "silu")), ctx.dtype)
+                        activation(cfg.get("hidden_act", "silu")), ctx.dtype, ctx.parallel)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        skip = ["rotary_emb.inv_freq"] + (["lm_head."] if self.tie_word_embeddings else [])
+        skip = self.checkpoint_skips()
         return load_moe_weights(self, weights, _EXPERT, {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"},
                                 self.stacked_params, skip)
 

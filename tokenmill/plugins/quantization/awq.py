@@ -18,6 +18,9 @@ from tokenmill.plugins.quantization.packing import unpack_awq
 
 
 class AWQLinearMethod:
+    #: splits over tensor-parallel ranks: outputs by packs of 8 columns, inputs by groups
+    tensor_parallel = True
+
     def __init__(self, group_size: int) -> None:
         self.group_size = group_size
 
@@ -30,9 +33,12 @@ class AWQLinearMethod:
             "qzeros": (torch.zeros(groups, n // 8, dtype=torch.int32), packed),
             "scales": (torch.zeros(groups, n, dtype=torch.float16), output_shard_loader(offsets, output_sizes, 1)),
         }
+        # how each checkpoint tensor maps onto (outputs, inputs), and the units packing makes
+        dims = {"qweight": (1, 8, 0, 1), "qzeros": (1, 8, 0, self.group_size), "scales": (1, 1, 0, self.group_size)}
         for name, (tensor, loader) in tensors.items():
             param = nn.Parameter(tensor, requires_grad=False)
             param.weight_loader = loader  # type: ignore[attr-defined]
+            param.output_dim, param.output_unit, param.input_dim, param.input_unit = dims[name]  # type: ignore
             layer.register_parameter(name, param)
         layer.quant_dtype = dtype
 

@@ -26,13 +26,25 @@ from tokenmill.plugins.quantization.packing import unpack
 
 
 class GPTQLinearMethod:
-    def __init__(self, bits: int, group_size: int, zero_offset: int) -> None:
+    #: splits over tensor-parallel ranks: outputs by columns; inputs by whole packs and
+    #: groups, except that an act-order layer keeps every group's scales and zeros (its
+    #: input channels do not come in group order)
+    tensor_parallel = True
+
+    def __init__(self, bits: int, group_size: int, zero_offset: int, act_order: bool) -> None:
         self.bits, self.group_size, self.zero_offset = bits, group_size, zero_offset
+        self.act_order = act_order
         self.pack = 32 // bits
+
+    def _groups_split(self, layer: nn.Module) -> bool:
+        shard = getattr(layer, "shard", None)
+        return shard is not None and shard.kind == "row" and self.group_size != -1 and not self.act_order
 
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int], dtype: torch.dtype) -> None:
         n = sum(output_sizes)
-        groups = 1 if self.group_size == -1 else input_size // self.group_size
+        shard = getattr(layer, "shard", None)
+        rows = input_size if shard is None or self._groups_split(layer) else shard.full_input
+        groups = 1 if self.group_size == -1 else rows // self.group_size
         offsets = [sum(output_sizes[:i]) for i in range(len(output_sizes))]
         if input_size % self.pack or any(size % self.pack for size in output_sizes):
             raise ConfigError("quantization_config.bits", f"layer sizes {input_size}x{output_sizes} are not "
@@ -48,9 +60,14 @@ class GPTQLinearMethod:
             "g_idx": (torch.zeros(len(output_sizes), input_size, dtype=torch.int32),
                       per_shard_loader(len(output_sizes))),
         }
+        group_dim = 0 if self._groups_split(layer) else None
+        # how each checkpoint tensor maps onto (outputs, inputs), and the units packing makes
+        dims = {"qweight": (1, 1, 0, self.pack), "qzeros": (1, self.pack, group_dim, self.group_size),
+                "scales": (1, 1, group_dim, self.group_size), "g_idx": (None, 1, 0, 1)}
         for name, (tensor, loader) in tensors.items():
             param = nn.Parameter(tensor, requires_grad=False)
             param.weight_loader = loader  # type: ignore[attr-defined]
+            param.output_dim, param.output_unit, param.input_dim, param.input_unit = dims[name]  # type: ignore
             layer.register_parameter(name, param)
         layer.quant_dtype = dtype
         layer.quant_output_sizes = output_sizes
@@ -59,6 +76,8 @@ class GPTQLinearMethod:
         q = unpack(layer.qweight.data, self.bits, dim=0)  # [K, N]
         zeros = unpack(layer.qzeros.data, self.bits, dim=1) + self.zero_offset  # [G, N]
         g_idx = layer.g_idx.data.long()
+        if self._groups_split(layer):  # the checkpoint numbers the groups of the whole layer
+            g_idx = g_idx - layer.shard.input_start // self.group_size
         scales = layer.scales.data.float()
         for name in ("qweight", "qzeros", "scales", "g_idx"):
             delattr(layer, name)
@@ -94,7 +113,7 @@ class GPTQMethod:
         group_size = int(config.get("group_size", 128))
         self.modules_to_not_convert = config.get("modules_to_not_convert")
         # v1 stores zero - 1 (an old AutoGPTQ quirk); v2 stores the zero itself
-        self.method = GPTQLinearMethod(bits, group_size, 1 if fmt == "gptq" else 0)
+        self.method = GPTQLinearMethod(bits, group_size, 1 if fmt == "gptq" else 0, bool(config.get("desc_act")))
 
     def linear_method(self, prefix: str) -> Optional[GPTQLinearMethod]:
         return None if ignored(prefix, self.modules_to_not_convert) else self.method

@@ -1,0 +1,1 @@
+"""Running one model over several ranks: process groups, the driver-worker protocol, workers."""

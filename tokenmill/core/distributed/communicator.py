@@ -1,0 +1,106 @@
+"""The collectives of a multi-rank model, over torch.distributed process groups.
+
+Groups are built from a TCPStore without ``init_process_group``: nothing process-global
+is set, so one process can hold several engines (tests do), and an engine's groups die
+with it. Every wait has the configured timeout; a collective that fails or times out (a
+rank died or hangs) raises ``WorkerFailed``, which stops the engine instead of hanging it.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from tokenmill.interfaces.errors import WorkerFailed
+
+
+def _new_group(store: dist.Store, prefix: str, rank: int, size: int, backend: str,
+               timeout: timedelta) -> dist.ProcessGroup:
+    store = dist.PrefixStore(prefix, store)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, options)
+    raise ValueError(f"unknown torch.distributed backend {backend!r} (gloo or nccl)")
+
+
+class Communicator:
+    """One rank's view: its tensor-parallel group (the ranks of its pipeline stage) and the
+    whole world (stage-to-stage sends, results to the driver)."""
+
+    def __init__(self, store: dist.Store, rank: int, tp_size: int, pp_size: int, backend: str,
+                 timeout_s: float) -> None:
+        timeout = timedelta(seconds=timeout_s)
+        self.rank, self.tp_size, self.pp_size = rank, tp_size, pp_size
+        self.tp_rank, self.stage = rank % tp_size, rank // tp_size
+        self.world = _new_group(store, "world", rank, tp_size * pp_size, backend, timeout)
+        self.tp = (_new_group(store, f"tp{self.stage}", self.tp_rank, tp_size, backend, timeout)
+                   if tp_size > 1 else None)
+
+    def _wait(self, work: dist.Work, what: str) -> None:
+        try:
+            work.wait()
+        except RuntimeError as exc:  # gloo: a peer closed its connection, or the timeout passed
+            raise WorkerFailed(f"{what} failed on rank {self.rank}: {exc}") from exc
+
+    # --- tensor parallelism ---------------------------------------------------
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return x
+        x = x.contiguous()
+        self._wait(self.tp.allreduce([x]), "all-reduce")
+        return x
+
+    def _gather(self, x: torch.Tensor) -> Optional[list[torch.Tensor]]:
+        """``x`` of every tensor-parallel rank, on the stage's first one (None elsewhere)."""
+        x = x.contiguous()
+        options = dist.GatherOptions()
+        options.rootRank = 0
+        outputs = [torch.empty_like(x) for _ in range(self.tp_size)] if self.tp_rank == 0 else []
+        self._wait(self.tp.gather([outputs] if outputs else [], [x], options), "gather")
+        return outputs or None
+
+    def gather_vocab(self, local: torch.Tensor, vocab_size: int) -> Optional[torch.Tensor]:
+        if self.tp is None:
+            return local
+        shard = -(-vocab_size // self.tp_size)
+        if local.shape[-1] < shard:  # the last shard is the short one: pad it to gather
+            local = torch.nn.functional.pad(local, (0, shard - local.shape[-1]), value=float("-inf"))
+        parts = self._gather(local)
+        return None if parts is None else torch.cat(parts, dim=-1)[:, :vocab_size]
+
+    def argmax_vocab(self, local: torch.Tensor, vocab_start: int) -> Optional[torch.Tensor]:
+        values, indices = local.max(dim=-1)
+        pairs = torch.stack([values.double(), (indices + vocab_start).double()], dim=-1)  # [n, 2]
+        parts = pairs[None] if self.tp is None else self._gather(pairs)
+        if parts is None:
+            return None
+        stacked = torch.stack(list(parts)) if isinstance(parts, list) else parts  # [tp, n, 2]
+        # the first shard with the maximum wins a tie, as argmax over the whole row would
+        best = stacked[..., 0].argmax(dim=0)
+        return stacked[..., 1].gather(0, best[None])[0].long()
+
+    # --- pipeline parallelism ---------------------------------------------------
+    def send_next(self, x: torch.Tensor) -> None:
+        self.send(x, self.rank + self.tp_size)
+
+    def recv_prev(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return self.recv(shape, dtype, self.rank - self.tp_size)
+
+    def send(self, x: torch.Tensor, dst: int) -> None:
+        self._wait(self.world.send([x.contiguous()], dst, 0), f"send to rank {dst}")
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
+        out = torch.empty(shape, dtype=dtype)
+        self._wait(self.world.recv([out], src, 0), f"receive from rank {src}")
+        return out
+
+    @property
+    def last_stage_driver(self) -> int:
+        """The rank that hands the step's result back to the driver: the last stage's first."""
+        return (self.pp_size - 1) * self.tp_size

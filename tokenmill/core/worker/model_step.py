@@ -1,0 +1,129 @@
+"""One rank's part of a step: a ``Step`` message -> flat tensors -> forward -> logits rows.
+
+Every rank of a model runs the same ``Step`` (the driver builds it and sends it to the
+others), so this part holds no per-request state: the message carries each row's tokens,
+blocks and adapter. What comes back, on the driver only, is either the logits rows or,
+where every row takes the argmax of its raw logits, their token ids: under tensor
+parallelism those come from gathering each vocabulary shard's (max, index), not the logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from tokenmill.core.distributed.messages import Row, Step
+from tokenmill.core.layers.linear_shard import vocab_range
+from tokenmill.core.worker.kv_cache import SwapCaches
+from tokenmill.interfaces.adapters import AdapterType
+from tokenmill.interfaces.attention import AttentionBackend, AttentionMetadata
+from tokenmill.interfaces.models import CausalLM
+from tokenmill.interfaces.parallel import SINGLE, ParallelContext
+from tokenmill.interfaces.platform import GreedyArgmax
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """The driver's result of a step: token ids (argmax rows) or float32 logits rows."""
+
+    tokens: Optional[list[int]] = None
+    logits: Optional[torch.Tensor] = None
+
+
+class ModelStep:
+    def __init__(self, model: CausalLM, attention: AttentionBackend, block_size: int, vocab_size: int,
+                 parallel: ParallelContext = SINGLE, swap: Optional[SwapCaches] = None,
+                 adapters: Optional[AdapterType] = None, greedy_head: Optional[GreedyArgmax] = None) -> None:
+        self.model = model
+        #: the backend's per-step metadata builder, where it has one (AttentionBackend)
+        self._build_metadata = getattr(attention, "build_metadata", None)
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.parallel = parallel
+        self.swap = swap
+        self.adapters = adapters
+        #: tokens for steps whose rows all take the argmax of their raw logits (one rank only)
+        self.greedy_head = greedy_head
+
+    def swap_blocks(self, out: list[tuple[int, int]], into: list[tuple[int, int]]) -> None:
+        assert self.swap is not None, "swap requested but no swap space was allocated"
+        self.swap.copy(tuple(out), to_host=True)
+        self.swap.copy(tuple(into), to_host=False)
+
+    @torch.inference_mode()
+    def run(self, step: Step) -> Optional[StepResult]:
+        """The forward pass for ``step``; the result on the driver (rank 0), None elsewhere."""
+        stage = self.parallel
+        input_ids, positions, metadata = self._prepare_inputs(step.rows)
+        if self.adapters is not None:
+            self.adapters.prepare_step([r.adapter for r in step.rows], [len(r.token_ids) for r in step.rows])
+        hidden = self.model.forward(input_ids, positions, metadata)
+        if not step.logits_rows:  # a prefill chunk that samples nothing: only its KV was wanted
+            return StepResult() if stage.rank == 0 else None
+        if not stage.is_last_stage:
+            return self._receive(step) if stage.rank == 0 else None
+        result = self._head(hidden[torch.tensor(step.logits_rows, dtype=torch.long)], step.greedy)
+        if stage.rank == 0 or result is None:
+            return result
+        # the last stage's first rank hands the result to the driver
+        stage.comm.send(torch.tensor(result.tokens) if step.greedy else result.logits, 0)
+        return None
+
+    def _head(self, hidden: torch.Tensor, greedy: bool) -> Optional[StepResult]:
+        stage = self.parallel
+        if stage.tp_size == 1:
+            if greedy and self.greedy_head is not None:
+                tokens = self.greedy_head.tokens(hidden)
+                if tokens is not None:
+                    return StepResult(tokens=tokens)
+            logits = self.model.compute_logits(hidden)
+            if greedy and stage.world_size > 1:
+                return StepResult(tokens=logits.argmax(dim=-1).tolist())
+            return StepResult(logits=logits)
+        local = self.model.compute_logits(hidden)
+        if greedy:
+            tokens = stage.comm.argmax_vocab(local, vocab_range(self.vocab_size, stage)[0])
+            return None if tokens is None else StepResult(tokens=tokens.tolist())
+        logits = stage.comm.gather_vocab(local, self.vocab_size)
+        return None if logits is None else StepResult(logits=logits)
+
+    def _receive(self, step: Step) -> StepResult:
+        comm, rows = self.parallel.comm, len(step.logits_rows)
+        if step.greedy:
+            return StepResult(tokens=comm.recv((rows,), torch.long, comm.last_stage_driver).tolist())
+        return StepResult(logits=comm.recv((rows, self.vocab_size), torch.float32, comm.last_stage_driver))
+
+    def _prepare_inputs(self, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        bs = self.block_size
+        query_lens = np.fromiter((len(r.token_ids) for r in rows), np.int64, len(rows))
+        computed = np.fromiter((r.num_computed_tokens for r in rows), np.int64, len(rows))
+        query_start = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=query_start[1:])
+        seq_lens = computed + query_lens
+        num_tokens = int(query_start[-1])
+
+        request_index = np.repeat(np.arange(len(rows)), query_lens)
+        positions = computed[request_index] + np.arange(num_tokens) - query_start[:-1][request_index]
+        max_blocks = max(len(r.block_ids) for r in rows)
+        block_table = np.zeros((len(rows), max_blocks), dtype=np.int32)
+        for i, r in enumerate(rows):
+            block_table[i, : len(r.block_ids)] = r.block_ids
+        slots = block_table[request_index, positions // bs].astype(np.int64) * bs + positions % bs
+
+        input_ids = torch.tensor([t for r in rows for t in r.token_ids], dtype=torch.long)
+        common = AttentionMetadata(
+            query_start_loc=torch.from_numpy(query_start.astype(np.int32)),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
+            block_table=torch.from_numpy(block_table),
+            slot_mapping=torch.from_numpy(slots),
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+            query_start_loc_cpu=tuple(query_start.tolist()),
+            seq_lens_cpu=tuple(seq_lens.tolist()),
+            block_size=bs,
+        )
+        metadata = common if self._build_metadata is None else self._build_metadata(common)
+        return input_ids, torch.from_numpy(positions), metadata
