@@ -212,7 +212,9 @@ class AsyncLLM:
             self.error = exc
             log.exception("engine loop failed")
         finally:
-            self._fail_all(self.error or EngineDead("the server is shutting down"))
+            # 503 to every waiting client: the engine, not their request, is what failed
+            self._fail_all(EngineDead(f"the engine stopped: {self.error!r}") if self.error is not None
+                           else EngineDead("the server is shutting down"))
 
     def _drain_commands(self) -> None:
         while True:
