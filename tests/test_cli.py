@@ -135,3 +135,54 @@ def test_server_flags_reach_the_server_section():
     assert server.root_path == "/llm" and server.enable_request_id_headers and server.disable_fastapi_docs
     with pytest.raises(SystemExit):
         _parser().parse_args(["serve", "m", "--allowed-origins", "[not json"])
+
+
+def _children(pid: int) -> list[int]:
+    """Processes whose parent is ``pid`` (from /proc)."""
+    from pathlib import Path
+
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(") ", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
+
+
+def test_serve_with_tensor_parallelism_answers_the_openai_client_and_stops_its_workers(model_dir):
+    """`tokenmill serve MODEL -tp 2`: a worker process per extra rank, gone after SIGTERM."""
+    import os
+    import time
+
+    import httpx
+    import openai
+
+    from server_harness import free_port
+
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tokenmill.cli", "serve", str(model_dir("llama")), "-tp", "2", "--port", str(port),
+         "--served-model-name", "tiny", "--kv-cache-memory-bytes", "16MiB"],
+        env=dict(os.environ), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        workers = _children(process.pid)
+        assert len(workers) == 1
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        completion = client.completions.create(model="tiny", prompt="Hello", max_tokens=5, temperature=0,
+                                               extra_body={"ignore_eos": True})
+        assert completion.usage.completion_tokens == 5
+    finally:
+        process.terminate()
+        _, stderr = process.communicate(timeout=60)
+    assert process.returncode in (0, -15), stderr[-2000:]  # uvicorn re-raises the SIGTERM it handled
+    assert "Application shutdown complete" in stderr
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in workers)
