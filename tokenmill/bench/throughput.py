@@ -12,11 +12,17 @@ draws new prompts (seed + round), the same for every engine: a repeated prompt
 set would be served from tokenmill's prefix cache (so warm-ups use one more set).
 
     tokenmill bench throughput --preset 52m --num-prompts 128 --input-len 256 --output-len 128 --rounds 3
+
+``--parallel tp1,tp2,pp2`` adds a tokenmill engine per layout (tensor x pipeline ranks, each
+rank with ``--threads`` threads), and reports the time the driver rank spent in
+collectives per step: all-reduces and gathers under TP; under PP, the wait for the last
+stage's result, which is the driver's share of the pipeline bubble.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -33,22 +39,41 @@ from tokenmill.bench.llama_cpp import add_llama_cpp_args, batched_bench
 PEERS = (("hf-generate", "hf", "HF generate"), ("llama.cpp", "llama_cpp", "llama.cpp"))
 
 
-def tokenmill_pass(path, prompt_sets, output_len, args) -> Callable[[], float]:
+def layout(name: str) -> tuple[int, int]:
+    """"tp2" -> (2, 1), "pp2" -> (1, 2), "tp2pp2" -> (2, 2), "tp1" -> (1, 1)."""
+    match = re.fullmatch(r"(?:tp(\d+))?(?:pp(\d+))?", name)
+    if not match or not name:
+        raise argparse.ArgumentTypeError(f"{name!r} is not a layout such as tp2, pp2 or tp2pp2")
+    return int(match.group(1) or 1), int(match.group(2) or 1)
+
+
+def tokenmill_pass(path, prompt_sets, output_len, args, tp: int = 1, pp: int = 1) -> Callable[[], float]:
     """A built and warmed-up engine; each call times one pass over the next prompt set."""
     llm = LLM(str(path), dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
-              enforce_eager=args.enforce_eager, num_threads=args.threads, kv_cache_dtype=args.kv_cache_dtype)
+              enforce_eager=args.enforce_eager, num_threads=args.threads, kv_cache_dtype=args.kv_cache_dtype,
+              tensor_parallel_size=tp, pipeline_parallel_size=pp)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in prompt_sets[-1][:2]], params, use_tqdm=False)
     rounds = iter(prompt_sets)
+    step = llm.llm_engine.runner.model_step
+    comm = step.parallel.comm
 
     def timed() -> float:
         prompts = next(rounds)
+        before = (comm.stats.seconds, comm.stats.calls, comm.stats.bytes, step.steps) if comm else None
         start = time.perf_counter()
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         elapsed = time.perf_counter() - start
         assert all(len(o.outputs[0].token_ids) == output_len for o in outputs)
+        if comm is not None:
+            seconds, calls, nbytes, steps = (a - b for a, b in zip(
+                (comm.stats.seconds, comm.stats.calls, comm.stats.bytes, step.steps), before))
+            timed.collectives.append(dict(ms_per_step=1e3 * seconds / steps, calls_per_step=calls / steps,
+                                          kib_per_step=nbytes / steps / 1024, share_of_time=seconds / elapsed,
+                                          steps=steps))
         return elapsed
+    timed.collectives = []
     return timed
 
 
@@ -96,6 +121,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--hf-batch-size", type=int, default=32)
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--parallel", default="tp1", help="tokenmill layouts, comma-separated (tp1,tp2,pp2): "
+                                                          "one engine each; tp1 is the one peers are compared with")
     add_llama_cpp_args(parser)
     args = parser.parse_args(argv)
 
@@ -104,10 +131,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     prompt_sets = [random_prompts(args.num_prompts, args.input_len, path, args.seed + r) for r in range(args.rounds + 1)]
     total_in, total_out = args.num_prompts * args.input_len, args.num_prompts * args.output_len
 
-    makers = {"tokenmill": tokenmill_pass, **({} if args.skip_hf else {"hf-generate": hf_pass}),
-              **({"llama.cpp": llama_cpp_pass} if args.llama_cpp else {})}
-    seconds = interleaved_rounds({name: make(path, prompt_sets, args.output_len, args) for name, make in makers.items()},
-                                 args.rounds)
+    layouts = {name: layout(name) for name in args.parallel.split(",")}
+    makers = {("tokenmill" if shape == (1, 1) else f"tokenmill-{name}"):
+              (lambda p, s, o, a, shape=shape: tokenmill_pass(p, s, o, a, *shape)) for name, shape in layouts.items()}
+    makers.update({**({} if args.skip_hf else {"hf-generate": hf_pass}),
+                   **({"llama.cpp": llama_cpp_pass} if args.llama_cpp else {})})
+    passes = {name: make(path, prompt_sets, args.output_len, args) for name, make in makers.items()}
+    seconds = interleaved_rounds(passes, args.rounds)
     results = {"config": {k: v for k, v in vars(args).items() if k != "json"}, "engines": {}}
     for name, times in seconds.items():
         elapsed = statistics.median(times)
@@ -118,12 +148,25 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             "output_tokens_per_s": round(total_out / elapsed, 2),
             "total_tokens_per_s": round((total_in + total_out) / elapsed, 2),
         }
+        collectives = getattr(passes[name], "collectives", None)
+        if collectives:
+            results["engines"][name]["collectives_by_round"] = [{k: round(v, 4) for k, v in c.items()}
+                                                                for c in collectives]
     print(f"{'engine':<12} {'req/s':>8} {'out tok/s':>10} {'total tok/s':>12} {'seconds':>8}  (medians of {args.rounds})")
     for name, r in results["engines"].items():
         print(f"{name:<12} {r['requests_per_s']:>8.2f} {r['output_tokens_per_s']:>10.1f} "
               f"{r['total_tokens_per_s']:>12.1f} {r['seconds']:>8.1f}")
+    for name, r in results["engines"].items():
+        for c in r.get("collectives_by_round", [])[-1:]:
+            print(f"{name}: collectives on the driver rank {c['ms_per_step']:.2f} ms/step "
+                  f"({c['calls_per_step']:.0f} calls, {c['kib_per_step']:.0f} KiB), "
+                  f"{100 * c['share_of_time']:.1f}% of the time, {c['steps']:.0f} steps (last round)")
+        if name.startswith("tokenmill-") and "tokenmill" in seconds:
+            ratio = statistics.median(seconds["tokenmill"]) / statistics.median(seconds[name])
+            results[f"ratio_{name}_vs_tokenmill"] = round(ratio, 3)
+            print(f"{name} / tokenmill (output tok/s): {ratio:.2f}x")
     for peer, key, label in PEERS:
-        if peer in seconds:
+        if peer in seconds and "tokenmill" in seconds:
             # output tok/s ratio = inverse ratio of seconds
             ratio = statistics.median(seconds[peer]) / statistics.median(seconds["tokenmill"])
             by_round = [p / t for p, t in zip(seconds[peer], seconds["tokenmill"])]

@@ -4,12 +4,15 @@ Groups are built from a TCPStore without ``init_process_group``: nothing process
 is set, so one process can hold several engines (tests do), and an engine's groups die
 with it. Every wait has the configured timeout; a collective that fails or times out (a
 rank died or hangs) raises ``WorkerFailed``, which stops the engine instead of hanging it.
+Each rank keeps ``stats``: the time its collectives took, for benchmarks.
 """
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -29,6 +32,16 @@ def _new_group(store: dist.Store, prefix: str, rank: int, size: int, backend: st
     raise ValueError(f"unknown torch.distributed backend {backend!r} (gloo or nccl)")
 
 
+@dataclass
+class CollectiveStats:
+    """Time this rank spent in collectives (launch to completion, waiting for slower ranks
+    included), how many, and the bytes it contributed: what benchmarks report per step."""
+
+    seconds: float = 0.0
+    calls: int = 0
+    bytes: int = 0
+
+
 class Communicator:
     """One rank's view: its tensor-parallel group (the ranks of its pipeline stage) and the
     whole world (stage-to-stage sends, results to the driver)."""
@@ -41,19 +54,24 @@ class Communicator:
         self.world = _new_group(store, "world", rank, tp_size * pp_size, backend, timeout)
         self.tp = (_new_group(store, f"tp{self.stage}", self.tp_rank, tp_size, backend, timeout)
                    if tp_size > 1 else None)
+        self.stats = CollectiveStats()
 
-    def _wait(self, work: dist.Work, what: str) -> None:
+    def _run(self, what: str, launch: Callable[[], dist.Work], tensor: torch.Tensor) -> None:
+        started = time.perf_counter()
         try:
-            work.wait()
+            launch().wait()
         except RuntimeError as exc:  # gloo: a peer closed its connection, or the timeout passed
             raise WorkerFailed(f"{what} failed on rank {self.rank}: {exc}") from exc
+        self.stats.seconds += time.perf_counter() - started
+        self.stats.calls += 1
+        self.stats.bytes += tensor.numel() * tensor.element_size()
 
     # --- tensor parallelism ---------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
             return x
         x = x.contiguous()
-        self._wait(self.tp.allreduce([x]), "all-reduce")
+        self._run("all-reduce", lambda: self.tp.allreduce([x]), x)
         return x
 
     def _gather(self, x: torch.Tensor) -> Optional[list[torch.Tensor]]:
@@ -62,7 +80,7 @@ class Communicator:
         options = dist.GatherOptions()
         options.rootRank = 0
         outputs = [torch.empty_like(x) for _ in range(self.tp_size)] if self.tp_rank == 0 else []
-        self._wait(self.tp.gather([outputs] if outputs else [], [x], options), "gather")
+        self._run("gather", lambda: self.tp.gather([outputs] if outputs else [], [x], options), x)
         return outputs or None
 
     def gather_vocab(self, local: torch.Tensor, vocab_size: int) -> Optional[torch.Tensor]:
@@ -93,11 +111,12 @@ class Communicator:
         return self.recv(shape, dtype, self.rank - self.tp_size)
 
     def send(self, x: torch.Tensor, dst: int) -> None:
-        self._wait(self.world.send([x.contiguous()], dst, 0), f"send to rank {dst}")
+        x = x.contiguous()
+        self._run(f"send to rank {dst}", lambda: self.world.send([x], dst, 0), x)
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
         out = torch.empty(shape, dtype=dtype)
-        self._wait(self.world.recv([out], src, 0), f"receive from rank {src}")
+        self._run(f"receive from rank {src}", lambda: self.world.recv([out], src, 0), out)
         return out
 
     @property

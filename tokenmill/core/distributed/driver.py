@@ -193,6 +193,8 @@ class DistributedModelStep:
     def __init__(self, local: ModelStep, group: WorkerGroup) -> None:
         self.local = local
         self.group = group
+        #: steps run (benchmarks divide collective time by it)
+        self.steps = 0
 
     @property
     def model(self):
@@ -208,6 +210,7 @@ class DistributedModelStep:
 
     def run(self, step: Step) -> Optional[StepResult]:
         self.group.send(step)
+        self.steps += 1
         return self.local.run(step)
 
     def swap_blocks(self, out: list[tuple[int, int]], into: list[tuple[int, int]]) -> None:

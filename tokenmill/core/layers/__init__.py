@@ -17,6 +17,11 @@ as vLLM's out-of-tree models build with ``vllm.attention.Attention``:
 - ``FusedMoE``: a mixture-of-experts MLP (softmax top-k routing, experts grouped per matmul).
 - ``load_weights``: checkpoint tensors into parameters by name, with fused shards and strict
   checking (tokenmill.core.model_loader.weights).
+- Tensor and pipeline parallelism (``ModelContext.parallel``): give each ``Linear`` its
+  ``shard`` (``column_shard``, ``qkv_shard``, ``row_shard``, ``vocab_shard``), embed with
+  ``VocabParallelEmbedding``, and build only ``parallel.layer_range(n)``, standing in
+  ``MissingLayer`` for the rest (``stage_skips`` names the tensors to skip). With
+  ``SINGLE`` every one of these is the plain, unsharded layer.
 
 ``tokenmill.testing.model_conformance.check_model`` tests a model built from these against
 Hugging Face transformers on the same weights.
@@ -27,12 +32,17 @@ from tokenmill.core.layers.attention import Attention
 from tokenmill.core.layers.custom_op import CustomOp
 from tokenmill.core.layers.fused_decoder import DecoderLayerParts, FusableDecoder, FusedDecoder
 from tokenmill.core.layers.linear import Linear
+from tokenmill.core.layers.linear_shard import LinearShard, column_shard, qkv_shard, row_shard, vocab_shard
 from tokenmill.core.layers.moe import FusedMoE
 from tokenmill.core.layers.norm import GemmaRMSNorm, RMSNorm
+from tokenmill.core.layers.pipeline import MissingLayer, stage_skips
 from tokenmill.core.layers.rotary import ApplyRotary, RotaryEmbedding, rotary_dim
+from tokenmill.core.layers.vocab_parallel import VocabParallelEmbedding
 from tokenmill.core.model_loader.weights import load_weights
 
 __all__ = [
     "ApplyRotary", "Attention", "CustomOp", "DecoderLayerParts", "FusableDecoder", "FusedDecoder", "FusedMoE",
-    "GatedActivation", "GemmaRMSNorm", "Linear", "RMSNorm", "RotaryEmbedding", "load_weights", "rotary_dim",
+    "GatedActivation", "GemmaRMSNorm", "Linear", "LinearShard", "MissingLayer", "RMSNorm", "RotaryEmbedding",
+    "VocabParallelEmbedding", "column_shard", "load_weights", "qkv_shard", "rotary_dim", "row_shard", "stage_skips",
+    "vocab_shard",
 ]
