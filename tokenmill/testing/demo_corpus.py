@@ -16,8 +16,11 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import json
 import math
 import re
+import subprocess
+import sys
 from typing import Iterable
 
 import pydoc_data.topics
@@ -56,6 +59,20 @@ def _paragraphs(text: str) -> list[str]:
 
 
 def _docstrings() -> list[str]:
+    """The modules' docstrings as a fresh interpreter with transformers loaded sees them.
+
+    Libraries patch standard modules when imported (Ray replaces some of ``logging``'s
+    functions; transformers adds ``warning_once`` and friends to ``logging.Logger``), so the
+    text depends on what a process loaded. The demo models were trained in a process that
+    had imported transformers and nothing that patches more; a fresh interpreter doing the
+    same gives the same corpus whatever the calling process holds."""
+    result = subprocess.run([sys.executable, "-c", "import json, transformers, tokenmill.testing.demo_corpus as c; "
+                             "print(json.dumps(c._docstrings_in_this_process()))"],
+                            capture_output=True, text=True, check=True)
+    return json.loads(result.stdout)
+
+
+def _docstrings_in_this_process() -> list[str]:
     texts = []
     for name in DOCSTRING_MODULES:
         module = importlib.import_module(name)
