@@ -76,6 +76,19 @@ def test_bench_throughput_on_the_demo_model(tmp_path):
     assert len(results["engines"]["tokenmill"]["seconds_by_round"]) == 2
 
 
+def test_bench_throughput_compares_parallel_layouts(tmp_path):
+    """`--parallel tp1,tp2,pp2`: an engine per layout, with the driver's collective time per step."""
+    results = _run("throughput", tmp_path, "--num-prompts", "2", "--input-len", "8", "--output-len", "4", "--skip-hf",
+                   "--parallel", "tp1,tp2,pp2")
+    assert set(results["engines"]) == {"tokenmill", "tokenmill-tp2", "tokenmill-pp2"}
+    for name in ("tokenmill-tp2", "tokenmill-pp2"):
+        rounds = results["engines"][name]["collectives_by_round"]
+        assert len(rounds) == 2 and all(r["steps"] >= 4 and r["ms_per_step"] > 0 for r in rounds)
+        assert results[f"ratio_{name}_vs_tokenmill"] > 0
+    # tiny preset: per step, one all-reduce for the embedding and two per layer (2 layers), one argmax gather
+    assert results["engines"]["tokenmill-tp2"]["collectives_by_round"][0]["calls_per_step"] == 6
+
+
 @pytest.mark.slow
 def test_bench_serve_launches_tokenmill_and_reports_latencies(tmp_path):
     results = _run("serve", tmp_path, "--launch", "tokenmill", "--num-prompts", "4", "--random-input-len", "8",

@@ -42,8 +42,6 @@ class Executor(ABC):
     """Starts, watches and stops the ranks beyond the driver."""
 
     name: ClassVar[str]
-    #: whether it runs ranks beyond the driver (``uni`` does not)
-    distributed: ClassVar[bool] = True
 
     def __init__(self, options: Any = None) -> None:
         self.options = options

@@ -130,8 +130,6 @@ def _start_workers(config: EngineConfig, components: Components, platform: Platf
     parallel_config = config.parallel
     executor = components.executors.get(parallel_config.executor)()
     tp, pp = parallel_config.tensor_parallel_size, parallel_config.pipeline_parallel_size
-    if not executor.distributed:
-        executor.launch(None)  # refuses, saying which executor to use
     group = WorkerGroup(executor, config.model_dump_json(), tp, pp, parallel_config.distributed_timeout_seconds)
     try:
         group.check_fingerprints(components.fingerprint(),

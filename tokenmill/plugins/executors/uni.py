@@ -8,7 +8,6 @@ from tokenmill.interfaces.executor import Executor, WorkerLaunch
 
 class UniExecutor(Executor):
     name = "uni"
-    distributed = False
 
     def launch(self, launch: WorkerLaunch) -> None:
         raise ConfigError("parallel.distributed_executor_backend",
