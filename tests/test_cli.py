@@ -53,11 +53,25 @@ def test_config_errors_exit_2_with_a_message(tmp_path):
     assert "scheduler.bogus" in result.stderr and "Traceback" not in result.stderr
 
 
+def wait_until_healthy(port: int, timeout: float = 120) -> None:
+    """Poll a starting server's /health until it answers 200 (or ``timeout`` passes)."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.2)
+
+
 def test_serve_runs_the_demo_model_with_vllm_flags(tmp_path):
     """`tokenmill serve` with no model serves the shipped demo model on 127.0.0.1, and says
     what it is doing before importing torch."""
     import os
-    import time
 
     import httpx
 
@@ -70,13 +84,7 @@ def test_serve_runs_the_demo_model_with_vllm_flags(tmp_path):
          "--served-model-name", "demo", "--kv-cache-memory-bytes", "16MiB", "--log-format", "json"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+        wait_until_healthy(port)
         response = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
                               json={"model": "demo", "prompt": "Hello", "max_tokens": 3}, timeout=60)
         assert response.status_code == 200
@@ -154,9 +162,7 @@ def _children(pid: int) -> list[int]:
 def test_serve_with_tensor_parallelism_answers_the_openai_client_and_stops_its_workers(model_dir):
     """`tokenmill serve MODEL -tp 2`: a worker process per extra rank, gone after SIGTERM."""
     import os
-    import time
 
-    import httpx
     import openai
 
     from server_harness import free_port
@@ -167,13 +173,7 @@ def test_serve_with_tensor_parallelism_answers_the_openai_client_and_stops_its_w
          "--served-model-name", "tiny", "--kv-cache-memory-bytes", "16MiB"],
         env=dict(os.environ), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+        wait_until_healthy(port)
         workers = _children(process.pid)
         assert len(workers) == 1
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
