@@ -45,6 +45,8 @@ def test_pipeline_parallel_matches_hf(arch, model_dir, hf_reference):
         layers = llm.llm_engine.runner.model.model.layers
         assert sum(1 for layer in layers if sum(p.numel() for p in layer.parameters())) == len(layers) // 2
         _, tokens, logprobs = generate(llm)
+        # two batches in flight, each with half the requests: twice the steps of one batch
+        assert llm.llm_engine.runner.model_step.steps >= 2 * NEW_TOKENS
     assert_matches_reference(hf_reference(arch), tokens, logprobs)
 
 
@@ -115,13 +117,14 @@ def adapters(model_dir, tmp_path_factory):
     return made
 
 
-def test_two_adapters_and_base_in_one_batch_under_tp(model_dir, adapters):
-    """Adapters loaded at request time reach every rank, sliced like their base layers."""
+@pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)])
+def test_two_adapters_and_base_in_one_batch(parallel, model_dir, adapters):
+    """Adapters loaded at request time reach every rank, sliced like their base layers (TP)
+    or split by layers (PP)."""
     names = [None, "qv", "all"]
     assigned = [names[i % 3] for i in range(len(PROMPTS))]
     requests = [None if n is None else LoRARequest(n, 1 + names.index(n), str(adapters[n][0])) for n in assigned]
-    with make_llm(model_dir("llama"), tensor_parallel_size=2, enable_lora=True, max_loras=2,
-                  max_lora_rank=8) as llm:
+    with make_llm(model_dir("llama"), enable_lora=True, max_loras=2, max_lora_rank=8, **parallel) as llm:
         _, tokens, logprobs = generate(llm, lora_request=requests)
     for name in names:
         rows = [i for i, n in enumerate(assigned) if n == name]

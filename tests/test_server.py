@@ -17,10 +17,11 @@ from server_harness import running_server
 MODEL = "tiny"
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+@pytest.fixture(scope="module", params=[{}, dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)],
+                ids=["one-process", "tp2", "pp2"])
 def server(model_dir, request):
-    """The API over a one-process engine, and over one with tensor_parallel_size=2."""
-    engine = make_llm(model_dir("llama"), max_num_seqs=64, tensor_parallel_size=request.param).llm_engine
+    """The API over a one-process engine, and over tensor- and pipeline-parallel ones."""
+    engine = make_llm(model_dir("llama"), max_num_seqs=64, **request.param).llm_engine
     with running_server(engine, served_model_name=[MODEL], api_key="sekret", max_request_body_bytes=64 * 1024,
                         max_queued_requests=512) as (url, llm):
         yield url, llm

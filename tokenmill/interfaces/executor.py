@@ -35,7 +35,8 @@ class WorkerLaunch:
 
     def command(self, rank: int) -> list[str]:
         """argv of a worker process; the spec goes in the TOKENMILL_WORKER_SPEC env var."""
-        return [sys.executable, "-m", "tokenmill.core.distributed.worker", str(rank)]
+        # -P: the working directory does not shadow installed packages
+        return [sys.executable, "-P", "-m", "tokenmill.core.distributed.worker", str(rank)]
 
 
 class Executor(ABC):

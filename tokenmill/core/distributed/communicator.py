@@ -47,14 +47,18 @@ class Communicator:
     whole world (stage-to-stage sends, results to the driver)."""
 
     def __init__(self, store: dist.Store, rank: int, tp_size: int, pp_size: int, backend: str,
-                 timeout_s: float) -> None:
+                 timeout_s: float, device: str = "cpu") -> None:
         timeout = timedelta(seconds=timeout_s)
+        #: where received tensors are allocated (NCCL receives into device memory only)
+        self.device = device
         self.rank, self.tp_size, self.pp_size = rank, tp_size, pp_size
         self.tp_rank, self.stage = rank % tp_size, rank // tp_size
         self.world = _new_group(store, "world", rank, tp_size * pp_size, backend, timeout)
         self.tp = (_new_group(store, f"tp{self.stage}", self.tp_rank, tp_size, backend, timeout)
                    if tp_size > 1 else None)
         self.stats = CollectiveStats()
+        #: sends started without waiting, with their tensors (kept alive until they complete)
+        self._sends: list[tuple[dist.Work, torch.Tensor, str]] = []
 
     def _run(self, what: str, launch: Callable[[], dist.Work], tensor: torch.Tensor) -> None:
         started = time.perf_counter()
@@ -110,12 +114,23 @@ class Communicator:
     def recv_prev(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return self.recv(shape, dtype, self.rank - self.tp_size)
 
-    def send(self, x: torch.Tensor, dst: int) -> None:
+    def send(self, x: torch.Tensor, dst: int, wait: bool = True) -> None:
+        """Send ``x``; with ``wait=False`` return at once (``wait_sends`` completes it): the
+        last pipeline stage hands a result to a driver that may first be sending it the next
+        batch's inputs, and two blocking sends would wait for each other."""
         x = x.contiguous()
-        self._run(f"send to rank {dst}", lambda: self.world.send([x], dst, 0), x)
+        if wait:
+            self._run(f"send to rank {dst}", lambda: self.world.send([x], dst, 0), x)
+        else:
+            self._sends.append((self.world.send([x], dst, 0), x, f"send to rank {dst}"))
+
+    def wait_sends(self) -> None:
+        sends, self._sends = self._sends, []
+        for work, x, what in sends:
+            self._run(what, lambda: work, x)
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
-        out = torch.empty(shape, dtype=dtype)
+        out = torch.empty(shape, dtype=dtype, device=self.device)
         self._run(f"receive from rank {src}", lambda: self.world.recv([out], src, 0), out)
         return out
 

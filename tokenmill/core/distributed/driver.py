@@ -8,8 +8,10 @@ through torch.distributed, in the model's own collectives.
 
 from __future__ import annotations
 
+import os
 import secrets
 import socket
+import struct
 import time
 from datetime import timedelta
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
@@ -45,6 +47,13 @@ log = structlog.get_logger("tokenmill.distributed")
 STARTUP_TIMEOUT_S = 600.0
 #: how long workers get to exit on shutdown before they are killed
 SHUTDOWN_GRACE_S = 5.0
+#: how long a connection may take to authenticate and say Hello (its plugins loaded)
+HELLO_TIMEOUT_S = 120
+
+
+def _clear_receive_timeout(connection: Connection) -> None:
+    with socket.socket(fileno=os.dup(connection.fileno())) as sock:  # the same socket, through a second fd
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 0))
 
 
 class WorkerGroup:
@@ -55,18 +64,20 @@ class WorkerGroup:
         self.world_size = tp * pp
         self.timeout_s = timeout_s
         self._closed = False
-        host = executor.driver_host()
-        #: the rendezvous of the torch.distributed groups (communicator.py)
-        self.store = dist.TCPStore(host, 0, self.world_size, is_master=True,
-                                   timeout=timedelta(seconds=STARTUP_TIMEOUT_S), wait_for_workers=False)
-        self._server = socket.create_server((host, 0))
-        self._server.settimeout(1.0)
-        self._authkey = secrets.token_bytes(32)
-        spec = WorkerSpec(PROTOCOL_VERSION, config_json, host, self._server.getsockname()[1], self.store.port,
-                          self._authkey.hex(), tp, pp, timeout_s)
         self.connections: dict[int, Connection] = {}
         self.hellos: dict[int, Hello] = {}
+        self._authkey = secrets.token_bytes(32)
+        host = executor.driver_host()
+        self._server = socket.create_server((host, 0))
+        self._server.settimeout(1.0)
         try:
+            #: the rendezvous of the torch.distributed groups (communicator.py), under a key-derived
+            #: prefix: the store itself has no authentication, so its keys must not be guessable
+            self.store = dist.PrefixStore(self._authkey[:8].hex(), dist.TCPStore(
+                host, 0, self.world_size, is_master=True, timeout=timedelta(seconds=STARTUP_TIMEOUT_S),
+                wait_for_workers=False))
+            spec = WorkerSpec(PROTOCOL_VERSION, config_json, host, self._server.getsockname()[1],
+                              self.store.underlying_store.port, self._authkey.hex(), tp, pp, timeout_s)
             executor.launch(WorkerLaunch(tuple(range(1, self.world_size)), msgspec.json.encode(spec).decode(), host))
             self._accept_all()
         except BaseException:
@@ -86,21 +97,31 @@ class WorkerGroup:
             except socket.timeout:
                 continue
             sock.setblocking(True)
+            # a peer that connects and stays silent must not hold startup: reads time out
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(HELLO_TIMEOUT_S), 0))
             connection = Connection(sock.detach())
             try:
                 deliver_challenge(connection, self._authkey)
                 answer_challenge(connection, self._authkey)
                 hello = decode_from_worker(connection.recv_bytes())
-            except (OSError, EOFError, msgspec.DecodeError, Exception) as exc:
+            except Exception as exc:  # a stranger, a wrong key, a timeout, garbage
                 log.warning("refused a control connection", error=repr(exc))
                 connection.close()
                 continue
+            _clear_receive_timeout(connection)
+            if isinstance(hello, Failed):
+                connection.close()
+                raise WorkerFailed(f"a worker failed to start: {hello.error}")
             if not isinstance(hello, Hello) or hello.protocol != PROTOCOL_VERSION:
                 connection.close()
                 raise WorkerFailed(f"a worker speaks protocol {getattr(hello, 'protocol', '?')}, the driver "
                                    f"{PROTOCOL_VERSION}: install the same tokenmill on every machine")
+            if not 0 < hello.rank < self.world_size or hello.rank in self.connections:
+                connection.close()
+                raise WorkerFailed(f"a worker says it is rank {hello.rank} (expected 1..{self.world_size - 1}, once)")
             self.connections[hello.rank] = connection
             self.hellos[hello.rank] = hello
+        self._server.close()  # every rank is in: nobody else may connect
 
     def check_fingerprints(self, own: dict[str, list[str]], received: dict[int, dict[str, list[str]]]) -> None:
         """Every rank must have registered the same components as the driver."""
@@ -208,10 +229,18 @@ class DistributedModelStep:
     def parallel(self):
         return self.local.parallel
 
-    def run(self, step: Step) -> Optional[StepResult]:
+    def run(self, step: Step, wait: bool = True) -> Optional[StepResult]:
         self.group.send(step)
         self.steps += 1
-        return self.local.run(step)
+        try:
+            return self.local.run(step, wait)
+        except WorkerFailed:
+            raise
+        except Exception as exc:  # the workers ran (or wait in) this step's collectives: out of step
+            raise WorkerFailed(f"rank 0 failed in a step every rank runs: {type(exc).__name__}: {exc}") from exc
+
+    def receive(self, step: Step) -> StepResult:
+        return self.local.receive(step)
 
     def swap_blocks(self, out: list[tuple[int, int]], into: list[tuple[int, int]]) -> None:
         self.group.send(Swap(out, into))
@@ -239,10 +268,13 @@ class DistributedAdapters:
         return self.local.loaded()
 
     def load(self, name: str, path: str) -> None:
+        was_loaded = name in self.local.loaded()
         self.local.load(name, path)  # validates: a bad adapter is refused before any worker reads it
         errors = [e for e in self.group.request(LoadAdapter(name, path, sorted(self.local.loaded()))) if e]
-        if errors:
-            self.local.unload(name)
+        if errors:  # the ranks must agree: none keeps what one could not load
+            self.group.request(UnloadAdapter(name))
+            if not was_loaded:
+                self.local.unload(name)
             raise InvalidRequest("lora_path", f"adapter {name!r} failed to load on a worker: {errors[0]}")
 
     def unload(self, name: str) -> None:

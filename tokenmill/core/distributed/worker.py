@@ -21,6 +21,7 @@ from datetime import timedelta
 
 from tokenmill.core.config.engine_config import EngineConfig
 from tokenmill.core.distributed.communicator import Communicator
+from tokenmill.core.distributed.driver import STARTUP_TIMEOUT_S
 from tokenmill.core.distributed.messages import (
     PROTOCOL_VERSION,
     Failed,
@@ -42,7 +43,6 @@ from tokenmill.core.plugin_host.platform_selection import select_platform
 from tokenmill.core.plugin_host.plugin_manager import make_plugin_manager
 from tokenmill.core.worker.model_builder import build_model
 from tokenmill.core.worker.model_step import ModelStep
-from tokenmill.interfaces.errors import WorkerFailed
 from tokenmill.interfaces.parallel import ParallelContext
 
 log = structlog.get_logger("tokenmill.worker")
@@ -71,10 +71,10 @@ def _build(spec: WorkerSpec, rank: int, connection: Connection) -> ModelStep:
                                        components.fingerprint())))
     platform = select_platform(components.platforms, config)
     platform.setup_process()
-    store = dist.TCPStore(spec.driver_host, spec.store_port, spec.tensor_parallel_size * spec.pipeline_parallel_size,
-                          is_master=False, timeout=timedelta(seconds=spec.timeout_s))
     tp, pp = spec.tensor_parallel_size, spec.pipeline_parallel_size
-    comm = Communicator(store, rank, tp, pp, platform.dist_backend, spec.timeout_s)
+    store = dist.PrefixStore(bytes.fromhex(spec.authkey)[:8].hex(), dist.TCPStore(
+        spec.driver_host, spec.store_port, tp * pp, is_master=False, timeout=timedelta(seconds=STARTUP_TIMEOUT_S)))
+    comm = Communicator(store, rank, tp, pp, platform.dist_backend, spec.timeout_s, platform.device_type)
     parallel = ParallelContext(tp, rank % tp, pp, rank // tp, comm)
     built = build_model(config, components, pm, platform, parallel)
     kv_blocks, host_blocks = built.kv_capacity(config, platform)
@@ -96,11 +96,9 @@ def _serve(step: ModelStep, rank: int, connection: Connection) -> None:
         if isinstance(message, Step):
             try:
                 step.run(message)
-            except WorkerFailed:
-                log.exception("a collective failed; worker exits", rank=rank)
+            except Exception:  # the ranks are out of step now: the driver fails the engine
+                log.exception("step failed; worker exits", rank=rank)
                 return
-            except Exception:  # the driver meets the same error on the same inputs, and retries
-                log.exception("step failed", rank=rank)
         elif isinstance(message, Swap):
             step.swap_blocks(message.out, message.into)
         elif isinstance(message, (LoadAdapter, UnloadAdapter)):
@@ -115,6 +113,7 @@ def _adapter_change(step: ModelStep, message: LoadAdapter | UnloadAdapter) -> Re
         if isinstance(message, UnloadAdapter):
             adapters.unload(message.name)
             return Reply()
+        adapters.in_use = lambda name: name in message.keep  # evict only what the driver evicted
         adapters.load(message.name, message.path)
         for name in list(adapters.loaded()):
             if name not in message.keep:  # the driver's LRU evicted it (it knows what is in use)

@@ -211,6 +211,7 @@ class AsyncLLM:
         except BaseException as exc:  # the loop must never die silently
             self.error = exc
             log.exception("engine loop failed")
+            engine.shutdown()  # a multi-process engine's surviving workers have nothing left to do
         finally:
             # 503 to every waiting client: the engine, not their request, is what failed
             self._fail_all(EngineDead(f"the engine stopped: {self.error!r}") if self.error is not None

@@ -9,6 +9,7 @@ each other directly on the hot path.
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 from typing import Optional
 
 import structlog
@@ -98,7 +99,7 @@ def _build_engine(config: EngineConfig, pm: PluginManager, components: Component
     swap_space = SwapSpace(host_blocks) if config.scheduler.preemption_mode == "swap" else None
     adapters = built.adapters
     scheduler = Scheduler(config.scheduler, kv_cache, policy, swap_space,
-                          max_adapters=adapters.max_active if adapters else None)
+                          max_adapters=adapters.max_active if adapters else None, pipeline_depth=parallel.pp_size)
     greedy_head = None if config.enforce_eager or adapters or group else platform.greedy_head(model)
     model_step = ModelStep(model, built.backend, config.cache.block_size, model_config.vocab_size, parallel,
                            swap_caches, adapters, greedy_head)
@@ -124,18 +125,31 @@ def _build_engine(config: EngineConfig, pm: PluginManager, components: Component
     return engine
 
 
+def _for_workers(config: EngineConfig) -> EngineConfig:
+    """The config with local paths made absolute: a worker may start in another directory
+    (a Ray actor does)."""
+    def absolute(path: Optional[str]) -> Optional[str]:
+        return str(Path(path).resolve()) if path is not None and Path(path).exists() else path
+
+    adapters = config.adapters.model_copy(update={"lora_modules": {
+        name: absolute(path) for name, path in config.adapters.lora_modules.items()}})
+    return config.model_copy(update={"model": absolute(config.model), "tokenizer": absolute(config.tokenizer),
+                                     "adapters": adapters})
+
+
 def _start_workers(config: EngineConfig, components: Components, platform: Platform
                    ) -> tuple[WorkerGroup, ParallelContext]:
     """Start ranks 1.., check they registered what the driver did, and join their groups."""
     parallel_config = config.parallel
     executor = components.executors.get(parallel_config.executor)()
     tp, pp = parallel_config.tensor_parallel_size, parallel_config.pipeline_parallel_size
-    group = WorkerGroup(executor, config.model_dump_json(), tp, pp, parallel_config.distributed_timeout_seconds)
+    group = WorkerGroup(executor, _for_workers(config).model_dump_json(), tp, pp,
+                        parallel_config.distributed_timeout_seconds)
     try:
         group.check_fingerprints(components.fingerprint(),
                                  {rank: hello.fingerprint for rank, hello in group.hellos.items()})
         comm = Communicator(group.store, 0, tp, pp, platform.dist_backend,
-                            parallel_config.distributed_timeout_seconds)
+                            parallel_config.distributed_timeout_seconds, platform.device_type)
     except BaseException:
         group.shutdown()
         raise

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import time
 import weakref
+from collections import deque
 from typing import Any, Optional, Sequence, Union
 
 import structlog
@@ -25,7 +26,7 @@ from tokenmill.core.engine.request import Request
 from tokenmill.core.plugin_host.plugin_manager import PluginManager
 from tokenmill.core.sched.scheduler import Scheduler
 from tokenmill.core.structured_output.manager import StructuredOutputManager
-from tokenmill.core.worker.model_runner import ModelRunner
+from tokenmill.core.worker.model_runner import LaunchedStep, ModelRunner
 from tokenmill.interfaces.adapters import AdapterType
 from tokenmill.interfaces.batch import ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from tokenmill.interfaces.errors import InvalidRequest, WorkerFailed
@@ -78,6 +79,8 @@ class LLMEngine:
             adapters.in_use = lambda name: any(r.adapter_name == name for r in scheduler.requests.values())
         self.outputs = OutputProcessor(tokenizer)
         self._arrivals = itertools.count()
+        #: launched batches whose results are not in yet (pipeline parallelism), oldest first
+        self._in_flight: deque[tuple[SchedulerOutput, LaunchedStep]] = deque()
         self._warned_priority = False
         #: the queue after the latest step (for metrics and observers)
         self.last_scheduler_stats: Optional[SchedulerStats] = None
@@ -216,7 +219,7 @@ class LLMEngine:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
 
     def check_health(self) -> None:
         """Raise WorkerFailed once a worker of a multi-process model is gone."""
@@ -230,10 +233,46 @@ class LLMEngine:
 
     # --- the step ----------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, and return outputs of requests that advanced or failed."""
+        """Schedule, run the model once, and return outputs of requests that advanced or failed.
+
+        Under pipeline parallelism up to ``pipeline_parallel_size`` batches are in flight: a
+        step launches the next batch (its requests are none of those in flight) before it
+        samples the oldest one, so every stage has work while the last one finishes."""
+        if self.scheduler.pipeline_depth > 1:
+            return self._step_pipelined()
         batch = self.scheduler.schedule()
         self.last_scheduler_stats = batch.stats
         result, failures = self._execute(batch)
+        return self._advance(batch, result, failures)
+
+    def _step_pipelined(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        self.last_scheduler_stats = batch.stats
+        self.runner.prepare(batch)
+        if not batch.is_empty:
+            try:
+                launched = self.runner.launch(batch)
+            except WorkerFailed:
+                raise
+            except Exception as exc:  # this batch fails; the ones in flight go on
+                return self._advance(batch, _NOTHING, {item.request_id: exc for item in batch.scheduled})
+            self._in_flight.append((batch, launched))
+            self.scheduler.in_flight.update(item.request_id for item in batch.scheduled)
+        if not self._in_flight or (len(self._in_flight) < self.scheduler.pipeline_depth and not batch.is_empty):
+            return []
+        batch, launched = self._in_flight.popleft()
+        self.scheduler.in_flight.difference_update(item.request_id for item in batch.scheduled)
+        try:
+            result, failures = self.runner.finish(launched), {}
+        except WorkerFailed:
+            raise
+        except Exception as exc:
+            result, failures = _NOTHING, {item.request_id: exc for item in batch.scheduled}
+        return self._advance(batch, result, failures)
+
+    def _advance(self, batch: SchedulerOutput, result: ModelRunnerOutput,
+                 failures: dict[str, BaseException]) -> list[RequestOutput]:
+        """Apply a step's result: failed requests end, the others get their tokens and stops."""
         failed: dict[str, None] = {}  # user requests that failed in this step
         for child_id, exc in failures.items():
             self._fail(child_id, exc, failed)

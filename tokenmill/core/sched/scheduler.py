@@ -9,6 +9,10 @@ ranks above running ones while the batch is full (by seats or blocks). A
 victim is preempted by recompute (its blocks are dropped; its prefix usually
 stays in the prefix cache) or by swap (its blocks are copied to the host swap
 space and back when it resumes, falling back to recompute when that is full).
+
+Under pipeline parallelism ``pipeline_depth`` batches are in flight at once: a batch takes
+an even share of the requests, never one in flight in another batch (its next tokens are
+not known yet), and a request in flight is never preempted.
 """
 
 from __future__ import annotations
@@ -39,8 +43,14 @@ class Scheduler:
         policy: SchedulingPolicy,
         swap_space: Optional[SwapSpace] = None,
         max_adapters: Optional[int] = None,
+        pipeline_depth: int = 1,
     ) -> None:
         self.config = config
+        #: batches in flight at once (pipeline parallelism): each takes its share of the
+        #: requests, and never one that is in flight in another
+        self.pipeline_depth = pipeline_depth
+        #: requests of batches scheduled but not yet updated (kept by the engine)
+        self.in_flight: set[str] = set()
         #: distinct adapters allowed in the running batch (max_loras); None = no adapters
         self.max_adapters = max_adapters
         self.kv_cache = kv_cache
@@ -89,6 +99,8 @@ class Scheduler:
     # --- one step ----------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         step = _Step(self.config.max_num_batched_tokens)
+        if self.pipeline_depth > 1:  # an even share, so that every stage has a batch to work on
+            step.max_requests = -(-(len(self.running) + len(self.waiting)) // self.pipeline_depth)
         self.waiting.sort(key=self.policy.sort_key)
         self._preempt_for_waiting(step)
         self._schedule_running(step)
@@ -120,7 +132,8 @@ class Scheduler:
         for candidate in list(self.waiting):
             need = self._blocks_to_admit(candidate, step.budget)
             while seats < 1 or free_blocks < need:
-                victims = [r for r in self.running if self.policy.may_preempt(candidate, r)]
+                victims = [r for r in self.running
+                           if r.request_id not in self.in_flight and self.policy.may_preempt(candidate, r)]
                 if not victims:
                     return  # the best waiting request cannot get in; nor can later ones
                 victim = self.policy.choose_victim(victims)
@@ -131,11 +144,15 @@ class Scheduler:
 
     def _schedule_running(self, step: "_Step") -> None:
         index = 0
-        while index < len(self.running) and step.budget > 0:
+        while index < len(self.running) and step.budget > 0 and len(step.scheduled) < step.max_requests:
             request = self.running[index]
+            if request.request_id in self.in_flight:
+                index += 1
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, step.budget)
             while not self.kv_cache.allocate_slots(request, num_new):
-                victim = self.policy.choose_victim(self.running[index:])
+                victim = self.policy.choose_victim([r for r in self.running[index:]
+                                                    if r.request_id not in self.in_flight])
                 self._preempt(victim, step)
                 step.pressure_preempted = True
                 if victim is request:
@@ -149,7 +166,8 @@ class Scheduler:
         block_size = self.kv_cache.block_size
         self.waiting.sort(key=self.policy.sort_key)  # victims of this step joined the queue
         for request in list(self.waiting):
-            if step.budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+            if step.budget <= 0 or len(self.running) >= self.config.max_num_seqs \
+                    or len(step.scheduled) >= step.max_requests:
                 return
             if request.request_id in step.preempted:
                 continue  # never re-admit a victim in the step that preempted it
@@ -275,6 +293,8 @@ class _Step:
         self.swap_out: list[tuple[int, int]] = []
         self.swap_in: list[tuple[int, int]] = []
         self.pressure_preempted = False
+        #: requests this batch may take (a share of them under pipelining)
+        self.max_requests = float("inf")
 
 
 def _new_request_data(request: Request) -> NewRequestData:

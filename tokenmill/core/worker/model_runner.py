@@ -20,7 +20,7 @@ import torch
 from tokenmill.core.distributed.messages import Row, Step
 from tokenmill.core.sample.persistent_batch import PersistentBatch
 from tokenmill.core.sample.sampler import Sampler, SamplingRow, gather_logprobs
-from tokenmill.core.worker.model_step import ModelStep
+from tokenmill.core.worker.model_step import ModelStep, StepResult
 from tokenmill.interfaces.batch import (
     ModelRunnerOutput,
     NewRequestData,
@@ -40,6 +40,21 @@ class _RequestState:
     num_prompt_logprobs_done: int = 1  # the first prompt token has none
 
 
+@dataclass(slots=True)
+class LaunchedStep:
+    """A step whose forward pass has started: what sampling it needs once the logits are in."""
+
+    rows: list[int] = field(default_factory=list)
+    #: index into ``rows`` of each sampling request's row
+    sample_rows: list[int] = field(default_factory=list)
+    sample_items: list[ScheduledRequest] = field(default_factory=list)
+    #: (item, first row, first prompt token, count) per prompt-logprob span
+    prompt_spans: list[tuple[ScheduledRequest, int, int, int]] = field(default_factory=list)
+    step: Optional[Step] = None
+    #: the model's result, where the forward pass ran to the end (None: still in the pipeline)
+    result: Optional[StepResult] = None
+
+
 class ModelRunner:
     def __init__(self, model_step: ModelStep, seed: int,
                  logits_processors: tuple[LogitsProcessor, ...] = ()) -> None:
@@ -48,6 +63,8 @@ class ModelRunner:
         self.sampler = Sampler(seed, logits_processors)
         self._batch = PersistentBatch()
         self._states: dict[str, _RequestState] = {}
+        #: the launched step whose rows the logits processors hold
+        self._processors_hold: Optional[LaunchedStep] = None
 
     @property
     def model(self):
@@ -88,15 +105,15 @@ class ModelRunner:
     def execute(self, batch: SchedulerOutput) -> ModelRunnerOutput:
         """The forward pass and sampling for a prepared batch. Request state changes only once
         the whole step succeeded, so a failed step can be run again (one request at a time)."""
-        if batch.is_empty:
-            return ModelRunnerOutput({}, {}, {})
+        return self.finish(self.launch(batch, wait=True))
 
+    def launch(self, batch: SchedulerOutput, wait: bool = False) -> "LaunchedStep":
+        """Decide the step's logits rows, and start its forward pass: to completion with
+        ``wait``, else until this process's pipeline stage is done (``finish`` takes the rest)."""
         # Rows to compute logits for: prompt-logprob positions, then sampling positions.
         start = 0
-        sample_rows: list[int] = []
-        sample_items: list[ScheduledRequest] = []
-        prompt_spans: list[tuple[ScheduledRequest, int, int, int]] = []  # item, row0, first token, count
-        rows: list[int] = []
+        launched = LaunchedStep()
+        rows = launched.rows
         for item in batch.scheduled:
             state = self._states[item.request_id]
             if state.data.sampling_params.prompt_logprobs is not None:
@@ -104,36 +121,54 @@ class ModelRunner:
                 if span is not None:
                     first, count = span
                     offset = first - 1 - item.num_computed_tokens
-                    prompt_spans.append((item, len(rows), first, count))
+                    launched.prompt_spans.append((item, len(rows), first, count))
                     rows.extend(range(start + offset, start + offset + count))
             start += len(item.new_token_ids)
             if item.sample:
-                sample_rows.append(len(rows))
-                sample_items.append(item)
+                launched.sample_rows.append(len(rows))
+                launched.sample_items.append(item)
                 rows.append(start - 1)
-        states = [self._states[item.request_id] for item in sample_items]
-        self._update_processors(sample_items, states)
+        if batch.is_empty:
+            return launched
+        states = [self._states[item.request_id] for item in launched.sample_items]
+        self._update_processors(launched.sample_items, states)
+        self._processors_hold = launched
         sampling_rows = [SamplingRow(s.data.sampling_params, s.data.prompt_token_ids, s.output_token_ids,
                                      s.generator) for s in states]
-        greedy = (bool(rows) and not prompt_spans and self.sampler.argmax_only(sampling_rows)
+        greedy = (bool(rows) and not launched.prompt_spans and self.sampler.argmax_only(sampling_rows)
                   and (self.greedy_head is not None or self.model_step.parallel.world_size > 1))
-        step = Step([Row(item.new_token_ids, item.num_computed_tokens, item.block_ids,
-                         self._states[item.request_id].data.adapter_name) for item in batch.scheduled],
-                    rows, greedy)
-        result = self.model_step.run(step)
-        if not rows:
+        launched.step = Step([Row(item.new_token_ids, item.num_computed_tokens, item.block_ids,
+                                  self._states[item.request_id].data.adapter_name) for item in batch.scheduled],
+                             rows, greedy)
+        launched.result = self.model_step.run(launched.step, wait)
+        return launched
+
+    def finish(self, launched: "LaunchedStep") -> ModelRunnerOutput:
+        """Sample a launched step: its result from the last pipeline stage if it is not in yet."""
+        if launched.step is None or not launched.rows:
             return ModelRunnerOutput({}, {}, {})
-        tokens = result.tokens
+        result = launched.result or self.model_step.receive(launched.step)
+        # requests aborted while their step was in flight have no state left to advance
+        spans = [span for span in launched.prompt_spans if span[0].request_id in self._states]
+        kept = [(item, row) for item, row in zip(launched.sample_items, launched.sample_rows)
+                if item.request_id in self._states]
+        sample_items = [item for item, _ in kept]
+        states = [self._states[item.request_id] for item in sample_items]
+        if self._processors_hold is not launched or len(kept) < len(launched.sample_items):
+            self._update_processors(sample_items, states)  # other steps were launched since (pipelining)
+        sampling_rows = [SamplingRow(s.data.sampling_params, s.data.prompt_token_ids, s.output_token_ids,
+                                     s.generator) for s in states]
+        tokens = None if result.tokens is None else [result.tokens[row] for _, row in kept]
         token_logprobs: list[Optional[PositionLogprobs]] = [None] * len(sample_items)
         prompt_logprobs: dict[str, list[Optional[PositionLogprobs]]] = {}
         if tokens is None:
             logits = result.logits
-            prompt_logprobs = self._prompt_logprobs(logits, prompt_spans)
+            prompt_logprobs = self._prompt_logprobs(logits, spans)
             if sample_items:
-                if len(sample_rows) < len(rows):
-                    logits = logits[torch.tensor(sample_rows)]
+                if len(kept) < len(launched.rows):
+                    logits = logits[torch.tensor([row for _, row in kept])]
                 tokens, token_logprobs = self.sampler(logits, sampling_rows)
-        for item, _, first, count in prompt_spans:
+        for item, _, first, count in spans:
             self._states[item.request_id].num_prompt_logprobs_done = first + count
         sampled: dict[str, int] = {}
         logprobs: dict[str, PositionLogprobs] = {}

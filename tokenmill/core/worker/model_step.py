@@ -54,8 +54,10 @@ class ModelStep:
         self.swap.copy(tuple(into), to_host=False)
 
     @torch.inference_mode()
-    def run(self, step: Step) -> Optional[StepResult]:
-        """The forward pass for ``step``; the result on the driver (rank 0), None elsewhere."""
+    def run(self, step: Step, wait: bool = True) -> Optional[StepResult]:
+        """The forward pass for ``step``; the result on the driver (rank 0), None elsewhere.
+        With ``wait=False`` a driver that is not the last stage returns once its own stage
+        is done, and takes the result later with ``receive`` (pipelined batches)."""
         stage = self.parallel
         input_ids, positions, metadata = self._prepare_inputs(step.rows)
         if self.adapters is not None:
@@ -64,12 +66,14 @@ class ModelStep:
         if not step.logits_rows:  # a prefill chunk that samples nothing: only its KV was wanted
             return StepResult() if stage.rank == 0 else None
         if not stage.is_last_stage:
-            return self._receive(step) if stage.rank == 0 else None
+            return self.receive(step) if stage.rank == 0 and wait else None
         result = self._head(hidden[torch.tensor(step.logits_rows, dtype=torch.long)], step.greedy)
         if stage.rank == 0 or result is None:
             return result
-        # the last stage's first rank hands the result to the driver
-        stage.comm.send(torch.tensor(result.tokens) if step.greedy else result.logits, 0)
+        # the last stage's first rank hands the result to the driver, without waiting for the
+        # driver to take it (it may be sending this stage the next batch first)
+        stage.comm.wait_sends()
+        stage.comm.send(torch.tensor(result.tokens) if step.greedy else result.logits, 0, wait=False)
         return None
 
     def _head(self, hidden: torch.Tensor, greedy: bool) -> Optional[StepResult]:
@@ -90,7 +94,10 @@ class ModelStep:
         logits = stage.comm.gather_vocab(local, self.vocab_size)
         return None if logits is None else StepResult(logits=logits)
 
-    def _receive(self, step: Step) -> StepResult:
+    def receive(self, step: Step) -> StepResult:
+        """The driver's result of ``step`` from the last pipeline stage."""
+        if not step.logits_rows:
+            return StepResult()
         comm, rows = self.parallel.comm, len(step.logits_rows)
         if step.greedy:
             return StepResult(tokens=comm.recv((rows,), torch.long, comm.last_stage_driver).tolist())

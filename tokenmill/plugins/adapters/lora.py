@@ -95,6 +95,7 @@ class LoRAAdapters:
         self._step = _StepGroups()
         self._layers: dict[str, tuple[LoRALayer, int]] = {}  # checkpoint module name -> (layer, part)
         self._all_layers: list[LoRALayer] = []
+        self._elsewhere: tuple[str, ...] = ()
         self._loaded: OrderedDict[str, tuple[str, dict[str, tuple[torch.Tensor, torch.Tensor]]]] = OrderedDict()
         self._slots: OrderedDict[str, int] = OrderedDict()  # adapter -> slot, LRU order
         #: set by the engine: whether a live request uses an adapter (those are never evicted)
@@ -102,6 +103,8 @@ class LoRAAdapters:
 
     def attach(self, model: nn.Module) -> None:
         stacked = getattr(model, "stacked_params", ())
+        #: checkpoint names this rank's model does not hold (other pipeline stages' layers)
+        self._elsewhere = tuple(getattr(model, "other_stages", lambda: [])())
         for prefix, module in model.named_modules():
             if not isinstance(module, Linear) or prefix.endswith("lm_head"):
                 continue
@@ -163,6 +166,8 @@ class LoRAAdapters:
                 continue
             module = key.removeprefix("base_model.model.").split(".lora_A.")[0]
             b = tensors.get(key.replace(".lora_A.", ".lora_B."))
+            if module not in self._layers and any(f in f"{module}." for f in self._elsewhere):
+                continue  # another pipeline stage holds this layer, and loads this part
             if module not in self._layers:
                 problems.append(f"target module {module} (not a supported linear layer)")
                 continue

@@ -266,7 +266,11 @@ class LlamaForCausalLM(nn.Module):
             skip.append("model.embed_tokens.")
         if not stage.is_last_stage:
             skip.append("model.norm.")
-        return skip + stage_skips(stage, len(self.model.layers), "model.layers.")
+        return skip + self.other_stages()
+
+    def other_stages(self) -> list[str]:
+        """Checkpoint name fragments of the layers other pipeline stages hold (adapters skip them too)."""
+        return stage_skips(self.parallel, len(self.model.layers), "model.layers.")
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return load_weights(self, weights, self.stacked_params, self.checkpoint_skips())
