@@ -71,6 +71,9 @@ def test_allowed_token_ids_and_bad_words(llm):
     with pytest.raises(InvalidRequest) as info:
         llm.generate(PROMPT, SamplingParams(allowed_token_ids=[10**9]), use_tqdm=False)
     assert info.value.param == "allowed_token_ids"
+    with pytest.raises(InvalidRequest) as info:  # a lone surrogate (JSON's "\udfff") cannot be tokenized
+        SamplingParams(bad_words=["a\udfff"])
+    assert info.value.param == "bad_words"
 
 
 def test_chat_continue_final_message_and_template_kwargs(llm):

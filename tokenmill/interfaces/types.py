@@ -174,6 +174,8 @@ class SamplingParams:
                   "must be non-negative integers")
         check(all(isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words",
               "must be non-empty strings")
+        check(all(is_unicode(w) for w in self.bad_words), "bad_words",
+              "must be valid Unicode (a lone surrogate cannot be tokenized)")
         check(len(self.bad_words) <= self.MAX_BAD_WORDS
               and all(len(w) <= self.MAX_BAD_WORD_CHARS for w in self.bad_words), "bad_words",
               f"at most {self.MAX_BAD_WORDS} words of at most {self.MAX_BAD_WORD_CHARS} characters")
@@ -233,6 +235,16 @@ _FLOAT32_MAX = 3.4028234663852886e38
 _MIN_REPETITION_PENALTY = 1e-6
 
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
+def is_unicode(text: str) -> bool:
+    """Whether ``text`` is valid Unicode: JSON's escapes can carry lone surrogates, which
+    tokenizers refuse."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def is_int(value: object) -> bool:
