@@ -50,6 +50,15 @@ def test_pipeline_parallel_matches_hf(arch, model_dir, hf_reference):
     assert_matches_reference(hf_reference(arch), tokens, logprobs)
 
 
+@pytest.mark.parametrize("arch", ["llama-mqa-bias", "qwen2-tied"])
+def test_tensor_and_pipeline_parallel_together_match_hf(arch, model_dir, hf_reference):
+    """Four ranks: two stages of two tensor-parallel ranks each."""
+    with make_llm(model_dir(arch), tensor_parallel_size=2, pipeline_parallel_size=2) as llm:
+        assert len(llm.llm_engine.workers.hellos) == 3
+        _, tokens, logprobs = generate(llm)
+    assert_matches_reference(hf_reference(arch), tokens, logprobs)
+
+
 def test_each_rank_holds_its_shard(model_dir):
     """Half the weights per rank (the norms and KV heads of a 1-KV-head model are replicated)."""
     with make_llm(model_dir("llama"), enforce_eager=True) as whole, \
