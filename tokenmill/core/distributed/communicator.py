@@ -97,7 +97,11 @@ class Communicator:
         return None if parts is None else torch.cat(parts, dim=-1)[:, :vocab_size]
 
     def argmax_vocab(self, local: torch.Tensor, vocab_start: int) -> Optional[torch.Tensor]:
-        values, indices = local.max(dim=-1)
+        if local.shape[-1] == 0:  # a vocabulary smaller than the ranks leaves the last shards empty
+            values = torch.full(local.shape[:-1], float("-inf"))
+            indices = torch.zeros(local.shape[:-1], dtype=torch.long)
+        else:
+            values, indices = local.max(dim=-1)
         pairs = torch.stack([values.double(), (indices + vocab_start).double()], dim=-1)  # [n, 2]
         parts = pairs[None] if self.tp is None else self._gather(pairs)
         if parts is None:
