@@ -156,6 +156,7 @@ class ModelRunner:
         states = [self._states[item.request_id] for item in sample_items]
         if self._processors_hold is not launched or len(kept) < len(launched.sample_items):
             self._update_processors(sample_items, states)  # other steps were launched since (pipelining)
+            self._processors_hold = launched
         sampling_rows = [SamplingRow(s.data.sampling_params, s.data.prompt_token_ids, s.output_token_ids,
                                      s.generator) for s in states]
         tokens = None if result.tokens is None else [result.tokens[row] for _, row in kept]
