@@ -165,6 +165,28 @@ def test_quantized_checkpoints_split_by_packs_and_groups(name):
     assert max(abs(a - b) for x, y in zip(logprobs, logprobs_one) for a, b in zip(x, y)) < 1e-4
 
 
+@pytest.mark.skipif(not CHECKPOINTS.is_dir(), reason=f"shared checkpoints not found at {CHECKPOINTS}")
+@pytest.mark.parametrize("name", ["ct-fp8-channel-dynamic", "fp8-tensor-static"])
+def test_fp8_checkpoints_split_with_their_activation_scales(name):
+    """FP8 weights split like plain ones; a dynamic per-token activation scale is the whole
+    row's (a max all-reduce), so TP=2 reproduces the W8A8 reference exactly."""
+    from safetensors.torch import load_file
+
+    reference = load_file(CHECKPOINTS / name / "reference.safetensors")
+    with LLM(str(CHECKPOINTS / name), tensor_parallel_size=2, dtype="float32", kv_cache_memory_bytes=2**24) as two:
+        logits = torch.stack([prompt_logits(two.llm_engine, row.tolist()) for row in reference["input_ids"]])
+    expected = reference["logits_w8a8"]
+    assert ((logits - expected).norm() / expected.norm()).item() < 1e-5
+
+
+@pytest.mark.skipif(not CHECKPOINTS.is_dir(), reason=f"shared checkpoints not found at {CHECKPOINTS}")
+def test_fp8_blocks_that_straddle_the_slices_are_refused():
+    from tokenmill.interfaces.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="tensor_parallel_size: .*cannot be split over ranks"):
+        LLM(str(CHECKPOINTS / "fp8-block"), tensor_parallel_size=2, kv_cache_memory_bytes=2**24)
+
+
 def test_contrib_attention_plugin_from_yaml_at_tp2(model_dir, hf_reference, tmp_path):
     """An installed package's attention backend, selected in YAML, runs on every rank."""
     (tmp_path / "engine.yaml").write_text(

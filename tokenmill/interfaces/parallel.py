@@ -17,8 +17,9 @@ import torch
 class Communicator(Protocol):
     """The collectives a model needs, over torch.distributed process groups."""
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum over this stage's tensor-parallel ranks (in place where it can)."""
+    def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """The sum (or with ``op="max"`` the maximum) over this stage's tensor-parallel ranks,
+        in place where it can."""
 
     def gather_vocab(self, local: torch.Tensor, vocab_size: int) -> Optional[torch.Tensor]:
         """Vocab-sharded ``[n, shard]`` logits -> ``[n, vocab_size]`` on the stage's first

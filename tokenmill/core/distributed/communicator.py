@@ -71,11 +71,13 @@ class Communicator:
         self.stats.bytes += tensor.numel() * tensor.element_size()
 
     # --- tensor parallelism ---------------------------------------------------
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+    def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
         if self.tp is None:
             return x
         x = x.contiguous()
-        self._run("all-reduce", lambda: self.tp.allreduce([x]), x)
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
+        self._run("all-reduce", lambda: self.tp.allreduce([x], options), x)
         return x
 
     def _gather(self, x: torch.Tensor) -> Optional[list[torch.Tensor]]:

@@ -41,6 +41,9 @@ class Fp8Scheme:
 class Fp8LinearMethod:
     def __init__(self, scheme: Fp8Scheme, quantize_activations: bool, online: bool = False) -> None:
         self.scheme = scheme
+        #: splits over tensor-parallel ranks by output rows or input columns, its scales per
+        #: tensor or per output channel following; 128x128 blocks would straddle the slices
+        self.tensor_parallel = online or scheme.weights != "block"
         self.activations = scheme.activations if quantize_activations and not online else None
         self.online = online
 
@@ -49,20 +52,22 @@ class Fp8LinearMethod:
         offsets = [sum(output_sizes[:i]) for i in range(shards)]
         layer.quant_dtype, layer.quant_output_sizes = dtype, output_sizes
 
-        def add(name: str, tensor: torch.Tensor, loader) -> None:
+        def add(name: str, tensor: torch.Tensor, loader, output_dim=None, input_dim=None) -> None:
             param = nn.Parameter(tensor, requires_grad=False)
             param.weight_loader = loader  # type: ignore[attr-defined]
+            param.output_dim, param.input_dim = output_dim, input_dim  # type: ignore[attr-defined]
             layer.register_parameter(name, param)
 
         if self.online:
-            add("weight", torch.empty(n, input_size, dtype=dtype), shard_loader(output_sizes))
+            add("weight", torch.empty(n, input_size, dtype=dtype), shard_loader(output_sizes), 0, 1)
             return
-        add("weight", torch.empty(n, input_size, dtype=FP8), shard_loader(output_sizes))
+        add("weight", torch.empty(n, input_size, dtype=FP8), shard_loader(output_sizes), 0, 1)
         scheme = self.scheme
         if scheme.weights == "tensor":
             add(scheme.scale_name, torch.ones(shards, dtype=torch.float32), _scalar_per_shard(shards))
         elif scheme.weights == "channel":
-            add(scheme.scale_name, torch.ones(n, 1, dtype=torch.float32), output_shard_loader(offsets, output_sizes, 0))
+            add(scheme.scale_name, torch.ones(n, 1, dtype=torch.float32), output_shard_loader(offsets, output_sizes, 0),
+                0)
         else:
             bn, bk = scheme.block
             rows = [-(-size // bn) for size in output_sizes]
@@ -110,7 +115,11 @@ class Fp8LinearMethod:
                 start += size
             out = torch.cat(outs, dim=-1)
             return out if bias is None else out + bias
-        scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12).to(x.dtype)
+        amax = x.abs().amax(dim=-1, keepdim=True)
+        shard = getattr(layer, "shard", None)
+        if shard is not None and shard.reduces:  # each rank holds a slice of the row: its scale is the whole row's
+            amax = shard.parallel.comm.all_reduce(amax, "max")
+        scale = (amax.float() / FP8_MAX).clamp(min=1e-12).to(x.dtype)
         return nn.functional.linear(fake_quantize(x, scale), layer.weight, bias)
 
 
