@@ -30,8 +30,6 @@ class WorkerLaunch:
     #: the worker spec (JSON): config, where the driver listens, the group's size and timeout.
     #: It carries the control channel's key: pass it by environment or call argument, never argv
     spec: str
-    #: the address the driver's control channel and rendezvous listen on
-    driver_host: str
 
     def command(self, rank: int) -> list[str]:
         """argv of a worker process; the spec goes in the TOKENMILL_WORKER_SPEC env var."""

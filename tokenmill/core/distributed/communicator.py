@@ -105,10 +105,10 @@ class Communicator:
         else:
             values, indices = local.max(dim=-1)
         pairs = torch.stack([values.double(), (indices + vocab_start).double()], dim=-1)  # [n, 2]
-        parts = pairs[None] if self.tp is None else self._gather(pairs)
+        parts = [pairs] if self.tp is None else self._gather(pairs)
         if parts is None:
             return None
-        stacked = torch.stack(list(parts)) if isinstance(parts, list) else parts  # [tp, n, 2]
+        stacked = torch.stack(parts)  # [tp, n, 2]
         # the first shard with the maximum wins a tie, as argmax over the whole row would
         best = stacked[..., 0].argmax(dim=0)
         return stacked[..., 1].gather(0, best[None])[0].long()

@@ -78,7 +78,7 @@ class WorkerGroup:
                 wait_for_workers=False))
             spec = WorkerSpec(PROTOCOL_VERSION, config_json, host, self._server.getsockname()[1],
                               self.store.underlying_store.port, self._authkey.hex(), tp, pp, timeout_s)
-            executor.launch(WorkerLaunch(tuple(range(1, self.world_size)), msgspec.json.encode(spec).decode(), host))
+            executor.launch(WorkerLaunch(tuple(range(1, self.world_size)), msgspec.json.encode(spec).decode()))
             self._accept_all()
         except BaseException:
             self.shutdown()
@@ -242,14 +242,15 @@ class DistributedModelStep:
     def receive(self, step: Step) -> StepResult:
         return self.local.receive(step)
 
-    def swap_blocks(self, out: list[tuple[int, int]], into: list[tuple[int, int]]) -> None:
+    def swap_blocks(self, out: Sequence[Sequence[int]], into: Sequence[Sequence[int]]) -> None:
         self.group.send(Swap(out, into))
         self.local.swap_blocks(out, into)
 
 
 class DistributedAdapters:
-    """The driver's adapters, with loads and unloads repeated on every worker (whose layers
-    hold their own slices of each adapter)."""
+    """The engine's view of the driver's adapters, with loads and unloads repeated on every
+    worker (whose layers hold their own slices of each adapter). Each rank's ModelStep
+    prepares its steps with its own adapters object."""
 
     def __init__(self, local: AdapterType, group: WorkerGroup) -> None:
         self.local = local
@@ -280,9 +281,3 @@ class DistributedAdapters:
     def unload(self, name: str) -> None:
         self.local.unload(name)
         self.group.request(UnloadAdapter(name))
-
-    def prepare_step(self, adapters: Sequence[Optional[str]], query_lens: Sequence[int]) -> None:
-        self.local.prepare_step(adapters, query_lens)
-
-    def attach(self, model) -> None:
-        self.local.attach(model)

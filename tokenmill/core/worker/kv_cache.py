@@ -43,7 +43,7 @@ class SwapCaches:
                 for spec, _ in layers]
         return cls(backend, [cache for _, cache in layers], host)
 
-    def copy(self, pairs: tuple[tuple[int, int], ...], to_host: bool) -> None:
+    def copy(self, pairs: Sequence[Sequence[int]], to_host: bool) -> None:
         """``pairs`` are (device block, host block); copies in the given direction."""
         if not pairs:
             return

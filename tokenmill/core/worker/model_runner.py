@@ -89,7 +89,7 @@ class ModelRunner:
                 generator = torch.Generator().manual_seed(data.seed)
             self._states[data.request_id] = _RequestState(data, generator)
         if batch.blocks_to_swap_out or batch.blocks_to_swap_in:
-            self.model_step.swap_blocks(list(batch.blocks_to_swap_out), list(batch.blocks_to_swap_in))
+            self.model_step.swap_blocks(batch.blocks_to_swap_out, batch.blocks_to_swap_in)
 
     def generator_states(self, batch: SchedulerOutput) -> list[tuple[torch.Generator, torch.Tensor]]:
         """The random state the step's samples will draw from, to rewind a failed step with."""

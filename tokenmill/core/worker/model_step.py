@@ -10,7 +10,7 @@ parallelism those come from gathering each vocabulary shard's (max, index), not 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -48,10 +48,11 @@ class ModelStep:
         #: tokens for steps whose rows all take the argmax of their raw logits (one rank only)
         self.greedy_head = greedy_head
 
-    def swap_blocks(self, out: list[tuple[int, int]], into: list[tuple[int, int]]) -> None:
+    def swap_blocks(self, out: Sequence[Sequence[int]], into: Sequence[Sequence[int]]) -> None:
+        """Copy (device block, host block) pairs out to and in from the swap space."""
         assert self.swap is not None, "swap requested but no swap space was allocated"
-        self.swap.copy(tuple(out), to_host=True)
-        self.swap.copy(tuple(into), to_host=False)
+        self.swap.copy(out, to_host=True)
+        self.swap.copy(into, to_host=False)
 
     @torch.inference_mode()
     def run(self, step: Step, wait: bool = True) -> Optional[StepResult]:
