@@ -46,7 +46,7 @@ def add(scheduler, request_id, priority, prompt_len=4, max_tokens=4, arrival=Non
 
 def step(scheduler):
     batch = scheduler.schedule()
-    scheduler.update(batch, ModelRunnerOutput({s.request_id: 9 for s in batch.scheduled if s.sample}, {}, {}))
+    scheduler.update(batch, ModelRunnerOutput({s.request_id: [9] for s in batch.scheduled if s.sample}, {}, {}))
     return batch
 
 

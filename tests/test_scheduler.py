@@ -31,7 +31,7 @@ def add(scheduler: Scheduler, request_id: str, prompt_len: int, max_tokens: int 
 
 def run_step(scheduler: Scheduler, token: int = 7):
     batch = scheduler.schedule()
-    result = ModelRunnerOutput({s.request_id: token for s in batch.scheduled if s.sample}, {}, {})
+    result = ModelRunnerOutput({s.request_id: [token] for s in batch.scheduled if s.sample}, {}, {})
     scheduler.update(batch, result)
     return batch
 

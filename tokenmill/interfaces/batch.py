@@ -35,6 +35,8 @@ class ScheduledRequest:
     block_ids: tuple[int, ...]
     #: True when this step reaches the end of the known tokens, so a token is sampled
     sample: bool
+    #: draft tokens to verify: the tail of ``new_token_ids``, after the request's last token
+    spec_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,8 +76,10 @@ class SchedulerOutput:
 class ModelRunnerOutput:
     """What one forward pass produced, keyed by request id."""
 
-    sampled_token_ids: dict[str, int]
-    #: per sampled request: logprobs of the sampled token (+ top-k), when requested
-    logprobs: dict[str, PositionLogprobs]
+    #: per sampled request, its new tokens in order: one, or with drafts the accepted ones
+    #: and one of the target's
+    sampled_token_ids: dict[str, list[int]]
+    #: per sampled request: logprobs of each new token (+ top-k), when requested
+    logprobs: dict[str, list[Optional[PositionLogprobs]]]
     #: per request with prompt_logprobs: the logprobs of the prompt tokens this chunk covered
     prompt_logprobs: dict[str, list[Optional[PositionLogprobs]]]

@@ -19,8 +19,8 @@ from typing import Any, Callable, Protocol
 import pluggy
 
 PROJECT_NAME = "tokenmill"
-HOOKSPEC_VERSION = 5  # 2: register_platforms; 3: register_logits_processors; 4: structured outputs, tool parsers;
-#                      5: register_executors
+HOOKSPEC_VERSION = 6  # 2: register_platforms; 3: register_logits_processors; 4: structured outputs, tool parsers;
+#                      5: register_executors; 6: register_speculative_proposers
 ENTRY_POINT_GROUP = "tokenmill.plugins"
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
@@ -112,6 +112,13 @@ def register_executors(register: Register) -> None:
     ``distributed_executor_backend: name`` selects one. Built as ``cls(options)``. Every rank
     of a multi-process model builds its own plugin manager from entry points, so a plugin
     that a rank needs must be installed as a package, not registered in one process."""
+
+
+@hookspec
+def register_speculative_proposers(register: Register) -> None:
+    """Register SpeculativeProposer classes (``tokenmill.interfaces.speculative``) by name;
+    ``speculative: {method: name}`` (vLLM's ``speculative_config``) selects one. Built as
+    ``cls(context)``."""
 
 
 @hookspec(firstresult=True)

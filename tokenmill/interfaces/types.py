@@ -317,3 +317,6 @@ class RequestMetrics:
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     num_preemptions: int = 0
+    #: draft tokens proposed for the request, and how many of them the model accepted
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0

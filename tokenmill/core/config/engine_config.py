@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, SecretStr, ValidationError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from tokenmill.core.config.speculative_config import SpeculativeConfig
 from tokenmill.interfaces.errors import ConfigError
 
 _STRICT = ConfigDict(extra="forbid", validate_assignment=True)
@@ -211,6 +212,7 @@ class EngineConfig(BaseSettings):
     quantization: QuantizationConfig = QuantizationConfig()
     adapters: AdaptersConfig = AdaptersConfig()
     structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()
     server: ServerConfig = ServerConfig()
 
     @classmethod
@@ -263,6 +265,7 @@ VLLM_NAMES: dict[str, str] = {
     "max_lora_rank": "adapters.max_lora_rank",
     "max_cpu_loras": "adapters.max_cpu_loras",
     "guided_decoding_backend": "structured_outputs.backend",
+    "speculative_config": "speculative",
 }
 
 #: `tokenmill serve` flags (vLLM's names where vLLM has one) -> dotted paths

@@ -33,6 +33,8 @@ from tokenmill.core.sample.logits_processors.structured_output import Structured
 from tokenmill.core.sched.kv_cache_manager import KVCacheManager
 from tokenmill.core.sched.scheduler import Scheduler
 from tokenmill.core.sched.swap_space import SwapSpace
+from tokenmill.core.spec_decode.proposer_model import load_proposer_model
+from tokenmill.core.spec_decode.speculator import Speculator
 from tokenmill.core.structured_output.manager import StructuredOutputManager
 from tokenmill.core.worker.model_builder import build_model
 from tokenmill.core.worker.model_runner import ModelRunner
@@ -41,6 +43,7 @@ from tokenmill.interfaces.errors import ConfigError
 from tokenmill.interfaces.logits_processor import LogitsProcessor, LogitsProcessorContext
 from tokenmill.interfaces.parallel import SINGLE, ParallelContext
 from tokenmill.interfaces.platform import Platform
+from tokenmill.interfaces.speculative import ProposerContext, SpeculativeProposer
 from tokenmill.interfaces.structured_output import StructuredOutputBackend, StructuredOutputContext
 
 log = structlog.get_logger("tokenmill.builder")
@@ -98,8 +101,10 @@ def _build_engine(config: EngineConfig, pm: PluginManager, components: Component
     kv_cache = KVCacheManager(num_blocks, config.cache.block_size, config.cache.prefix_caching)
     swap_space = SwapSpace(host_blocks) if config.scheduler.preemption_mode == "swap" else None
     adapters = built.adapters
+    speculator = _speculator(config, components, pm, platform, model_config, num_blocks)
     scheduler = Scheduler(config.scheduler, kv_cache, policy, swap_space,
-                          max_adapters=adapters.max_active if adapters else None, pipeline_depth=parallel.pp_size)
+                          max_adapters=adapters.max_active if adapters else None, pipeline_depth=parallel.pp_size,
+                          num_lookahead_slots=speculator.proposer.num_lookahead_slots if speculator else 0)
     greedy_head = None if config.enforce_eager or adapters or group else platform.greedy_head(model)
     model_step = ModelStep(model, built.backend, config.cache.block_size, model_config.vocab_size, parallel,
                            swap_caches, adapters, greedy_head)
@@ -113,7 +118,8 @@ def _build_engine(config: EngineConfig, pm: PluginManager, components: Component
     processors = ((StructuredOutput(context, structured),) if structured else ()) + _logits_processors(
         config, components, context)
     runner = ModelRunner(model_step, config.seed, processors)
-    engine = LLMEngine(config, model_config, tokenizer, scheduler, runner, pm, adapters, platform, structured, group)
+    engine = LLMEngine(config, model_config, tokenizer, scheduler, runner, pm, adapters, platform, structured, group,
+                       speculator)
     log.info("engine built", **platform.describe(), model=str(model_config.path),
              architecture=model_config.architecture,
              dtype=str(model_config.dtype).removeprefix("torch."), attention=built.backend.name,
@@ -156,6 +162,28 @@ def _start_workers(config: EngineConfig, components: Components, platform: Platf
     log.info("workers started", executor=executor.name, world_size=tp * pp,
              workers=[f"rank {h.rank}: pid {h.pid} on {h.host}" for _, h in sorted(group.hellos.items())])
     return group, ParallelContext(tp, 0, pp, 0, comm)
+
+
+def _speculator(config: EngineConfig, components: Components, pm: PluginManager, platform: Platform,
+                model_config: ModelConfig, num_blocks: int) -> Optional[Speculator]:
+    """The configured proposer, or None when speculative decoding is off."""
+    spec = config.speculative
+    if not spec.enabled:
+        return None
+    cls = components.speculative_proposers.get(spec.method)
+    if not (isinstance(cls, type) and issubclass(cls, SpeculativeProposer)):
+        raise ConfigError("speculative.method", f"{spec.method!r} is not a SpeculativeProposer "
+                                                "(tokenmill.interfaces.speculative)")
+    context = ProposerContext(
+        num_speculative_tokens=spec.num_speculative_tokens, options=spec.model_dump(),
+        vocab_size=model_config.vocab_size, max_model_len=model_config.max_model_len,
+        load_model=lambda path: load_proposer_model(path, config, components, pm, platform, num_blocks,
+                                                    model_config.max_model_len),
+        block_size=config.cache.block_size)
+    proposer = cls(context)
+    log.info("speculative decoding", method=spec.method, num_speculative_tokens=spec.num_speculative_tokens,
+             disable_by_batch_size=spec.disable_by_batch_size, **(proposer.describe() or {}))
+    return Speculator(proposer, spec.num_speculative_tokens, model_config.vocab_size, spec.disable_by_batch_size)
 
 
 def _logits_processors(config: EngineConfig, components: Components,

@@ -25,6 +25,7 @@ from tokenmill.core.engine.output_processor import OutputProcessor
 from tokenmill.core.engine.request import Request
 from tokenmill.core.plugin_host.plugin_manager import PluginManager
 from tokenmill.core.sched.scheduler import Scheduler
+from tokenmill.core.spec_decode.speculator import Speculator
 from tokenmill.core.structured_output.manager import StructuredOutputManager
 from tokenmill.core.worker.model_runner import LaunchedStep, ModelRunner
 from tokenmill.interfaces.adapters import AdapterType
@@ -59,6 +60,7 @@ class LLMEngine:
         platform: Optional[Platform] = None,
         structured_outputs: Optional[StructuredOutputManager] = None,
         workers: Optional[WorkerGroup] = None,
+        speculator: Optional[Speculator] = None,
     ) -> None:
         self.config = config
         self.model_config = model_config
@@ -73,6 +75,8 @@ class LLMEngine:
         self.structured_outputs = structured_outputs
         #: the ranks beyond this process of a multi-process model (None: one process)
         self.workers = workers
+        #: proposes draft tokens between steps (None: no speculative decoding)
+        self.speculator = speculator
         if workers is not None:  # an engine dropped without shutdown() still stops its workers
             self._finalizer = weakref.finalize(self, workers.shutdown)
         if adapters is not None:
@@ -240,14 +244,19 @@ class LLMEngine:
         samples the oldest one, so every stage has work while the last one finishes."""
         if self.scheduler.pipeline_depth > 1:
             return self._step_pipelined()
-        batch = self.scheduler.schedule()
-        self.last_scheduler_stats = batch.stats
+        batch = self._schedule()
         result, failures = self._execute(batch)
         return self._advance(batch, result, failures)
 
-    def _step_pipelined(self) -> list[RequestOutput]:
+    def _schedule(self) -> SchedulerOutput:
         batch = self.scheduler.schedule()
         self.last_scheduler_stats = batch.stats
+        if self.speculator is not None:  # their KV is gone, or they are
+            self.speculator.forget([*batch.finished_request_ids, *batch.preempted_request_ids])
+        return batch
+
+    def _step_pipelined(self) -> list[RequestOutput]:
+        batch = self._schedule()
         self.runner.prepare(batch)
         if not batch.is_empty:
             try:
@@ -286,12 +295,12 @@ class LLMEngine:
             except Exception as exc:
                 self._fail(child_id, exc, failed)
         touched: dict[str, None] = {}
-        for request in advanced:
+        for request, num_tokens in advanced:
             parent = self.outputs.parent_of(request.request_id)
             if parent in failed:
                 continue
             try:
-                stop = self.outputs.add_token(request, result.logprobs.get(request.request_id))
+                stop = self._add_tokens(request, num_tokens, result)
             except Exception as exc:
                 self._fail(request.request_id, exc, failed)
                 continue
@@ -303,7 +312,20 @@ class LLMEngine:
                 self.outputs.finish(request)
             touched[parent] = None
         touched.update(failed)
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler)
         return [self._emit(request_id) for request_id in touched]
+
+    def _add_tokens(self, request: Request, num_tokens: int, result: ModelRunnerOutput) -> Optional[str]:
+        """Hand a request's new tokens to its output one at a time; the first stop string
+        ends it, and the tokens after that one are dropped."""
+        tokens = result.sampled_token_ids[request.request_id][:num_tokens]
+        entries = result.logprobs.get(request.request_id) or [None] * len(tokens)
+        for token, entry in zip(tokens, entries):
+            stop = self.outputs.add_token(request, token, entry)
+            if stop is not None:
+                return stop
+        return None
 
     def _execute(self, batch: SchedulerOutput) -> tuple[ModelRunnerOutput, dict[str, BaseException]]:
         """Run the batch; if that raises, run its requests one at a time to find the ones that fail.

@@ -89,11 +89,10 @@ class OutputProcessor:
             self._decode_logprob_tokens(entries)
             state.prompt_logprobs.extend(entries)
 
-    def add_token(self, request: Request, logprobs: Optional[PositionLogprobs]) -> Optional[str]:
+    def add_token(self, request: Request, token: int, logprobs: Optional[PositionLogprobs]) -> Optional[str]:
         """Record a sampled token; returns a stop string it completed, if any."""
         state = self.states[self._parent_of[request.request_id]]
         seq = state.sequences[request.request_id]
-        token = request.all_token_ids[-1]
         seq.token_ids.append(token)
         now = time.monotonic()
         if state.metrics.first_token_time is None:
@@ -121,6 +120,8 @@ class OutputProcessor:
         seq.finish_reason = str(request.finish_reason)
         seq.stop_reason = request.stop_reason
         state.metrics.num_preemptions += request.metrics.num_preemptions
+        state.metrics.num_draft_tokens += request.metrics.num_draft_tokens
+        state.metrics.num_accepted_tokens += request.metrics.num_accepted_tokens
 
     def output(self, request_id: str) -> RequestOutput:
         """The request's cumulative output; forgets the request once it finished."""

@@ -67,6 +67,8 @@ class Request:
         self.stop_reason: int | str | None = None
         #: chained prefix-cache hashes of this request's full blocks, in order
         self.block_hashes: list[bytes] = []
+        #: draft tokens for the next step to verify (speculative decoding)
+        self.spec_token_ids: list[int] = []
         self.metrics = RequestMetrics(arrival_time=arrival_time,
                                       num_prompt_tokens=len(prompt_token_ids))
 

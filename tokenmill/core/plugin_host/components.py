@@ -23,6 +23,7 @@ class Components:
     structured_output_backends: Registry
     tool_parsers: Registry
     executors: Registry
+    speculative_proposers: Registry
 
     def by_kind(self) -> dict[str, Registry]:
         return {
@@ -36,6 +37,7 @@ class Components:
             "structured_output_backends": self.structured_output_backends,
             "tool_parsers": self.tool_parsers,
             "executors": self.executors,
+            "speculative_proposers": self.speculative_proposers,
         }
 
     def fingerprint(self) -> dict[str, list[str]]:
@@ -56,6 +58,7 @@ _REGISTRATION_HOOKS = {
     "structured_output_backends": ("register_structured_output_backends", "structured output backend"),
     "tool_parsers": ("register_tool_parsers", "tool parser"),
     "executors": ("register_executors", "executor"),
+    "speculative_proposers": ("register_speculative_proposers", "speculative proposer"),
 }
 
 

@@ -47,35 +47,43 @@ class Sampler:
         """``logits`` [num_rows, vocab] float32 -> (token ids, per-row logprobs or None)."""
         want_logprobs = any(row.params.logprobs is not None for row in rows)
         raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
+        processed, greedy = self.process(logits, rows)
+        tokens = torch.empty(len(rows), dtype=torch.long)
+        greedy_mask = torch.tensor(greedy)
+        if greedy_mask.any():
+            tokens[greedy_mask] = processed[greedy_mask].argmax(dim=-1)
+        random_index = (~greedy_mask).nonzero().flatten()
+        if len(random_index):
+            tokens[random_index] = self.draw(processed[random_index].softmax(dim=-1),
+                                             [rows[i].generator for i in random_index.tolist()])
+        token_list = tokens.tolist()
+        if raw_logprobs is None:
+            return token_list, [None] * len(rows)
+        ks = [row.params.logprobs for row in rows]
+        return token_list, gather_logprobs(raw_logprobs, tokens, ks)
+
+    def process(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> tuple[torch.Tensor, list[bool]]:
+        """Each row's final logits and whether it is greedy: a greedy row's token is their
+        argmax; a sampling row's distribution is their softmax (temperature, min-p, top-k and
+        top-p applied). ``logits`` is left as it was."""
         active = [p for p in self._argmax_changing if p.is_active()]
         if active:
             logits = logits.clone()  # the processors may edit in place; the caller's logits stay raw
             for processor in active:
                 logits = processor.apply(logits)
         logits = self._apply_penalties(logits, rows)
-
         greedy = [row.params.greedy for row in rows]
         if all(greedy):
-            tokens = logits.argmax(dim=-1)
-        else:
-            temperature = torch.tensor([row.params.temperature or 1.0 for row in rows]).unsqueeze(1)
-            logits = logits / temperature
-            for processor in self._argmax_invariant:
-                if processor.is_active():
-                    logits = processor.apply(logits)
-            tokens = torch.empty(len(rows), dtype=torch.long)
-            greedy_mask = torch.tensor(greedy)
-            if greedy_mask.any():
-                tokens[greedy_mask] = logits[greedy_mask].argmax(dim=-1)
-            random_index = (~greedy_mask).nonzero().flatten()
-            random_rows = [rows[i] for i in random_index.tolist()]
-            tokens[random_index] = self._sample(logits[random_index], random_rows)
-
-        token_list = tokens.tolist()
-        if raw_logprobs is None:
-            return token_list, [None] * len(rows)
-        ks = [row.params.logprobs for row in rows]
-        return token_list, gather_logprobs(raw_logprobs, tokens, ks)
+            return logits, greedy
+        temperature = torch.tensor([row.params.temperature or 1.0 for row in rows]).unsqueeze(1)
+        logits = logits / temperature
+        for processor in self._argmax_invariant:
+            if processor.is_active():
+                logits = processor.apply(logits)
+        random_index = [i for i, g in enumerate(greedy) if not g]
+        random_rows = [rows[i] for i in random_index]
+        logits[random_index] = self._truncate(logits[random_index], random_rows)
+        return logits, greedy
 
     def argmax_only(self, rows: Sequence[SamplingRow]) -> bool:
         """Whether each row's token is the argmax of its raw logits and nothing else of
@@ -85,28 +93,32 @@ class Sampler:
                     for row in rows)
                 and not any(p.is_active() for p in self._argmax_changing))
 
-    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Draw from logits already divided by each row's temperature."""
+    @staticmethod
+    def _truncate(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """min-p, then top-k and top-p, on logits already divided by each row's temperature."""
         min_p = torch.tensor([row.params.min_p for row in rows])
         if (min_p > 0).any():
             probs = logits.softmax(dim=-1)
             threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
             logits = logits.masked_fill(probs < threshold, float("-inf"))
-        logits = apply_top_k_top_p(
+        return apply_top_k_top_p(
             logits,
             [row.params.top_k for row in rows],
             [row.params.top_p for row in rows],
         )
-        probs = logits.softmax(dim=-1)
-        # The exponential race: argmax(p / q) with q ~ Exp(1) samples from p,
-        # and lets each seeded row draw q from its own generator.
+
+    def draw(self, probs: torch.Tensor, generators: Sequence[Optional[torch.Generator]]) -> torch.Tensor:
+        """One token from each row of ``probs``, with the row's generator (None: the engine's).
+
+        The exponential race: argmax(p / q) with q ~ Exp(1) samples from p, and lets each
+        seeded row draw q from its own generator."""
         q = torch.empty_like(probs)
-        unseeded = [i for i, row in enumerate(rows) if row.generator is None]
+        unseeded = [i for i, generator in enumerate(generators) if generator is None]
         if unseeded:
             q[unseeded] = torch.empty(len(unseeded), probs.shape[1]).exponential_(generator=self.generator)
-        for i, row in enumerate(rows):
-            if row.generator is not None:
-                q[i].exponential_(generator=row.generator)
+        for i, generator in enumerate(generators):
+            if generator is not None:
+                q[i].exponential_(generator=generator)
         return (probs / q).argmax(dim=-1)
 
     @staticmethod

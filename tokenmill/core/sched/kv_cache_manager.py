@@ -96,6 +96,16 @@ class KVCacheManager:
             self.pool.cache(blocks[index], request.block_hashes[index])
         self._num_cached_blocks[request.request_id] = num_full
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Release the blocks past the first ``num_tokens`` slots (rejected draft tokens'),
+        tail first. Those blocks hold no computed token, so none of them is cached."""
+        blocks = self._blocks.get(request.request_id, [])
+        keep = -(-num_tokens // self.block_size)
+        if len(blocks) > keep:
+            tail = blocks[keep:]
+            del blocks[keep:]
+            self.pool.free(reversed(tail))
+
     def free(self, request: Request) -> None:
         """Release a request's blocks, tail first, so its prefix stays cached longest."""
         blocks = self._blocks.pop(request.request_id, [])

@@ -13,6 +13,13 @@ space and back when it resumes, falling back to recompute when that is full).
 Under pipeline parallelism ``pipeline_depth`` batches are in flight at once: a batch takes
 an even share of the requests, never one in flight in another batch (its next tokens are
 not known yet), and a request in flight is never preempted.
+
+Speculative decoding: a decoding request's draft tokens ride after its last token, within
+the token budget (drafts are cut, never preempted for); ``num_lookahead_slots`` more KV
+slots are reserved for a proposer that writes KV of its own. The update keeps the verified
+tokens only, one at a time with their stop checks, and rolls the rest back: computed
+tokens, and blocks past what the request and its lookahead need. Only verified tokens are
+ever hashed into the prefix cache (drafts never enter ``all_token_ids``).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from typing import Iterable, Optional
 from tokenmill.core.config.engine_config import SchedulerConfig
 from tokenmill.core.engine.request import Request, RequestStatus
 from tokenmill.core.sched.kv_cache_manager import KVCacheManager
+from tokenmill.core.sched.spec_decode_stats import SpecDecodingStats
 from tokenmill.core.sched.swap_space import SwapSpace
 from tokenmill.interfaces.batch import (
     ModelRunnerOutput,
@@ -44,6 +52,7 @@ class Scheduler:
         swap_space: Optional[SwapSpace] = None,
         max_adapters: Optional[int] = None,
         pipeline_depth: int = 1,
+        num_lookahead_slots: int = 0,
     ) -> None:
         self.config = config
         #: batches in flight at once (pipeline parallelism): each takes its share of the
@@ -51,6 +60,9 @@ class Scheduler:
         self.pipeline_depth = pipeline_depth
         #: requests of batches scheduled but not yet updated (kept by the engine)
         self.in_flight: set[str] = set()
+        #: KV slots reserved past a sampling step's tokens, for a proposer's own KV writes
+        self.num_lookahead_slots = num_lookahead_slots
+        self.spec_stats = SpecDecodingStats()
         #: distinct adapters allowed in the running batch (max_loras); None = no adapters
         self.max_adapters = max_adapters
         self.kv_cache = kv_cache
@@ -150,7 +162,13 @@ class Scheduler:
                 index += 1
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, step.budget)
-            while not self.kv_cache.allocate_slots(request, num_new):
+            drafts: tuple[int, ...] = ()
+            if request.spec_token_ids and request.num_computed_tokens + num_new == request.num_tokens:
+                drafts = tuple(request.spec_token_ids[:step.budget - num_new])
+            lookahead = self._lookahead(request, num_new + len(drafts))
+            if drafts and not self.kv_cache.allocate_slots(request, num_new + len(drafts) + lookahead):
+                drafts = ()  # no room for them: decode without (rather than preempt for drafts)
+            while not self.kv_cache.allocate_slots(request, num_new + lookahead):
                 victim = self.policy.choose_victim([r for r in self.running[index:]
                                                     if r.request_id not in self.in_flight])
                 self._preempt(victim, step)
@@ -159,7 +177,7 @@ class Scheduler:
                     break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted itself; the next request slid into `index`
-            self._emit(request, num_new, step)
+            self._emit(request, num_new, step, drafts)
             index += 1
 
     def _schedule_waiting(self, step: "_Step") -> None:
@@ -182,7 +200,8 @@ class Scheduler:
             num_new = min(num_new, step.budget)
             # a waiting request that is not swapped has computed nothing yet: the hits
             # become its first computed tokens once the allocation succeeds
-            if not self.kv_cache.allocate_slots(request, num_new, hits):
+            if not self.kv_cache.allocate_slots(request, num_new + self._lookahead(request, num_new, num_computed),
+                                                hits):
                 return
             request.num_computed_tokens = num_computed
             if not swapped and self.kv_cache.enable_caching:
@@ -213,39 +232,69 @@ class Scheduler:
             request.num_tokens, request.num_computed_tokens + budget)
         return -(-tokens // self.kv_cache.block_size)
 
-    def _emit(self, request: Request, num_new: int, step: "_Step") -> None:
+    def _lookahead(self, request: Request, num_new: int, start: Optional[int] = None) -> int:
+        """Lookahead slots for a step of ``num_new`` tokens: none unless it samples, and
+        none past max_model_len (no draft is proposed there)."""
+        start = request.num_computed_tokens if start is None else start
+        if not self.num_lookahead_slots or start + num_new < request.num_tokens:
+            return 0
+        return max(0, min(self.num_lookahead_slots, request.max_model_len - start - num_new))
+
+    def _emit(self, request: Request, num_new: int, step: "_Step", drafts: tuple[int, ...] = ()) -> None:
+        request.spec_token_ids = []
         start = request.num_computed_tokens
         if request.request_id not in self._known_to_runner:
             self._known_to_runner.add(request.request_id)
             step.new_requests.append(_new_request_data(request))
         step.scheduled.append(ScheduledRequest(
             request_id=request.request_id,
-            new_token_ids=tuple(request.all_token_ids[start:start + num_new]),
+            new_token_ids=tuple(request.all_token_ids[start:start + num_new]) + drafts,
             num_computed_tokens=start,
             block_ids=self.kv_cache.block_ids(request.request_id),
             sample=start + num_new == request.num_tokens,
+            spec_token_ids=drafts,
         ))
-        step.budget -= num_new
+        step.budget -= num_new + len(drafts)
 
-    def update(self, output: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
-        """Advance computed tokens, append sampled tokens, apply token-level stops.
+    def update(self, output: SchedulerOutput, result: ModelRunnerOutput) -> list[tuple[Request, int]]:
+        """Advance computed tokens, append sampled tokens one at a time with their token-level
+        stops, roll back rejected drafts.
 
-        Returns the requests that got a token this step (finished ones included).
+        Returns (request, tokens appended) for each request that got tokens this step
+        (finished ones included).
         """
         advanced = []
         for item in output.scheduled:
             request = self.requests.get(item.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # finished from outside while the step ran
-            request.num_computed_tokens += len(item.new_token_ids)
-            self.kv_cache.cache_blocks(request)
             if not item.sample:
+                request.num_computed_tokens += len(item.new_token_ids)
+                self.kv_cache.cache_blocks(request)
                 continue
-            request.append_token(result.sampled_token_ids[item.request_id])
-            advanced.append(request)
-            if request.check_stop():
+            tokens = result.sampled_token_ids[item.request_id]
+            if item.spec_token_ids:
+                self.spec_stats.observe(len(item.spec_token_ids), len(tokens) - 1)
+                request.metrics.num_draft_tokens += len(item.spec_token_ids)
+                request.metrics.num_accepted_tokens += len(tokens) - 1
+            stopped, appended = False, 0
+            for token in tokens:
+                request.append_token(token)
+                appended += 1
+                if request.check_stop():
+                    stopped = True
+                    break
+            # the KV written for the last token and the accepted drafts is valid; that of the
+            # drafts after the first rejection is not (its slots are overwritten later)
+            num_real = len(item.new_token_ids) - len(item.spec_token_ids)
+            request.num_computed_tokens = item.num_computed_tokens + num_real + appended - 1
+            self.kv_cache.cache_blocks(request)
+            advanced.append((request, appended))
+            if stopped:
                 self.running.remove(request)
                 self._free(request)
+            elif item.spec_token_ids:
+                self.kv_cache.trim(request, request.num_tokens - 1 + self._lookahead(request, 1, request.num_tokens - 1))
         return advanced
 
     # --- internals ---------------------------------------------------------
@@ -263,6 +312,7 @@ class Scheduler:
         else:
             request.num_computed_tokens = 0
             request.status = RequestStatus.PREEMPTED
+        request.spec_token_ids = []
         free_before = self.kv_cache.pool.num_free_blocks
         self.kv_cache.free(request)
         request.metrics.num_preemptions += 1

@@ -12,6 +12,7 @@ multi-process model.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -19,6 +20,7 @@ import torch
 
 from tokenmill.core.distributed.messages import Row, Step
 from tokenmill.core.sample.persistent_batch import PersistentBatch
+from tokenmill.core.sample.rejection_sampler import accept_greedy, verify
 from tokenmill.core.sample.sampler import Sampler, SamplingRow, gather_logprobs
 from tokenmill.core.worker.model_step import ModelStep, StepResult
 from tokenmill.interfaces.batch import (
@@ -45,7 +47,8 @@ class LaunchedStep:
     """A step whose forward pass has started: what sampling it needs once the logits are in."""
 
     rows: list[int] = field(default_factory=list)
-    #: index into ``rows`` of each sampling request's row
+    #: index into ``rows`` of each sampling request's first row (a request with k drafts
+    #: has k + 1 consecutive rows)
     sample_rows: list[int] = field(default_factory=list)
     sample_items: list[ScheduledRequest] = field(default_factory=list)
     #: (item, first row, first prompt token, count) per prompt-logprob span
@@ -65,6 +68,8 @@ class ModelRunner:
         self._states: dict[str, _RequestState] = {}
         #: the launched step whose rows the logits processors hold
         self._processors_hold: Optional[LaunchedStep] = None
+        #: numbers the rows that score draft positions, so no two steps share such a row's id
+        self._draft_rows = itertools.count()
 
     @property
     def model(self):
@@ -127,14 +132,11 @@ class ModelRunner:
             if item.sample:
                 launched.sample_rows.append(len(rows))
                 launched.sample_items.append(item)
-                rows.append(start - 1)
+                rows.extend(range(start - 1 - len(item.spec_token_ids), start))
         if batch.is_empty:
             return launched
-        states = [self._states[item.request_id] for item in launched.sample_items]
-        self._update_processors(launched.sample_items, states)
+        sampling_rows = self._update_processors(launched.sample_items)
         self._processors_hold = launched
-        sampling_rows = [SamplingRow(s.data.sampling_params, s.data.prompt_token_ids, s.output_token_ids,
-                                     s.generator) for s in states]
         greedy = (bool(rows) and not launched.prompt_spans and self.sampler.argmax_only(sampling_rows)
                   and (self.greedy_head is not None or self.model_step.parallel.world_size > 1))
         launched.step = Step([Row(item.new_token_ids, item.num_computed_tokens, item.block_ids,
@@ -153,39 +155,71 @@ class ModelRunner:
         kept = [(item, row) for item, row in zip(launched.sample_items, launched.sample_rows)
                 if item.request_id in self._states]
         sample_items = [item for item, _ in kept]
-        states = [self._states[item.request_id] for item in sample_items]
         if self._processors_hold is not launched or len(kept) < len(launched.sample_items):
-            self._update_processors(sample_items, states)  # other steps were launched since (pipelining)
+            sampling_rows = self._update_processors(sample_items)  # other steps were launched since
             self._processors_hold = launched
-        sampling_rows = [SamplingRow(s.data.sampling_params, s.data.prompt_token_ids, s.output_token_ids,
-                                     s.generator) for s in states]
-        tokens = None if result.tokens is None else [result.tokens[row] for _, row in kept]
-        token_logprobs: list[Optional[PositionLogprobs]] = [None] * len(sample_items)
+        else:
+            sampling_rows = self._sampling_rows(sample_items)
+        drafts = [item.spec_token_ids for item in sample_items]
+        row_index = [row + j for item, row in kept for j in range(len(item.spec_token_ids) + 1)]
+        verified: list[tuple[list[int], list[Optional[PositionLogprobs]]]] = []
         prompt_logprobs: dict[str, list[Optional[PositionLogprobs]]] = {}
-        if tokens is None:
+        if result.tokens is not None:
+            targets = [result.tokens[row] for row in row_index]
+            start = 0
+            for request_drafts in drafts:
+                tokens = accept_greedy(targets[start:start + len(request_drafts) + 1], request_drafts)
+                verified.append((tokens, [None] * len(tokens)))
+                start += len(request_drafts) + 1
+        else:
             logits = result.logits
             prompt_logprobs = self._prompt_logprobs(logits, spans)
             if sample_items:
-                if len(kept) < len(launched.rows):
-                    logits = logits[torch.tensor([row for _, row in kept])]
-                tokens, token_logprobs = self.sampler(logits, sampling_rows)
+                if len(row_index) < len(launched.rows):
+                    logits = logits[torch.tensor(row_index)]
+                if any(drafts):
+                    verified = [(v.token_ids, v.logprobs) for v in verify(self.sampler, logits, sampling_rows, drafts)]
+                else:
+                    tokens, token_logprobs = self.sampler(logits, sampling_rows)
+                    verified = [([token], [entry]) for token, entry in zip(tokens, token_logprobs)]
         for item, _, first, count in spans:
             self._states[item.request_id].num_prompt_logprobs_done = first + count
-        sampled: dict[str, int] = {}
-        logprobs: dict[str, PositionLogprobs] = {}
-        for item, state, token, entry in zip(sample_items, states, tokens or [], token_logprobs):
-            state.output_token_ids.append(token)
-            sampled[item.request_id] = token
-            if entry is not None:
-                logprobs[item.request_id] = entry
+        sampled: dict[str, list[int]] = {}
+        logprobs: dict[str, list[Optional[PositionLogprobs]]] = {}
+        for item, (tokens, entries) in zip(sample_items, verified):
+            self._states[item.request_id].output_token_ids.extend(tokens)
+            sampled[item.request_id] = tokens
+            if entries[0] is not None:
+                logprobs[item.request_id] = entries
         return ModelRunnerOutput(sampled, logprobs, prompt_logprobs)
 
-    def _update_processors(self, items: list[ScheduledRequest], states: list[_RequestState]) -> None:
-        update = self._batch.update([(item.request_id, s.data.sampling_params, s.data.prompt_token_ids,
-                                      s.output_token_ids) for item, s in zip(items, states)])
+    def _sampling_rows(self, items: list[ScheduledRequest]) -> list[SamplingRow]:
+        """One row per position to sample: a request with k drafts has k + 1, the j-th with
+        the first j drafts appended to its history, as if they had been generated."""
+        rows = []
+        for item in items:
+            state = self._states[item.request_id]
+            params, prompt, output = state.data.sampling_params, state.data.prompt_token_ids, state.output_token_ids
+            rows.append(SamplingRow(params, prompt, output, state.generator))
+            for j in range(1, len(item.spec_token_ids) + 1):
+                rows.append(SamplingRow(params, prompt, [*output, *item.spec_token_ids[:j]], state.generator))
+        return rows
+
+    def _update_processors(self, items: list[ScheduledRequest]) -> list[SamplingRow]:
+        """Tell the logits processors this step's sampling rows (returned). The rows of draft
+        positions get ids of their own, new every step: a processor builds their state from
+        their history, as for a request resumed after preemption."""
+        rows = self._sampling_rows(items)
+        ids = []
+        for item in items:
+            ids.append(item.request_id)
+            ids.extend(f"{item.request_id}\x00draft{next(self._draft_rows)}" for _ in item.spec_token_ids)
+        update = self._batch.update([(request_id, row.params, row.prompt_token_ids, row.output_token_ids)
+                                     for request_id, row in zip(ids, rows)])
         if update is not None:
             self.sampler.update_batch(update)
             self._batch.committed()
+        return rows
 
     @staticmethod
     def _prompt_logprob_span(item: ScheduledRequest, state: _RequestState) -> Optional[tuple[int, int]]:
