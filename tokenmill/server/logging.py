@@ -46,4 +46,6 @@ def log_finished_requests(engine: LLMEngine, outputs: list[RequestOutput]) -> No
                  generation_tokens=sum(len(o.token_ids) for o in output.outputs),
                  cached_tokens=output.num_cached_tokens, ttft_s=ttft, e2e_s=e2e,
                  finish_reason=[o.finish_reason for o in output.outputs],
-                 preemptions=m.num_preemptions)
+                 preemptions=m.num_preemptions,
+                 **({"spec_draft_tokens": m.num_draft_tokens, "spec_accepted_tokens": m.num_accepted_tokens}
+                    if m.num_draft_tokens else {}))

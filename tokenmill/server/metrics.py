@@ -14,6 +14,7 @@ from typing import Optional
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from tokenmill.core.engine.llm_engine import LLMEngine
+from tokenmill.core.sched.spec_decode_stats import SpecDecodingStats
 from tokenmill.interfaces.types import RequestOutput
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -49,6 +50,12 @@ class ServerMetrics:
         self.preemptions = counter("num_preemptions", "Requests preempted.")
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens served by the prefix cache.")
+        self.spec_drafts = counter("spec_decode_num_drafts", "Verifications of a request's draft tokens.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed.")
+        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self._spec_per_position = Counter("tokenmill:spec_decode_num_accepted_tokens_per_pos",
+                                          "Draft tokens accepted, by position in the draft.",
+                                          ["model_name", "position"], registry=r)
         self._success = Counter("tokenmill:request_success", "Finished requests by finish reason.",
                                 ["model_name", "finished_reason"], registry=r)
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.")
@@ -59,6 +66,7 @@ class ServerMetrics:
         self._last_token_time: dict[str, tuple[float, int]] = {}
         self._seen_preemptions = 0
         self._seen_prefix = (0, 0)
+        self._seen_spec = SpecDecodingStats()
 
     def observe_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
         """StepObserver: called on the engine thread after each step (and each abort)."""
@@ -77,9 +85,23 @@ class ServerMetrics:
         self.prefix_queries.inc(kv.prefix_queries - queries)
         self.prefix_hits.inc(kv.prefix_hits - hits)
         self._seen_prefix = (kv.prefix_queries, kv.prefix_hits)
+        self._observe_spec(scheduler.spec_stats)
         now = time.monotonic()
         for output in outputs:
             self._observe_request(output, now)
+
+    def _observe_spec(self, stats: SpecDecodingStats) -> None:
+        seen = self._seen_spec
+        if stats.num_drafts == seen.num_drafts:
+            return
+        self.spec_drafts.inc(stats.num_drafts - seen.num_drafts)
+        self.spec_draft_tokens.inc(stats.num_draft_tokens - seen.num_draft_tokens)
+        self.spec_accepted_tokens.inc(stats.num_accepted_tokens - seen.num_accepted_tokens)
+        for position, count in enumerate(stats.accepted_per_position):
+            before = seen.accepted_per_position[position] if position < len(seen.accepted_per_position) else 0
+            self._spec_per_position.labels(self.model_name, str(position)).inc(count - before)
+        self._seen_spec = SpecDecodingStats(stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
+                                            list(stats.accepted_per_position))
 
     def _observe_request(self, output: RequestOutput, now: float) -> None:
         metrics = output.metrics

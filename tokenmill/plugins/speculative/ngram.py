@@ -3,7 +3,8 @@ what followed them then follows them again.
 
 Free to run and good wherever a reply repeats its context: code edits, quoting, extraction,
 summaries that copy phrases. The longest n in [prompt_lookup_min, prompt_lookup_max] with a
-match wins, and among its matches the latest one (recent text predicts best).
+match wins, and among its matches the earliest (vLLM's choice: it has the most text after it,
+so a repeating pattern yields full-length drafts).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class NgramProposer(SpeculativeProposer):
             windows = sliding_window_view(tokens[:-1], n)
             hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
             if len(hits):
-                start = int(hits[-1]) + n
+                start = int(hits[0]) + n
                 return tokens[start:start + k].tolist()
         return []
 
