@@ -76,6 +76,19 @@ def make_llm(path: Path, **engine_args: Any) -> LLM:
     return LLM(str(path), **engine_args)
 
 
+#: engine arguments under which PROMPTS preempt each other: a pool of 24 blocks of 8 tokens
+PREEMPTING = dict(num_gpu_blocks_override=24, block_size=8, max_model_len=192, swap_space=2**22)
+
+
+def assert_preempted(llm: LLM, mode: str) -> None:
+    """The engine preempted requests (by swap, in swap mode) and got every block back."""
+    scheduler = llm.llm_engine.scheduler
+    assert scheduler.num_preemptions_total > 0
+    if mode == "swap":
+        assert scheduler.num_swaps_total > 0
+    assert scheduler.kv_cache.pool.num_free_blocks == PREEMPTING["num_gpu_blocks_override"]
+
+
 @pytest.fixture(scope="session")
 def llama(model_dir) -> LLM:
     """A default-configured engine over the tiny Llama, shared by read-only tests."""

@@ -97,3 +97,28 @@ def test_bench_serve_launches_tokenmill_and_reports_latencies(tmp_path):
     assert served["completed"] == 4 and served["failed"] == 0
     for metric in ("ttft", "tpot", "itl", "e2el"):
         assert 0 < served[metric]["median_ms"] <= served[metric]["p99_ms"]
+
+
+@pytest.mark.slow
+def test_speculative_benchmark_reports_each_proposer_against_none(tmp_path):
+    """benchmarks/speculative.py as the README shows it, tiny sizes: every proposer's ratios are
+    against the engine without speculation, and acceptances by position never grow."""
+    out = tmp_path / "speculative.json"
+    subprocess.run([sys.executable, str(Path(__file__).parents[1] / "benchmarks" / "speculative.py"),
+                    "--rounds", "2", "--num-prompts", "4", "--batch1-prompts", "2", "--max-tokens", "12",
+                    "--preset", "tiny", "--cache-dir", str(tmp_path), "--json", str(out)], check=True, timeout=600)
+    results = json.loads(out.read_text())
+    for workload in ("continue", "repeat"):
+        for label in ("batch1", "saturation"):
+            base = results["results"][f"{workload}/{label}/none"]
+            assert base["acceptance_rate"] is None and base["draft_tokens"] == 0
+            for name in ("ngram", "draft_model"):
+                r = results["results"][f"{workload}/{label}/{name}"]
+                assert len(r["rounds"]) == 2
+                assert r["tpot_speedup"] == pytest.approx(base["tpot_ms"] / r["tpot_ms"])
+                assert r["throughput_ratio"] == pytest.approx(r["output_tok_s"] / base["output_tok_s"])
+                positions = r["accepted_per_position"]
+                assert all(a >= b for a, b in zip(positions, positions[1:]))
+                assert sum(positions) == pytest.approx(r["acceptance_rate"] * r["draft_tokens"])
+    ceiling = results["ceiling"]
+    assert ceiling["speedup"] == pytest.approx(ceiling["tpot_ms"]["none"] / ceiling["tpot_ms"]["oracle"])

@@ -186,3 +186,40 @@ def test_serve_with_tensor_parallelism_answers_the_openai_client_and_stops_its_w
     assert process.returncode in (0, -15), stderr[-2000:]  # uvicorn re-raises the SIGTERM it handled
     assert "Application shutdown complete" in stderr
     assert not any(os.path.exists(f"/proc/{pid}") for pid in workers)
+
+
+def test_serve_with_a_draft_model_reports_acceptance(tmp_path):
+    """`--speculative-config` takes vLLM's JSON; the openai client gets the replies, /metrics
+    counts drafts and acceptances by position, and each request's log line its acceptances."""
+    import openai
+    from prometheus_client.parser import text_string_to_metric_families
+
+    import httpx
+
+    from server_harness import free_port
+    from tokenmill.demo_models import DEMO_DRAFT_MODEL
+
+    port = free_port()
+    spec = json.dumps({"model": str(DEMO_DRAFT_MODEL), "num_speculative_tokens": 3})
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(port), "--served-model-name", "demo",
+         "--kv-cache-memory-bytes", "16MiB", "--log-format", "json", "--speculative-config", spec],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until_healthy(port)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        reply = client.completions.create(model="demo", prompt="The with statement is used to wrap the execution of",
+                                          max_tokens=24, temperature=0)
+        assert reply.choices[0].text
+        metrics = {sample.name + str(sample.labels.get("position", "")): sample.value
+                   for family in text_string_to_metric_families(httpx.get(f"http://127.0.0.1:{port}/metrics").text)
+                   for sample in family.samples}
+    finally:
+        process.terminate()
+        _, stderr = process.communicate(timeout=30)
+    assert metrics["tokenmill:spec_decode_num_drafts_total"] > 0
+    assert 0 < metrics["tokenmill:spec_decode_num_accepted_tokens_total"] \
+        <= metrics["tokenmill:spec_decode_num_draft_tokens_total"]
+    assert metrics["tokenmill:spec_decode_num_accepted_tokens_per_pos_total0"] > 0
+    [finished] = [json.loads(line) for line in stderr.splitlines() if '"request finished"' in line]
+    assert 0 < finished["spec_accepted_tokens"] <= finished["spec_draft_tokens"]

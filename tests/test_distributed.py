@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import NEW_TOKENS, PROMPTS, make_llm
+from conftest import NEW_TOKENS, PREEMPTING, PROMPTS, assert_preempted, make_llm
 from tokenmill import LLM, LoRARequest, SamplingParams, load_config
 from tokenmill.testing.hf_reference import assert_matches_reference, hf_greedy
 from tokenmill.testing.logits import prompt_logits
@@ -89,13 +89,9 @@ def test_prefix_caching_and_chunked_prefill_under_tp(arch, model_dir, hf_referen
 @pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)])
 def test_preemption_under_parallelism(mode, parallel, model_dir, hf_reference):
     """A pool of 24 blocks forces preemption; swapped blocks move on every rank."""
-    with make_llm(model_dir("llama"), num_gpu_blocks_override=24, block_size=8, max_model_len=192,
-                  preemption_mode=mode, swap_space=2**22, **parallel) as llm:
+    with make_llm(model_dir("llama"), preemption_mode=mode, **PREEMPTING, **parallel) as llm:
         _, tokens, logprobs = generate(llm)
-        scheduler = llm.llm_engine.scheduler
-        assert scheduler.num_preemptions_total > 0
-        if mode == "swap":
-            assert scheduler.num_swaps_total > 0
+        assert_preempted(llm, mode)
     assert_matches_reference(hf_reference("llama"), tokens, logprobs)
 
 

@@ -8,14 +8,15 @@ import json
 
 import pytest
 
-from conftest import NEW_TOKENS, PROMPTS, make_llm
-from tokenmill import LLM, SamplingParams, load_config
+from conftest import NEW_TOKENS, PREEMPTING, PROMPTS, assert_preempted, make_llm
+from tokenmill import LLM, LoRARequest, SamplingParams, load_config
 from tokenmill.core.plugin_host.plugin_manager import make_plugin_manager
 from tokenmill.demo_models import DEMO_DRAFT_MODEL, DEMO_MODEL
 from tokenmill.interfaces.errors import ConfigError, UnknownComponent
 from tokenmill.interfaces.hookspecs import hookimpl
 from tokenmill.interfaces.speculative import SpeculativeProposer
 from tokenmill.testing.hf_reference import assert_matches_reference
+from tokenmill.testing.tiny_adapters import make_lora_adapter
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -130,16 +131,11 @@ def test_prefix_caching_and_chunked_prefill(method, model_dir, hf_reference):
 def test_preemption_with_drafts_in_flight(mode, method, model_dir, hf_reference):
     """A pool of 24 blocks forces preemption of requests holding drafts and lookahead slots."""
     spec = NGRAM if method == "ngram" else draft_config(model_dir)
-    llm = make_llm(model_dir("llama"), num_gpu_blocks_override=24, block_size=8, max_model_len=192,
-                   preemption_mode=mode, swap_space=2**22, speculative_config=spec)
+    llm = make_llm(model_dir("llama"), preemption_mode=mode, speculative_config=spec, **PREEMPTING)
     _, tokens, logprobs = generate(llm)
-    scheduler = llm.llm_engine.scheduler
-    assert scheduler.num_preemptions_total > 0
-    if mode == "swap":
-        assert scheduler.num_swaps_total > 0
+    assert_preempted(llm, mode)
     assert_matches_reference(hf_reference("llama"), tokens, logprobs)
     assert stats(llm).num_accepted_tokens > 0
-    assert scheduler.kv_cache.pool.num_free_blocks == 24  # every block came back
 
 
 def test_disable_by_batch_size_turns_speculation_off_for_large_batches(model_dir):
@@ -156,12 +152,13 @@ def test_disable_by_batch_size_turns_speculation_off_for_large_batches(model_dir
 
 
 def test_seeded_sampling_is_reproducible_and_mixes_with_greedy(model_dir):
-    """Seeded sampled requests repeat their replies run after run; greedy requests beside them
-    still decode as without speculation."""
+    """Seeded sampled requests repeat their replies run after run; greedy requests beside them,
+    and a constrained one (which does not speculate), decode as without speculation."""
     path = model_dir("llama")
     sampled = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=NEW_TOKENS, ignore_eos=True, seed=11)
-    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:6]]
-    params = [sampled, GREEDY] * 3
+    constrained = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, structured_outputs={"regex": "[a-f]{3,9}"})
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:7]]
+    params = [sampled, GREEDY] * 3 + [constrained]
 
     def run():
         llm = make_llm(path, speculative_config=NGRAM)
@@ -171,7 +168,33 @@ def test_seeded_sampling_is_reproducible_and_mixes_with_greedy(model_dir):
     again, _ = run()
     assert first == again and s.num_accepted_tokens > 0
     plain = [o.outputs[0].token_ids for o in make_llm(path).generate(prompts, params, use_tqdm=False)]
-    assert first[1::2] == plain[1::2]
+    assert first[1::2] == plain[1::2]  # the greedy ones and the constrained one
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_lora_adapters_in_the_batch(method, model_dir, tmp_path):
+    """Two adapters and the base model in one batch (the draft model runs without adapters):
+    the replies of the engine without speculation, which test_lora holds to merged HF models."""
+    base = model_dir("llama")
+    adapters = [make_lora_adapter(base, tmp_path / f"a{i}", seed=i, rank=8, targets=["q_proj", "v_proj", "down_proj"])
+                for i in range(2)]
+    requests = [None, LoRARequest("a0", 1, str(adapters[0])), LoRARequest("a1", 2, str(adapters[1]))] * 4
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    spec = NGRAM if method == "ngram" else draft_config(model_dir)
+    replies = []
+    for extra in ({}, {"speculative_config": spec}):
+        llm = make_llm(base, enable_lora=True, max_loras=2, max_lora_rank=8, **extra)
+        replies.append(generate_lora(llm, prompts, requests))
+    assert replies[0][0] == replies[1][0]
+    for expected, got in zip(replies[0][1], replies[1][1]):
+        assert max(abs(a - b) for a, b in zip(expected, got)) < 1e-4
+    assert len({tuple(t) for t in replies[0][0][:3]}) == 3  # the adapters change the replies
+
+
+def generate_lora(llm, prompts, requests):
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=requests)
+    return ([o.outputs[0].token_ids for o in outputs],
+            [[e[t].logprob for e, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outputs])
 
 
 def test_demo_model_ends_with_eos_inside_drafts():
@@ -225,10 +248,14 @@ def test_a_third_party_proposer_registers_and_cannot_change_replies(model_dir, h
     assert stats(llm).num_drafts > 0 and _Adversary.calls >= 7
 
 
-def test_tensor_parallel_with_ngram(model_dir, hf_reference):
-    with make_llm(model_dir("llama"), tensor_parallel_size=2, speculative_config=NGRAM) as llm:
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)])
+def test_tensor_and_pipeline_parallelism(parallel, method, model_dir, hf_reference):
+    """The target's ranks verify; the draft model runs unsharded beside the driver."""
+    spec = NGRAM if method == "ngram" else draft_config(model_dir)
+    with make_llm(model_dir("llama"), speculative_config=spec, **parallel) as llm:
         _, tokens, logprobs = generate(llm)
-        assert 0 < stats(llm).num_accepted_tokens < stats(llm).num_draft_tokens
+        assert stats(llm).num_accepted_tokens > 0
     assert_matches_reference(hf_reference("llama"), tokens, logprobs)
 
 

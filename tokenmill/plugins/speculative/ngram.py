@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Sequence
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from tokenmill.interfaces.speculative import DraftRequest, ProposerContext, SpeculativeProposer
 
@@ -27,14 +26,21 @@ class NgramProposer(SpeculativeProposer):
         return [self._lookup(np.asarray(r.token_ids, dtype=np.int64), r.max_draft_tokens) for r in requests]
 
     def _lookup(self, tokens: np.ndarray, k: int) -> list[int]:
-        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
-            # windows that start before the suffix itself, so something follows each one
-            windows = sliding_window_view(tokens[:-1], n)
-            hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
-            if len(hits):
-                start = int(hits[0]) + n
-                return tokens[start:start + k].tolist()
-        return []
+        """Candidates are the earlier positions holding the last token (one vectorised
+        comparison); each is extended backwards while it matches, up to prompt_lookup_max."""
+        end = len(tokens) - 1
+        best_n, best = 0, -1
+        for i in np.flatnonzero(tokens[:end] == tokens[end]).tolist():
+            n = 1
+            while n < self.max_n and i - n >= 0 and tokens[i - n] == tokens[end - n]:
+                n += 1
+            if n > best_n:  # strictly longer: among the longest, the earliest stays
+                best_n, best = n, i
+                if n == self.max_n:
+                    break
+        if best_n < self.min_n:
+            return []
+        return tokens[best + 1:best + 1 + k].tolist()
 
     def describe(self) -> dict[str, int]:
         return {"prompt_lookup_min": self.min_n, "prompt_lookup_max": self.max_n}
