@@ -275,3 +275,13 @@ def test_config_takes_vllm_shapes_and_names_problems(model_dir, tmp_path):
     with pytest.raises(ConfigError, match="vocabulary"):
         make_llm(model_dir("llama"), speculative_config={"model": str(DEMO_DRAFT_MODEL),
                                                           "num_speculative_tokens": 2})
+
+
+def test_the_draft_models_kv_cache_comes_out_of_the_same_budget(model_dir):
+    """cache.kv_cache_memory covers the target's and the draft's caches together: with the
+    target as its own draft (the same bytes per block), the pool holds half the blocks."""
+    budget = dict(kv_cache_memory_bytes=2 * 2**20, max_num_seqs=256)
+    alone = LLM(str(model_dir("llama")), **budget)
+    paired = LLM(str(model_dir("llama")), speculative_config=draft_config(model_dir), **budget)
+    blocks = [llm.llm_engine.scheduler.kv_cache.pool.num_blocks for llm in (alone, paired)]
+    assert blocks[1] == blocks[0] // 2

@@ -33,7 +33,7 @@ from tokenmill.core.sample.logits_processors.structured_output import Structured
 from tokenmill.core.sched.kv_cache_manager import KVCacheManager
 from tokenmill.core.sched.scheduler import Scheduler
 from tokenmill.core.sched.swap_space import SwapSpace
-from tokenmill.core.spec_decode.proposer_model import load_proposer_model
+from tokenmill.core.spec_decode.proposer_model import LocalProposerModel, load_proposer_model
 from tokenmill.core.spec_decode.speculator import Speculator
 from tokenmill.core.structured_output.manager import StructuredOutputManager
 from tokenmill.core.worker.model_builder import build_model
@@ -90,7 +90,9 @@ def _build_engine(config: EngineConfig, pm: PluginManager, components: Component
         pm.hook.engine_started(engine=engine)
         return engine
 
-    kv_blocks, host_blocks = built.kv_capacity(config, platform)
+    proposer_models: list[LocalProposerModel] = []  # loaded now, bound to the blocks below
+    speculator = _speculator(config, components, pm, platform, model_config, proposer_models)
+    kv_blocks, host_blocks = built.kv_capacity(config, platform, sum(m.kv_bytes_per_block() for m in proposer_models))
     if group is not None:  # every rank holds as many blocks as the smallest can
         for ready in group.wait_ready():
             kv_blocks, host_blocks = min(kv_blocks, ready.kv_blocks), min(host_blocks, ready.host_blocks)
@@ -98,10 +100,11 @@ def _build_engine(config: EngineConfig, pm: PluginManager, components: Component
     if group is not None:
         group.send(Setup(num_blocks, host_blocks))
     swap_caches = built.allocate_caches(config, platform, num_blocks, host_blocks)
+    for proposer_model in proposer_models:
+        proposer_model.allocate_caches(num_blocks)
     kv_cache = KVCacheManager(num_blocks, config.cache.block_size, config.cache.prefix_caching)
     swap_space = SwapSpace(host_blocks) if config.scheduler.preemption_mode == "swap" else None
     adapters = built.adapters
-    speculator = _speculator(config, components, pm, platform, model_config, num_blocks)
     scheduler = Scheduler(config.scheduler, kv_cache, policy, swap_space,
                           max_adapters=adapters.max_active if adapters else None, pipeline_depth=parallel.pp_size,
                           num_lookahead_slots=speculator.proposer.num_lookahead_slots if speculator else 0)
@@ -165,8 +168,9 @@ def _start_workers(config: EngineConfig, components: Components, platform: Platf
 
 
 def _speculator(config: EngineConfig, components: Components, pm: PluginManager, platform: Platform,
-                model_config: ModelConfig, num_blocks: int) -> Optional[Speculator]:
-    """The configured proposer, or None when speculative decoding is off."""
+                model_config: ModelConfig, loaded: list[LocalProposerModel]) -> Optional[Speculator]:
+    """The configured proposer, or None when speculative decoding is off. The models it
+    loads are appended to ``loaded``, whose KV caches the engine binds once it has sized them."""
     spec = config.speculative
     if not spec.enabled:
         return None
@@ -177,13 +181,18 @@ def _speculator(config: EngineConfig, components: Components, pm: PluginManager,
     context = ProposerContext(
         num_speculative_tokens=spec.num_speculative_tokens, options=spec.model_dump(),
         vocab_size=model_config.vocab_size, max_model_len=model_config.max_model_len,
-        load_model=lambda path: load_proposer_model(path, config, components, pm, platform, num_blocks,
-                                                    model_config.max_model_len),
+        load_model=lambda path: _loaded(load_proposer_model(path, config, components, pm, platform,
+                                                            model_config.max_model_len), loaded),
         block_size=config.cache.block_size)
     proposer = cls(context)
     log.info("speculative decoding", method=spec.method, num_speculative_tokens=spec.num_speculative_tokens,
              disable_by_batch_size=spec.disable_by_batch_size, **(proposer.describe() or {}))
     return Speculator(proposer, spec.num_speculative_tokens, model_config.vocab_size, spec.disable_by_batch_size)
+
+
+def _loaded(model: LocalProposerModel, loaded: list[LocalProposerModel]) -> LocalProposerModel:
+    loaded.append(model)
+    return model
 
 
 def _logits_processors(config: EngineConfig, components: Components,

@@ -60,9 +60,11 @@ class BuiltModel:
                 total += elements * self.cache_dtype.itemsize
         return total
 
-    def kv_capacity(self, config: EngineConfig, platform: Platform) -> tuple[int, int]:
-        """(KV blocks this rank's budget holds, host blocks its swap space holds)."""
-        per_block = max(1, self.kv_bytes_per_block(config.cache.block_size))
+    def kv_capacity(self, config: EngineConfig, platform: Platform, extra_bytes_per_block: int = 0
+                    ) -> tuple[int, int]:
+        """(KV blocks this rank's budget holds, host blocks its swap space holds).
+        ``extra_bytes_per_block``: other caches over the same blocks (a draft model's)."""
+        per_block = max(1, self.kv_bytes_per_block(config.cache.block_size) + extra_bytes_per_block)
         budget = platform.kv_cache_memory(int(config.cache.kv_cache_memory))
         return budget // per_block, int(config.cache.swap_space) // per_block
 
