@@ -1,0 +1,54 @@
+"""Every Triton kernel compiles to a cubin for sm_80 (A100) and sm_90 (H100) with each
+constexpr choice the engine can make, on this machine, without a GPU: what the interpreter
+runs is also what a GPU would be given. A kernel that spills registers to local memory, or
+asks for more shared memory than the architecture has, fails here.
+
+The compiler runs in a child process without ``TRITON_INTERPRET=1`` (the suite's setting,
+under which the interpreter patches ``triton.language`` for the whole process)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tokenmill.testing.triton_aot import TARGETS, kernel_cases
+
+#: shared memory one block may use: sm_80's and sm_90's opt-in maxima
+SHARED_LIMIT = {"sm80": 163 * 1024, "sm90": 227 * 1024}
+CASES = kernel_cases()
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-m", "tokenmill.testing.triton_aot", "--json"], env=env,
+                            capture_output=True, text=True, timeout=900, check=True)
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+def test_the_cases_cover_every_kernel_and_every_choice():
+    assert {case.kernel for case in CASES} == {"write_kv", "paged_attention", "merge_splits", "dequant_gemm", "bgmv"}
+    attention = [case.constexprs for case in CASES if case.kernel == "paged_attention"]
+    assert {c["BLOCK_SIZE"] for c in attention} == {4, 8, 16, 32, 64, 128}
+    assert {c["HEAD_DIM"] for c in attention} == {64, 80, 96, 112, 128, 256}
+    assert {c["GROUP"] for c in attention} == {1, 2, 4, 8}
+    assert {(c["USE_SOFT_CAP"], c["USE_WINDOW"]) for c in attention} == {(a, b) for a in (0, 1) for b in (0, 1)}
+    assert {c["NUM_SPLITS"] for c in attention} == {1, 2, 4, 8, 16}
+    assert {case.signature["cache_ptr"] for case in CASES if case.kernel == "paged_attention"} == \
+        {"*fp32", "*bf16", "*fp16"}
+    assert {(c["BITS"], c["IEEE_FP32"]) for c in (case.constexprs for case in CASES if case.kernel == "dequant_gemm")} \
+        == {(4, True), (8, True), (4, False), (8, False)}
+
+
+@pytest.mark.parametrize("target", sorted(TARGETS))
+@pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
+def test_kernel_compiles_for_the_gpu(case, target, compiled):
+    figures = compiled[target][case.id]
+    assert "error" not in figures, figures.get("error")
+    assert figures["cubin_bytes"] > 0
+    assert figures["spill_bytes"] == 0, f"{case.id} spills {figures['spill_bytes']} bytes on {target}"
+    assert figures["shared_bytes"] <= SHARED_LIMIT[target]

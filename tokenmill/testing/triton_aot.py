@@ -1,0 +1,185 @@
+"""Every Triton kernel tokenmill ships, compiled ahead of time for real GPUs, without one.
+
+Triton's interpreter (``TRITON_INTERPRET=1``) checks what a kernel computes; it cannot see
+what only the compiler sees (an op the backend rejects, a layout it cannot lower, a tile
+that overflows shared memory). ``triton.compile`` with an explicit ``GPUTarget`` runs the
+whole pipeline down to a cubin with the ptxas Triton ships, so those errors surface on a
+machine without a GPU. ``kernel_cases()`` holds the constexpr choices the engine can make:
+every value of every axis at least once (block sizes, head sizes, GQA group sizes, split
+counts, dtypes, bit widths, flags) rather than their full product, which would take hours
+to compile; ``compile_case`` returns the cubin's register, shared-memory and spill figures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+from tokenmill.plugins.adapters.triton_lora import _bgmv_kernel
+from tokenmill.plugins.attention.triton_paged.kernels import (
+    _merge_splits_kernel,
+    _paged_attention_kernel,
+    _write_kv_kernel,
+)
+from tokenmill.plugins.quantization.triton_gemm import _dequant_gemm_kernel
+
+#: what the engine computes in, and the Triton pointer types of those dtypes
+DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+BLOCK_SIZES = (4, 8, 16, 32, 64, 128)  # the triton backend's block_sizes
+#: head sizes of the supported families (vLLM's list), with the group sizes seen in them
+HEAD_DIMS = (64, 80, 96, 112, 128, 256)
+GROUPS = (1, 2, 4, 8)
+NUM_SPLITS = (1, 2, 4, 8, 16)  # the backend splits long contexts up to 16 ways
+TARGETS = {"sm80": GPUTarget("cuda", 80, 32), "sm90": GPUTarget("cuda", 90, 32)}
+
+
+@dataclass(frozen=True)
+class KernelCase:
+    kernel: str
+    fn: Any
+    signature: dict[str, str]
+    constexprs: dict[str, Any]
+
+    @property
+    def id(self) -> str:
+        types = "-".join(sorted({t.lstrip("*") for t in self.signature.values() if t.startswith("*")}))
+        return f"{self.kernel}[{types};" + ",".join(f"{k}={v}" for k, v in self.constexprs.items()) + "]"
+
+
+@dataclass(frozen=True)
+class Compiled:
+    registers: int
+    shared_bytes: int
+    spill_bytes: int
+    cubin_bytes: int
+
+
+def _signature(fn: Any, types: dict[str, str], constexprs: dict[str, Any]) -> dict[str, str]:
+    """Every argument's type: pointers and scalars from ``types`` (strides default to i32)."""
+    return {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in fn.arg_names}
+
+
+def _case(kernel: str, fn: Any, types: dict[str, str], constexprs: dict[str, Any]) -> KernelCase:
+    return KernelCase(kernel, _compilable(fn), _signature(fn, types, constexprs), constexprs)
+
+
+def _compilable(fn: Any) -> JITFunction:
+    """The kernel as the compiler takes it: under ``TRITON_INTERPRET=1`` (the test suite's
+    setting) ``triton.jit`` made an interpreter function around the same Python source."""
+    return fn if isinstance(fn, JITFunction) else JITFunction(fn.fn)
+
+
+def _cycle(values: tuple, count: int) -> list:
+    return list(itertools.islice(itertools.cycle(values), count))
+
+
+def kernel_cases() -> list[KernelCase]:
+    dtypes = tuple(DTYPES.values())
+    cases = []
+    # KV write: K/V are converted to the cache dtype first; one row is num_kv_heads * head_dim
+    for block, row, dtype in zip(BLOCK_SIZES, _cycle((64, 256, 640, 1024), 6), _cycle(dtypes, 6)):
+        cases.append(_case("write_kv", _write_kv_kernel,
+                           {"key_ptr": f"*{dtype}", "value_ptr": f"*{dtype}", "cache_ptr": f"*{dtype}",
+                            "slot_ptr": "*i64"},
+                           {"BLOCK_SIZE": block, "ROW": row, "ROW_PAD": triton.next_power_of_2(row)}))
+    # paged attention: the cache in the query's dtype, or bf16 under an fp32 model
+    query_cache = (("fp32", "fp32"), ("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "bf16"))
+    flags = tuple(itertools.product((False, True), repeat=2))
+    for head, block, group, splits, (query, cache), (soft_cap, window) in zip(
+            HEAD_DIMS, _cycle(BLOCK_SIZES, 6), _cycle(GROUPS, 6), _cycle(NUM_SPLITS, 6), _cycle(query_cache, 6),
+            _cycle(flags, 6)):
+        cases.append(_case("paged_attention", _paged_attention_kernel,
+                           {"q_ptr": f"*{query}", "cache_ptr": f"*{cache}", "block_table_ptr": "*i32",
+                            "token_req_ptr": "*i32", "token_pos_ptr": "*i32", "part_acc_ptr": "*fp32",
+                            "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "scale": "fp32", "soft_cap": "fp32"},
+                           {"GROUP": group, "BLOCK_SIZE": block, "HEAD_DIM": head,
+                            "HEAD_PAD": triton.next_power_of_2(head), "NUM_SPLITS": splits,
+                            "USE_SOFT_CAP": soft_cap, "USE_WINDOW": window}))
+    for head, splits, dtype in zip(HEAD_DIMS, _cycle(NUM_SPLITS, 6), _cycle(dtypes, 6)):
+        cases.append(_case("merge_splits", _merge_splits_kernel,
+                           {"part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
+                            "out_ptr": f"*{dtype}"},
+                           {"HEAD_DIM": head, "HEAD_PAD": triton.next_power_of_2(head), "NUM_SPLITS": splits}))
+    for dtype in dtypes:
+        # GPTQ/AWQ dequant-GEMM: 4 and 8 bits (AWQ is repacked to GPTQ's 4-bit layout); fp32
+        # activations take the IEEE dot, fp16/bf16 the tensor-core one
+        for bits in (4, 8):
+            cases.append(_case("dequant_gemm", _dequant_gemm_kernel,
+                               {"a_ptr": f"*{dtype}", "qweight_ptr": "*i32", "zeros_ptr": "*i32",
+                                "scales_ptr": f"*{dtype}", "g_idx_ptr": "*i32", "c_ptr": f"*{dtype}"},
+                               {"BITS": bits, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32,
+                                "IEEE_FP32": dtype == "fp32"}))
+        # LoRA: shrink (x in the model dtype -> fp32) and expand (fp32 -> the base output, accumulating)
+        for accumulate in (False, True):
+            x, y = ("fp32", dtype) if accumulate else (dtype, "fp32")
+            cases.append(_case("bgmv", _bgmv_kernel,
+                               {"x_ptr": f"*{x}", "w_ptr": f"*{dtype}", "slot_ptr": "*i32", "y_ptr": f"*{y}"},
+                               {"ACCUMULATE": accumulate, "BLOCK_N": 32, "BLOCK_K": 64}))
+    return cases
+
+
+def compile_case(case: KernelCase, target: GPUTarget) -> Compiled:
+    compiled = triton.compile(ASTSource(case.fn, case.signature, constexprs=case.constexprs), target=target)
+    cubin = compiled.asm["cubin"]
+    usage = _resource_usage(cubin)
+    return Compiled(usage["REG"], compiled.metadata.shared, usage["LOCAL"], len(cubin))
+
+
+def _resource_usage(cubin: bytes) -> dict[str, int]:
+    """``cuobjdump -res-usage``'s figures for the cubin's one function (REG, SHARED, LOCAL, ...)."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
+        handle.write(cubin)
+        handle.flush()
+        text = subprocess.run([tool, "-res-usage", handle.name], capture_output=True, text=True, check=True).stdout
+    line = next(line for line in text.splitlines() if "REG:" in line)
+    return {key: int(value) for key, value in re.findall(r"([A-Z]+):(\d+)", line)}
+
+
+def compile_all() -> dict[str, dict[str, Any]]:
+    """{target: {case id: Compiled figures as a dict, or {"error": message}}}. Needs a process
+    without ``TRITON_INTERPRET=1``: the interpreter patches ``triton.language`` process-wide."""
+    results: dict[str, dict[str, Any]] = {}
+    for name, target in TARGETS.items():
+        for case in kernel_cases():
+            try:
+                figures: dict[str, Any] = dataclasses.asdict(compile_case(case, target))
+            except Exception as exc:  # reported per case, so one broken kernel hides no other
+                figures = {"error": f"{type(exc).__name__}: {exc}"}
+            results.setdefault(name, {})[case.id] = figures
+    return results
+
+
+def main() -> None:
+    """``python -m tokenmill.testing.triton_aot [--json]``: every case for every target, as a
+    Markdown table (or JSON)."""
+    results = compile_all()
+    if "--json" in sys.argv:
+        print(json.dumps(results))
+        return
+    print("| target | kernel case | registers | shared bytes | spill bytes |")
+    print("|---|---|---|---|---|")
+    for name, cases in results.items():
+        for case_id, figures in cases.items():
+            if "error" in figures:
+                print(f"| {name} | `{case_id}` | error: {figures['error'].splitlines()[0]} | | |")
+            else:
+                print(f"| {name} | `{case_id}` | {figures['registers']} | {figures['shared_bytes']} "
+                      f"| {figures['spill_bytes']} |")
+
+
+if __name__ == "__main__":
+    main()
