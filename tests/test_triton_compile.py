@@ -31,13 +31,19 @@ def compiled() -> dict:
 
 
 def test_the_cases_cover_every_kernel_and_every_choice():
-    assert {case.kernel for case in CASES} == {"write_kv", "paged_attention", "merge_splits", "dequant_gemm", "bgmv"}
+    assert {case.kernel for case in CASES} == {"write_kv", "paged_attention", "prefill_attention", "merge_splits",
+                                               "dequant_gemm", "bgmv"}
     attention = [case.constexprs for case in CASES if case.kernel == "paged_attention"]
     assert {c["BLOCK_SIZE"] for c in attention} == {4, 8, 16, 32, 64, 128}
     assert {c["HEAD_DIM"] for c in attention} == {64, 80, 96, 112, 128, 256}
     assert {c["GROUP"] for c in attention} == {1, 2, 4, 8}
     assert {(c["USE_SOFT_CAP"], c["USE_WINDOW"]) for c in attention} == {(a, b) for a in (0, 1) for b in (0, 1)}
     assert {c["NUM_SPLITS"] for c in attention} == {1, 2, 4, 8, 16}
+    prefill = [case.constexprs for case in CASES if case.kernel == "prefill_attention"]
+    assert {c["BLOCK_SIZE"] for c in prefill} == {4, 8, 16, 32, 64, 128}
+    assert {c["HEAD_DIM"] for c in prefill} == {64, 80, 96, 112, 128, 256}
+    assert {(c["USE_SOFT_CAP"], c["USE_WINDOW"]) for c in prefill} == {(a, b) for a in (0, 1) for b in (0, 1)}
+    assert {c["IEEE_FP32"] for c in prefill} == {True, False}
     assert {case.signature["cache_ptr"] for case in CASES if case.kernel == "paged_attention"} == \
         {"*fp32", "*bf16", "*fp16"}
     assert {(c["BITS"], c["IEEE_FP32"]) for c in (case.constexprs for case in CASES if case.kernel == "dequant_gemm")} \

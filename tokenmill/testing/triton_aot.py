@@ -32,6 +32,7 @@ from tokenmill.plugins.adapters.triton_lora import _bgmv_kernel
 from tokenmill.plugins.attention.triton_paged.kernels import (
     _merge_splits_kernel,
     _paged_attention_kernel,
+    _prefill_attention_kernel,
     _write_kv_kernel,
 )
 from tokenmill.plugins.quantization.triton_gemm import _dequant_gemm_kernel
@@ -108,6 +109,18 @@ def kernel_cases() -> list[KernelCase]:
                            {"GROUP": group, "BLOCK_SIZE": block, "HEAD_DIM": head,
                             "HEAD_PAD": triton.next_power_of_2(head), "NUM_SPLITS": splits,
                             "USE_SOFT_CAP": soft_cap, "USE_WINDOW": window}))
+    # prefill: the backend's GPU tile (64 query tokens x 64 context positions); fp32 dots for
+    # fp32 queries, tensor-core dots for bf16/fp16
+    for head, block, group, (query, cache), (soft_cap, window) in zip(
+            HEAD_DIMS, _cycle(BLOCK_SIZES[::-1], 6), _cycle(GROUPS[::-1], 6), _cycle(query_cache[::-1], 6),
+            _cycle(flags[::-1], 6)):
+        cases.append(_case("prefill_attention", _prefill_attention_kernel,
+                           {"q_ptr": f"*{query}", "cache_ptr": f"*{cache}", "block_table_ptr": "*i32",
+                            "out_ptr": f"*{query}", "tile_req_ptr": "*i32", "tile_start_ptr": "*i32",
+                            "query_start_ptr": "*i32", "seq_lens_ptr": "*i32", "scale": "fp32", "soft_cap": "fp32"},
+                           {"GROUP": group, "BLOCK_SIZE": block, "HEAD_DIM": head,
+                            "HEAD_PAD": triton.next_power_of_2(head), "BLOCK_M": 64, "BLOCK_N": 64,
+                            "USE_SOFT_CAP": soft_cap, "USE_WINDOW": window, "IEEE_FP32": query == "fp32"}))
     for head, splits, dtype in zip(HEAD_DIMS, _cycle(NUM_SPLITS, 6), _cycle(dtypes, 6)):
         cases.append(_case("merge_splits", _merge_splits_kernel,
                            {"part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",

@@ -1,21 +1,46 @@
-"""The ``triton`` attention backend: paged KV write and varlen paged attention in Triton.
+"""The ``triton`` attention backend: paged KV write, decode and tiled prefill attention in Triton.
 
 It needs a CUDA GPU for real use; without one, selecting it fails at startup
 with that reason, unless the Triton interpreter was requested explicitly
 (``TRITON_INTERPRET=1``, read when this module is imported), which is how the
 CPU test suite runs its kernels.
+
+The step's layout is worked out once, by ``build_metadata`` (which the model runner calls
+once per step): which tokens are decode rows and their positions, which query tiles the
+prefill kernel runs, how many ways to split long decode contexts. It goes to the device
+as a handful of tensors, so a layer's forward does no Python work per token or request.
 """
 
 from __future__ import annotations
 
-import os
+from dataclasses import dataclass, fields
 
 import torch
 
 from tokenmill.interfaces.attention import AttentionCapabilities, AttentionLayerSpec, AttentionMetadata
 from tokenmill.plugins.attention.triton_paged import kernels
+from tokenmill.plugins.attention.triton_paged.kernels import INTERPRETED
 
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+_COMMON_FIELDS = tuple(f.name for f in fields(AttentionMetadata))
+
+
+@dataclass(frozen=True, slots=True)
+class TritonMetadata(AttentionMetadata):
+    """The common metadata, and the step's plan for the kernels (all on the device)."""
+
+    #: decode rows (requests with one query token): their flat token index, request, position
+    decode_tokens: torch.Tensor = None
+    decode_req: torch.Tensor = None
+    decode_pos: torch.Tensor = None
+    #: every token is a decode row (then the decode kernel reads and writes in place)
+    decode_only: bool = False
+    #: the prefill kernel's query tiles: each one's request and first flat token
+    tile_req: torch.Tensor = None
+    tile_start: torch.Tensor = None
+    #: ways to split the longest decode context (flash-decoding)
+    num_splits: int = 1
+
+
 class TritonPagedAttention:
     name = "triton"
     capabilities = AttentionCapabilities(
@@ -23,13 +48,16 @@ class TritonPagedAttention:
         block_sizes=(4, 8, 16, 32, 64, 128),  # tl.arange needs powers of two
         sliding_window=True,
         logits_soft_cap=True,
-        requires_device=None if _INTERPRETED else "cuda",
+        requires_device=None if INTERPRETED else "cuda",
         kv_cache_dtypes=(torch.bfloat16,),  # K/V rounded before the write kernel; loads widen to fp32
     )
 
-    def __init__(self, tokens_per_split: int = 256) -> None:
-        #: contexts longer than this are split across programs (flash-decoding), then merged
+    def __init__(self, tokens_per_split: int = 256, block_m: int = 16 if INTERPRETED else 64,
+                 block_n: int = 32 if INTERPRETED else 64) -> None:
+        #: decode contexts longer than this are split across programs (flash-decoding), then merged
         self.tokens_per_split = tokens_per_split
+        #: the prefill kernel's tile: query tokens per program, context positions per step
+        self.block_m, self.block_n = block_m, block_n
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         return (2, num_blocks, block_size, num_kv_heads, head_dim)
@@ -37,20 +65,50 @@ class TritonPagedAttention:
     def swap_blocks(self, src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor) -> None:
         dst[:, pairs[:, 1].to(dst.device)] = src[:, pairs[:, 0].to(src.device)].to(dst.device)
 
+    def build_metadata(self, common: AttentionMetadata) -> TritonMetadata:
+        """Once per step: from the host copies of the layout, no device synchronisation."""
+        starts, seq_lens = common.query_start_loc_cpu, common.seq_lens_cpu
+        decode_tokens, decode_req, decode_pos, tile_req, tile_start = [], [], [], [], []
+        longest_decode = 0
+        for i, seq_len in enumerate(seq_lens):
+            start, end = starts[i], starts[i + 1]
+            if end - start == 1:
+                decode_tokens.append(start)
+                decode_req.append(i)
+                decode_pos.append(seq_len - 1)
+                longest_decode = max(longest_decode, seq_len)
+            else:
+                for first in range(start, end, self.block_m):
+                    tile_req.append(i)
+                    tile_start.append(first)
+        device = common.seq_lens.device
+
+        def on_device(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
+
+        return TritonMetadata(
+            *(getattr(common, name) for name in _COMMON_FIELDS),
+            decode_tokens=on_device(decode_tokens).long(), decode_req=on_device(decode_req),
+            decode_pos=on_device(decode_pos), decode_only=len(decode_tokens) == starts[-1],
+            tile_req=on_device(tile_req), tile_start=on_device(tile_start),
+            num_splits=max(1, min(16, -(-longest_decode // self.tokens_per_split))))
+
     def forward(self, layer: AttentionLayerSpec, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        if not isinstance(metadata, TritonMetadata):  # a caller that skipped build_metadata
+            metadata = self.build_metadata(metadata)
         kernels.write_kv(kv_cache, key, value, metadata.slot_mapping)
-        starts, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
-        token_req, token_pos = [], []
-        for i, seq_len in enumerate(seq_lens):
-            q_len = starts[i + 1] - starts[i]
-            token_req += [i] * q_len
-            token_pos += range(seq_len - q_len, seq_len)
-        device = query.device
-        num_splits = max(1, min(16, -(-metadata.max_seq_len // self.tokens_per_split)))
-        return kernels.paged_attention(
-            query.contiguous(), kv_cache, metadata.block_table,
-            torch.tensor(token_req, dtype=torch.int32, device=device),
-            torch.tensor(token_pos, dtype=torch.int32, device=device),
-            layer.scale, layer.logits_soft_cap, layer.sliding_window, num_splits,
-        )
+        query = query.contiguous()
+        window, cap = layer.sliding_window, layer.logits_soft_cap
+        if metadata.decode_only:
+            return kernels.paged_attention(query, kv_cache, metadata.block_table, metadata.decode_req,
+                                           metadata.decode_pos, layer.scale, cap, window, metadata.num_splits)
+        out = torch.empty_like(query)
+        if metadata.decode_tokens.numel():
+            out[metadata.decode_tokens] = kernels.paged_attention(
+                query[metadata.decode_tokens], kv_cache, metadata.block_table, metadata.decode_req,
+                metadata.decode_pos, layer.scale, cap, window, metadata.num_splits)
+        kernels.prefill_attention(query, kv_cache, metadata.block_table, out, metadata.tile_req, metadata.tile_start,
+                                  metadata.query_start_loc, metadata.seq_lens, layer.scale, cap, window,
+                                  self.block_m, self.block_n)
+        return out

@@ -1,20 +1,30 @@
-"""Triton kernels: KV-cache write by slot mapping, and varlen paged attention with split-K.
+"""Triton kernels: KV-cache write by slot mapping, paged decode attention with split-K, and
+tiled paged prefill attention.
 
 Cache layout (the reference's): ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
+A token at absolute position ``p`` attends to positions ``[max(0, p - window + 1), p]`` of
+its own request, read through the block table with an online softmax.
 
-``paged_attention`` runs one program per (query token, head, KV split). A
-token at absolute position ``p`` attends to positions ``[max(0, p - window + 1), p]``
-of its own request, read block by block through the block table with an
-online softmax, so prefill chunks over a cached prefix and decodes share one
-kernel. Long contexts are split across ``num_splits`` programs whose partial
-(max, sum, accumulator) triples a second kernel merges (flash-decoding).
+``paged_attention`` (decode rows: one query token per request) runs one program per
+(token, head, KV split); long contexts are split across ``num_splits`` programs whose
+partial (max, sum, accumulator) triples a second kernel merges (flash-decoding).
+``prefill_attention`` (requests with several query tokens: prompt chunks over a cached
+prefix, speculative verification) runs one program per (tile of query tokens, head), in
+the manner of flash attention: each step multiplies the query tile by a tile of context
+keys and values with ``tl.dot``, so the tensor cores do the work and K/V are read once per
+tile rather than once per query token.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+
+#: kernels run in Triton's interpreter (read when this module is imported, as Triton does)
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -152,3 +162,96 @@ def paged_attention(query: torch.Tensor, cache: torch.Tensor, block_table: torch
                                           out.stride(0), out.stride(1), HEAD_DIM=head_dim, HEAD_PAD=head_pad,
                                           NUM_SPLITS=num_splits)
     return out
+
+
+@triton.jit
+def _prefill_attention_kernel(
+    q_ptr, cache_ptr, block_table_ptr, out_ptr, tile_req_ptr, tile_start_ptr, query_start_ptr, seq_lens_ptr,
+    scale, soft_cap, window,
+    stride_qt, stride_qh, stride_c_kv, stride_c_block, stride_c_off, stride_c_head, stride_bt, stride_ot, stride_oh,
+    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_SOFT_CAP: tl.constexpr, USE_WINDOW: tl.constexpr,
+    IEEE_FP32: tl.constexpr,
+):
+    """One program per (tile of BLOCK_M query tokens of one request, head): flash attention
+    over the request's paged context, BLOCK_N context positions (any number of cache blocks,
+    gathered through the block table) per step."""
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_head = head // GROUP
+    req = tl.load(tile_req_ptr + tile)
+    first_row = tl.load(tile_start_ptr + tile)
+    q_start = tl.load(query_start_ptr + req)
+    q_end = tl.load(query_start_ptr + req + 1)
+    first_pos = tl.load(seq_lens_ptr + req) - (q_end - q_start)  # the request's first query position
+    rows = first_row + tl.arange(0, BLOCK_M)
+    row_mask = rows < q_end
+    pos = first_pos + rows - q_start
+    dims = tl.arange(0, HEAD_PAD)
+    dim_mask = dims < HEAD_DIM
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + dims[None, :],
+                mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+    if IEEE_FP32:
+        q = q.to(tl.float32)
+    last_pos = first_pos + tl.minimum(first_row + BLOCK_M, q_end) - 1 - q_start
+    low = 0
+    if USE_WINDOW:
+        low = tl.maximum(first_pos + first_row - q_start - window + 1, 0)
+    low = (low // BLOCK_N) * BLOCK_N
+    m_i = tl.full((BLOCK_M,), -float("inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, HEAD_PAD), tl.float32)
+    for start in range(low, last_pos + 1, BLOCK_N):
+        kv = start + tl.arange(0, BLOCK_N)
+        kv_valid = kv <= last_pos
+        physical = tl.load(block_table_ptr + req * stride_bt + kv // BLOCK_SIZE, mask=kv_valid, other=0)
+        base = cache_ptr + physical * stride_c_block + (kv % BLOCK_SIZE) * stride_c_off + kv_head * stride_c_head
+        kv_mask = kv_valid[:, None] & dim_mask[None, :]
+        k = tl.load(base[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        if IEEE_FP32:
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            scores = tl.dot(q, tl.trans(k)) * scale
+        if USE_SOFT_CAP:
+            scores = soft_cap * (2.0 / (1.0 + tl.exp(-2.0 * scores / soft_cap)) - 1.0)  # soft_cap * tanh(s / cap)
+        visible = (kv[None, :] <= pos[:, None]) & kv_valid[None, :]
+        if USE_WINDOW:
+            visible = visible & (kv[None, :] > pos[:, None] - window)
+        scores = tl.where(visible, scores, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # a row with nothing visible yet
+        p = tl.exp(scores - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        v = tl.load(base[:, None] + stride_c_kv + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        if IEEE_FP32:
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + dims[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=row_mask[:, None] & dim_mask[None, :])
+
+
+def prefill_attention(query: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, out: torch.Tensor,
+                      tile_req: torch.Tensor, tile_start: torch.Tensor, query_start_loc: torch.Tensor,
+                      seq_lens: torch.Tensor, scale: float, soft_cap, window, block_m: int, block_n: int) -> None:
+    """Attention for the query tiles (``tile_req``, ``tile_start``: each tile's request and
+    first flat token), written into ``out`` at those tokens."""
+    tiles = tile_req.shape[0]
+    if tiles == 0:
+        return
+    _, heads, head_dim = query.shape
+    _prefill_attention_kernel[(tiles, heads)](
+        query, cache, block_table, out, tile_req, tile_start, query_start_loc, seq_lens,
+        scale, soft_cap or 1.0, window or 0,
+        query.stride(0), query.stride(1), cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
+        block_table.stride(0), out.stride(0), out.stride(1),
+        GROUP=heads // cache.shape[3], BLOCK_SIZE=cache.shape[2], HEAD_DIM=head_dim,
+        HEAD_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=block_m, BLOCK_N=block_n,
+        USE_SOFT_CAP=soft_cap is not None, USE_WINDOW=window is not None,
+        # fp32 dots for fp32 models; bf16 ones too in the interpreter, whose dot of bf16 tiles is
+        # wrong (numpy has no bf16), so that it checks the rest of the kernel
+        IEEE_FP32=query.dtype == torch.float32 or (INTERPRETED and query.dtype == torch.bfloat16),
+    )
