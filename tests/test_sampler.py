@@ -104,6 +104,23 @@ def test_repetition_presence_and_frequency_penalties_are_exact():
     assert penalised.tolist() == [[2.0, -2.0, 0.25, 0.5, 2.0]]
 
 
+def test_penalties_batched_equal_penalties_row_by_row():
+    """The batched penalties give each row what it gets alone, whatever else is in the batch."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 40, generator=g)
+    rows = [row(SamplingParams(repetition_penalty=1.7), output=[3, 3, 9], prompt=[1, 2, 3]),
+            row(SamplingParams(), output=[5]),
+            row(SamplingParams(presence_penalty=0.4, frequency_penalty=-0.3), output=[7, 7, 7, 8], prompt=[8]),
+            row(SamplingParams(repetition_penalty=0.6, frequency_penalty=1.1), output=[], prompt=[0, 39]),
+            row(SamplingParams(presence_penalty=2.0), output=[39, 0, 39]),
+            row(SamplingParams(repetition_penalty=1.2, presence_penalty=0.1), output=[10], prompt=[10, 11])]
+    batched = Sampler._apply_penalties(logits, rows)
+    for i, r in enumerate(rows):
+        assert torch.equal(batched[i], Sampler._apply_penalties(logits[i:i + 1], [r])[0])
+    assert torch.equal(batched[1], logits[1])  # no penalty: untouched
+    assert not torch.equal(batched[0], logits[0])
+
+
 def test_logit_bias_is_added_before_sampling_and_logprobs_stay_raw():
     """OpenAI's logit_bias: +100 makes a token certain, -100 rules it out; reported logprobs are
     those of the raw logits, as vLLM reports them."""

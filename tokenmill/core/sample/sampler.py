@@ -123,25 +123,35 @@ class Sampler:
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """Repetition (vLLM/HF: every token seen in the prompt or the output), frequency and
+        presence penalties, for all penalised rows in a few batched tensor operations."""
         penalized = [i for i, row in enumerate(rows) if _penalized(row.params)]
         if not penalized:
             return logits
         logits = logits.clone()
-        vocab = logits.shape[1]
-        for i in penalized:
-            params, row = rows[i].params, logits[i]
-            output = torch.tensor(list(rows[i].output_token_ids), dtype=torch.long)
-            if params.repetition_penalty != 1.0:
-                # vLLM/HF: penalise every token seen in the prompt or the output
-                seen = torch.zeros(vocab, dtype=torch.bool)
-                seen[torch.tensor(list(rows[i].prompt_token_ids), dtype=torch.long)] = True
-                seen[output] = True
-                penalty = params.repetition_penalty
-                row.copy_(torch.where(seen, torch.where(row > 0, row / penalty, row * penalty), row))
-            if params.presence_penalty or params.frequency_penalty:
-                counts = torch.zeros(vocab).index_add_(0, output, torch.ones(len(output)))
-                row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+        params = [rows[i].params for i in penalized]
+        index = torch.tensor(penalized, device=logits.device)
+        selected = logits[index]
+        counts = _token_counts([rows[i].output_token_ids for i in penalized], selected)
+        repetition = torch.tensor([p.repetition_penalty for p in params], device=logits.device).unsqueeze(1)
+        if bool((repetition != 1.0).any()):
+            seen = (_token_counts([rows[i].prompt_token_ids for i in penalized], selected) > 0) | (counts > 0)
+            selected = torch.where(seen, torch.where(selected > 0, selected / repetition, selected * repetition),
+                                   selected)
+        frequency = torch.tensor([p.frequency_penalty for p in params], device=logits.device).unsqueeze(1)
+        presence = torch.tensor([p.presence_penalty for p in params], device=logits.device).unsqueeze(1)
+        logits[index] = selected - (frequency * counts + presence * (counts > 0))
         return logits
+
+
+def _token_counts(token_lists: Sequence[Sequence[int]], like: torch.Tensor) -> torch.Tensor:
+    """[len(token_lists), vocab]: how often each token occurs in each list (one scatter)."""
+    lengths = torch.tensor([len(tokens) for tokens in token_lists])
+    ids = torch.tensor([t for tokens in token_lists for t in tokens], dtype=torch.long)
+    rows = torch.repeat_interleave(torch.arange(len(token_lists)), lengths)
+    counts = torch.zeros(like.shape, dtype=like.dtype, device=like.device)
+    return counts.index_put_((rows.to(like.device), ids.to(like.device)),
+                             torch.ones(len(ids), dtype=like.dtype, device=like.device), accumulate=True)
 
 
 def _penalized(params: SamplingParams) -> bool:
