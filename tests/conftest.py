@@ -24,6 +24,16 @@ from tokenmill.testing.tiny_models import make_tiny_model
 NEW_TOKENS = 24
 
 
+def pytest_collection_modifyitems(config, items):
+    """tests/gpu is the GPU suite (marker ``gpu``), skipped where no CUDA device is visible;
+    ``bash benchmarks/gpu_check.sh`` runs it on a GPU."""
+    for item in items:
+        if "/tests/gpu/" in str(item.fspath).replace("\\", "/"):
+            item.add_marker(pytest.mark.gpu)
+            if not torch.cuda.is_available():
+                item.add_marker(pytest.mark.skip(reason="no CUDA device is visible"))
+
+
 def random_prompts(count: int = 12, seed: int = 0, low: int = 3, high: int = 150) -> list[list[int]]:
     """Token-id prompts of mixed lengths, avoiding the special tokens 0-5."""
     rng = random.Random(seed)

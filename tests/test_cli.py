@@ -203,7 +203,7 @@ def test_serve_with_a_draft_model_reports_acceptance(tmp_path):
     spec = json.dumps({"model": str(DEMO_DRAFT_MODEL), "num_speculative_tokens": 3})
     process = subprocess.Popen(
         [sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(port), "--served-model-name", "demo",
-         "--kv-cache-memory-bytes", "16MiB", "--log-format", "json", "--speculative-config", spec],
+         "--kv-cache-memory-bytes", "32MiB", "--log-format", "json", "--speculative-config", spec],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_until_healthy(port)

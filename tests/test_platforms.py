@@ -173,3 +173,49 @@ def test_a_plugin_platform_validates_its_own_section_and_ignores_others_loudly(m
     with pytest.raises(ConfigError) as info:
         build(model_dir, plugin_manager(Tuned), platform={"name": "tuned", "tuned": {"lanes": 0}})
     assert info.value.key == "platform.tuned.lanes"
+
+
+def test_cuda_platform_is_registered_and_refuses_a_machine_without_cuda():
+    """`tokenmill serve --platform cuda` without CUDA fails at startup with the reason (no fallback
+    to the CPU); 'auto' passes over the cuda platform here, saying why."""
+    import subprocess
+    import sys
+
+    import torch
+
+    from tokenmill.core.plugin_host.components import collect_components
+    from tokenmill.core.plugin_host.plugin_manager import make_plugin_manager
+
+    cuda = collect_components(make_plugin_manager()).platforms.get("cuda")
+    found = cuda.detect()
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert not found.usable and "CUDA" in found.reason
+    result = subprocess.run([sys.executable, "-m", "tokenmill.cli", "serve", "--platform", "cuda", "--port", "0"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert f"platform 'cuda' cannot run here: {found.reason}" in result.stderr
+    assert "Traceback" not in result.stderr
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        cuda.options_model(gpu_memory_utilization=1.5)
+
+
+def test_input_staging_reuses_its_host_buffers():
+    """Each input goes through one persistent host buffer (pinned on a GPU), grown when a step
+    needs more, and arrives on the device with its values."""
+    import numpy as np
+
+    from tokenmill.core.worker.input_staging import InputStaging
+
+    made = []
+
+    def host_buffer(shape, dtype):
+        made.append((tuple(shape), dtype))
+        return torch.zeros(tuple(shape), dtype=dtype)
+
+    staging = InputStaging("cpu", host_buffer)  # on the host, the "device" copy is the buffer itself
+    assert staging.to_device("ids", np.arange(6, dtype=np.int64).reshape(2, 3)).tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert staging.to_device("ids", np.array([7, 8], dtype=np.int64)).tolist() == [7, 8]
+    assert made == [((6,), torch.int64)]  # the second step reused the buffer
+    staging.to_device("ids", np.arange(9, dtype=np.int64))
+    assert made[-1] == ((12,), torch.int64)  # grown (doubled)

@@ -108,7 +108,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 #: vLLM's short spellings of engine flags
-_SHORT_FLAGS = {"tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-pp",)}
+#: other spellings of a flag: vLLM's short forms, and --platform for --device (vLLM's name)
+_SHORT_FLAGS = {"tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-pp",), "device": ("--platform",)}
 
 
 def add_engine_flags(parser: argparse.ArgumentParser, as_text: bool = False) -> None:

@@ -52,7 +52,7 @@ def tokenmill_pass(path, prompt_sets, output_len, args, tp: int = 1, pp: int = 1
     llm = LLM(str(path), dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
               enforce_eager=args.enforce_eager, num_threads=args.threads, kv_cache_dtype=args.kv_cache_dtype,
-              tensor_parallel_size=tp, pipeline_parallel_size=pp)
+              tensor_parallel_size=tp, pipeline_parallel_size=pp, device=args.device)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in prompt_sets[-1][:2]], params, use_tqdm=False)
     rounds = iter(prompt_sets)
@@ -78,12 +78,14 @@ def tokenmill_pass(path, prompt_sets, output_len, args, tp: int = 1, pp: int = 1
 
 
 def hf_pass(path, prompt_sets, output_len, args) -> Callable[[], float]:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=hf_dtype(args.dtype, path))
+    device = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=hf_dtype(args.dtype, path)).to(device)
     model.eval()
     kwargs = dict(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
                   pad_token_id=0)
     with torch.inference_mode():
-        model.generate(torch.tensor(prompt_sets[-1][:2]), **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2})
+        model.generate(torch.tensor(prompt_sets[-1][:2], device=device),
+                       **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2})
     rounds = iter(prompt_sets)
 
     @torch.inference_mode()
@@ -91,7 +93,7 @@ def hf_pass(path, prompt_sets, output_len, args) -> Callable[[], float]:
         prompts = next(rounds)
         start = time.perf_counter()
         for i in range(0, len(prompts), args.hf_batch_size):
-            out = model.generate(torch.tensor(prompts[i:i + args.hf_batch_size]), **kwargs)
+            out = model.generate(torch.tensor(prompts[i:i + args.hf_batch_size], device=device), **kwargs)
             assert out.shape[1] == len(prompts[0]) + output_len
         return time.perf_counter() - start
     return timed
@@ -109,7 +111,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--num-prompts", type=int, default=128)
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--dtype", default="auto", choices=["float32", "bfloat16", "auto"],
+    parser.add_argument("--device", default="auto", help="the engine's platform (cpu, cuda; vLLM's --device); HF "
+                        "runs on the same device")
+    parser.add_argument("--dtype", default="auto", choices=["float32", "bfloat16", "float16", "auto"],
                         help="auto: the checkpoint's (presets: 52m fp32, 350m bf16), or fp32 for bf16 where the "
                              "CPU has no bf16 arithmetic; HF computes in the same dtype")
     parser.add_argument("--enforce-eager", action="store_true", help="tokenmill without prepacked/fused ops")

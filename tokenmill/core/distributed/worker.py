@@ -42,6 +42,7 @@ from tokenmill.core.plugin_host.components import collect_components
 from tokenmill.core.plugin_host.platform_selection import select_platform
 from tokenmill.core.plugin_host.plugin_manager import make_plugin_manager
 from tokenmill.core.worker.model_builder import build_model
+from tokenmill.core.worker.input_staging import InputStaging
 from tokenmill.core.worker.model_step import ModelStep
 from tokenmill.interfaces.parallel import ParallelContext
 
@@ -83,7 +84,7 @@ def _build(spec: WorkerSpec, rank: int, connection: Connection) -> ModelStep:
     assert isinstance(setup, Setup), f"expected Setup, got {type(setup).__name__}"
     swap = built.allocate_caches(config, platform, setup.num_blocks, setup.num_host_blocks)
     return ModelStep(built.model, built.backend, config.cache.block_size, built.model_config.vocab_size, parallel,
-                     swap, built.adapters)
+                     swap, built.adapters, staging=InputStaging.for_platform(platform))
 
 
 def _serve(step: ModelStep, rank: int, connection: Connection) -> None:

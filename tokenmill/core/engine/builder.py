@@ -36,6 +36,7 @@ from tokenmill.core.sched.swap_space import SwapSpace
 from tokenmill.core.spec_decode.proposer_model import LocalProposerModel, load_proposer_model
 from tokenmill.core.spec_decode.speculator import Speculator
 from tokenmill.core.structured_output.manager import StructuredOutputManager
+from tokenmill.core.worker.input_staging import InputStaging
 from tokenmill.core.worker.model_builder import build_model
 from tokenmill.core.worker.model_runner import ModelRunner
 from tokenmill.core.worker.model_step import ModelStep
@@ -110,7 +111,7 @@ def _build_engine(config: EngineConfig, pm: PluginManager, components: Component
                           num_lookahead_slots=speculator.proposer.num_lookahead_slots if speculator else 0)
     greedy_head = None if config.enforce_eager or adapters or group else platform.greedy_head(model)
     model_step = ModelStep(model, built.backend, config.cache.block_size, model_config.vocab_size, parallel,
-                           swap_caches, adapters, greedy_head)
+                           swap_caches, adapters, greedy_head, InputStaging.for_platform(platform))
     if group is not None:
         model_step = DistributedModelStep(model_step, group)
         adapters = DistributedAdapters(adapters, group) if adapters is not None else None

@@ -66,7 +66,8 @@ def verify(sampler: Sampler, logits: torch.Tensor, rows: Sequence[SamplingRow],
         logprobs: list[Optional[PositionLogprobs]] = [None] * len(request_tokens)
         if raw_logprobs is not None and k is not None:
             logprobs = gather_logprobs(raw_logprobs[starts[i]:starts[i] + len(request_tokens)],
-                                       torch.tensor(request_tokens, dtype=torch.long), [k] * len(request_tokens))
+                                       torch.tensor(request_tokens, dtype=torch.long, device=logits.device),
+                                       [k] * len(request_tokens))
         verified.append(Verified(request_tokens, logprobs))
     return verified
 

@@ -48,8 +48,8 @@ class Sampler:
         want_logprobs = any(row.params.logprobs is not None for row in rows)
         raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
         processed, greedy = self.process(logits, rows)
-        tokens = torch.empty(len(rows), dtype=torch.long)
-        greedy_mask = torch.tensor(greedy)
+        tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+        greedy_mask = torch.tensor(greedy, device=logits.device)
         if greedy_mask.any():
             tokens[greedy_mask] = processed[greedy_mask].argmax(dim=-1)
         random_index = (~greedy_mask).nonzero().flatten()
@@ -75,7 +75,7 @@ class Sampler:
         greedy = [row.params.greedy for row in rows]
         if all(greedy):
             return logits, greedy
-        temperature = torch.tensor([row.params.temperature or 1.0 for row in rows]).unsqueeze(1)
+        temperature = torch.tensor([row.params.temperature or 1.0 for row in rows], device=logits.device).unsqueeze(1)
         logits = logits / temperature
         for processor in self._argmax_invariant:
             if processor.is_active():
@@ -96,7 +96,7 @@ class Sampler:
     @staticmethod
     def _truncate(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """min-p, then top-k and top-p, on logits already divided by each row's temperature."""
-        min_p = torch.tensor([row.params.min_p for row in rows])
+        min_p = torch.tensor([row.params.min_p for row in rows], device=logits.device)
         if (min_p > 0).any():
             probs = logits.softmax(dim=-1)
             threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
@@ -111,15 +111,16 @@ class Sampler:
         """One token from each row of ``probs``, with the row's generator (None: the engine's).
 
         The exponential race: argmax(p / q) with q ~ Exp(1) samples from p, and lets each
-        seeded row draw q from its own generator."""
-        q = torch.empty_like(probs)
+        seeded row draw q from its own generator. The generators are the host's, so a seeded
+        request draws the same numbers on every device; q then moves to ``probs``' device."""
+        q = torch.empty(probs.shape, dtype=probs.dtype)
         unseeded = [i for i, generator in enumerate(generators) if generator is None]
         if unseeded:
             q[unseeded] = torch.empty(len(unseeded), probs.shape[1]).exponential_(generator=self.generator)
         for i, generator in enumerate(generators):
             if generator is not None:
                 q[i].exponential_(generator=generator)
-        return (probs / q).argmax(dim=-1)
+        return (probs / q.to(probs.device, non_blocking=True)).argmax(dim=-1)
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -162,8 +163,8 @@ def _penalized(params: SamplingParams) -> bool:
 def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
     """Mask everything outside each row's top-k and top-p nucleus to -inf."""
     vocab = logits.shape[1]
-    k = torch.tensor([vocab if v == ALL_TOKENS else min(v, vocab) for v in top_k])
-    p = torch.tensor(top_p, dtype=logits.dtype)
+    k = torch.tensor([vocab if v == ALL_TOKENS else min(v, vocab) for v in top_k], device=logits.device)
+    p = torch.tensor(top_p, dtype=logits.dtype, device=logits.device)
     if bool((k == vocab).all()) and bool((p >= 1.0).all()):
         return logits
     sorted_logits, order = logits.sort(dim=-1, descending=False)

@@ -18,6 +18,7 @@ from tokenmill.core.config.engine_config import AdaptersConfig, EngineConfig, Qu
 from tokenmill.core.distributed.messages import Row, Step
 from tokenmill.core.plugin_host.components import Components
 from tokenmill.core.plugin_host.plugin_manager import PluginManager
+from tokenmill.core.worker.input_staging import InputStaging
 from tokenmill.core.worker.kv_cache import allocate_kv_caches
 from tokenmill.core.worker.model_builder import BuiltModel, build_model
 from tokenmill.core.worker.model_step import ModelStep
@@ -72,6 +73,6 @@ def load_proposer_model(path: str, config: EngineConfig, components: Components,
         raise ConfigError("speculative.model", f"{path} is an embedding model, which cannot draft tokens")
     greedy_head = None if config.enforce_eager else platform.greedy_head(built.model)
     step = ModelStep(built.model, built.backend, config.cache.block_size, built.model_config.vocab_size,
-                     greedy_head=greedy_head)
+                     greedy_head=greedy_head, staging=InputStaging.for_platform(platform))
     log.info("draft model loaded", model=path, architecture=built.model_config.architecture)
     return LocalProposerModel(built, step, platform)

@@ -241,7 +241,8 @@ class ModelRunner:
         result: dict[str, list[Optional[PositionLogprobs]]] = {}
         for item, row0, first, count in spans:
             state = self._states[item.request_id]
-            targets = torch.tensor(state.data.prompt_token_ids[first:first + count], dtype=torch.long)
+            targets = torch.tensor(state.data.prompt_token_ids[first:first + count], dtype=torch.long,
+                                   device=logits.device)
             k = state.data.sampling_params.prompt_logprobs
             result[item.request_id] = gather_logprobs(
                 logits[row0:row0 + count].log_softmax(dim=-1), targets, [k] * count

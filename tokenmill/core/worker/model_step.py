@@ -17,6 +17,7 @@ import torch
 
 from tokenmill.core.distributed.messages import Row, Step
 from tokenmill.core.layers.linear_shard import vocab_range
+from tokenmill.core.worker.input_staging import InputStaging
 from tokenmill.core.worker.kv_cache import SwapCaches
 from tokenmill.interfaces.adapters import AdapterType
 from tokenmill.interfaces.attention import AttentionBackend, AttentionMetadata
@@ -36,7 +37,8 @@ class StepResult:
 class ModelStep:
     def __init__(self, model: CausalLM, attention: AttentionBackend, block_size: int, vocab_size: int,
                  parallel: ParallelContext = SINGLE, swap: Optional[SwapCaches] = None,
-                 adapters: Optional[AdapterType] = None, greedy_head: Optional[GreedyArgmax] = None) -> None:
+                 adapters: Optional[AdapterType] = None, greedy_head: Optional[GreedyArgmax] = None,
+                 staging: Optional[InputStaging] = None) -> None:
         self.model = model
         #: the backend's per-step metadata builder, where it has one (AttentionBackend)
         self._build_metadata = getattr(attention, "build_metadata", None)
@@ -47,6 +49,8 @@ class ModelStep:
         self.adapters = adapters
         #: tokens for steps whose rows all take the argmax of their raw logits (one rank only)
         self.greedy_head = greedy_head
+        #: copies the inputs to the model's device (None: the model runs on the host)
+        self.staging = staging
 
     def swap_blocks(self, out: Sequence[Sequence[int]], into: Sequence[Sequence[int]]) -> None:
         """Copy (device block, host block) pairs out to and in from the swap space."""
@@ -121,12 +125,17 @@ class ModelStep:
             block_table[i, : len(r.block_ids)] = r.block_ids
         slots = block_table[request_index, positions // bs].astype(np.int64) * bs + positions % bs
 
-        input_ids = torch.tensor([t for r in rows for t in r.token_ids], dtype=torch.long)
+        token_ids = np.fromiter((t for r in rows for t in r.token_ids), np.int64, num_tokens)
+        staging = self.staging
+
+        def put(values: np.ndarray, name: str) -> torch.Tensor:
+            return torch.from_numpy(values) if staging is None else staging.to_device(name, values)
+
         common = AttentionMetadata(
-            query_start_loc=torch.from_numpy(query_start.astype(np.int32)),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
-            block_table=torch.from_numpy(block_table),
-            slot_mapping=torch.from_numpy(slots),
+            query_start_loc=put(query_start.astype(np.int32), "query_start_loc"),
+            seq_lens=put(seq_lens.astype(np.int32), "seq_lens"),
+            block_table=put(block_table, "block_table"),
+            slot_mapping=put(slots, "slot_mapping"),
             max_query_len=int(query_lens.max()),
             max_seq_len=int(seq_lens.max()),
             query_start_loc_cpu=tuple(query_start.tolist()),
@@ -134,4 +143,4 @@ class ModelStep:
             block_size=bs,
         )
         metadata = common if self._build_metadata is None else self._build_metadata(common)
-        return input_ids, torch.from_numpy(positions), metadata
+        return put(token_ids, "input_ids"), put(positions, "positions"), metadata

@@ -46,8 +46,10 @@ class LoRALayer:
         self.max_rank = max_rank
         dtype = linear.dtype
         parts = len(self.sizes)
-        self.A = torch.zeros(slots, parts * max_rank, linear.input_size, dtype=dtype)
-        self.B = torch.zeros(slots, sum(self.sizes), parts * max_rank, dtype=dtype)
+        # beside the base layer's weights (on the GPU, where the Triton kernel reads them)
+        device = next(linear.parameters()).device
+        self.A = torch.zeros(slots, parts * max_rank, linear.input_size, dtype=dtype, device=device)
+        self.B = torch.zeros(slots, sum(self.sizes), parts * max_rank, dtype=dtype, device=device)
         self.step = step
 
     def mismatch(self, part: int, a: torch.Tensor, b: torch.Tensor) -> Optional[str]:

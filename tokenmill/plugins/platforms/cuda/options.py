@@ -1,0 +1,13 @@
+"""The ``platform.cuda`` config section."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class CudaOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    #: the share of the GPU's memory the engine may use, weights and KV cache together; the KV
+    #: cache gets what the weights and activations leave of it (vLLM's gpu_memory_utilization)
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
