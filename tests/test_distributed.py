@@ -162,14 +162,18 @@ def test_quantized_checkpoints_split_by_packs_and_groups(name):
 
 
 @pytest.mark.skipif(not CHECKPOINTS.is_dir(), reason=f"shared checkpoints not found at {CHECKPOINTS}")
+@pytest.mark.parametrize("kernel", ["dequantize", "scaled_mm"])
 @pytest.mark.parametrize("name", ["ct-fp8-channel-dynamic", "fp8-tensor-static"])
-def test_fp8_checkpoints_split_with_their_activation_scales(name):
-    """FP8 weights split like plain ones; a dynamic per-token activation scale is the whole
-    row's (a max all-reduce), so TP=2 reproduces the W8A8 reference exactly."""
+def test_fp8_checkpoints_split_with_their_activation_scales(name, kernel):
+    """FP8 weights split like plain ones, with either kernel; a dynamic per-token activation
+    scale is the whole row's (a max all-reduce), so TP=2 reproduces the W8A8 reference exactly."""
     from safetensors.torch import load_file
 
     reference = load_file(CHECKPOINTS / name / "reference.safetensors")
-    with LLM(str(CHECKPOINTS / name), tensor_parallel_size=2, dtype="float32", kv_cache_memory_bytes=2**24) as two:
+    config = load_config(model=str(CHECKPOINTS / name), tensor_parallel_size=2, dtype="float32",
+                         kv_cache_memory_bytes=2**24)
+    config.quantization.fp8_kernel = kernel
+    with LLM(config=config) as two:
         logits = torch.stack([prompt_logits(two.llm_engine, row.tolist()) for row in reference["input_ids"]])
     expected = reference["logits_w8a8"]
     assert ((logits - expected).norm() / expected.norm()).item() < 1e-5

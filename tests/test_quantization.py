@@ -245,3 +245,25 @@ def test_block_fp8_with_partial_blocks_equals_the_dequantized_weights(arch, size
     got, expected = weight_only_and_dense_logits(quantized, tmp_path / "dense")
     assert relative_error(got, expected) < 1e-5
     assert (got.log_softmax(-1) - expected.log_softmax(-1)).abs().max().item() < 1e-4
+
+
+@needs_checkpoints
+@pytest.mark.parametrize("name", [n for n in NAMES if "fp8" in n and "block" not in n])
+def test_fp8_scaled_mm_keeps_e4m3_weights_and_matches_the_w8a8_reference(name):
+    """fp8_kernel: scaled_mm (a GPU's default) multiplies FP8 by FP8 with torch._scaled_mm on
+    the e4m3 weights: the same W8A8 logits as the dequantizing kernel, a quarter of the fp32
+    weight bytes in the linear layers."""
+    path = CHECKPOINTS / name
+    reference = load_file(path / "reference.safetensors")
+    engines = {}
+    for kernel in ("scaled_mm", "dequantize"):
+        config = load_config(model=str(path), dtype="float32", kv_cache_memory_bytes=2**24)
+        config.quantization.fp8_kernel = kernel
+        engines[kernel] = LLM(config=config).llm_engine
+    logits = {kernel: torch.stack([prompt_logits(engine, row.tolist()) for row in reference["input_ids"]])
+              for kernel, engine in engines.items()}
+    assert relative_error(logits["scaled_mm"], reference["logits_w8a8"]) < 1e-3
+    assert relative_error(logits["scaled_mm"], logits["dequantize"]) < 1e-5
+    layers = [engine.runner.model.model.layers[0].mlp.down_proj for engine in engines.values()]
+    assert layers[0].weight.dtype == torch.float8_e4m3fn and layers[1].weight.dtype == torch.float32
+    assert layers[0].weight.nbytes * 4 == layers[1].weight.nbytes

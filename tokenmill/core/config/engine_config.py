@@ -69,6 +69,11 @@ class QuantizationConfig(BaseModel):
     method: Optional[str] = None
     #: apply the checkpoint's activation quantization (FP8 W8A8 schemes); off = weight-only
     quantize_activations: bool = True
+    #: how FP8 W8A8 linears multiply: "scaled_mm" keeps the e4m3 weights (1 byte per parameter)
+    #: and multiplies FP8 by FP8 with torch._scaled_mm; "dequantize" widens the weights once, at
+    #: load; "auto" is scaled_mm where the weights live on a GPU, dequantize elsewhere (a CPU
+    #: has no FP8 arithmetic). Weight-only and 128x128-block schemes always dequantize
+    fp8_kernel: Literal["auto", "scaled_mm", "dequantize"] = "auto"
 
 
 class StructuredOutputsConfig(BaseModel):

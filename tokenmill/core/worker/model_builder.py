@@ -87,7 +87,8 @@ def build_model(config: EngineConfig, components: Components, pm: PluginManager,
     backend = _attention_backend(config, model_config, components, pm, platform)
     quantization = _quantization(config, model_config, components)
     torch.manual_seed(config.seed)
-    model = model_cls(ModelContext(model_config.hf_config, model_config.dtype, backend, quantization, parallel))
+    with torch.device(platform.device_type):  # parameters made on the device, loaded straight into it
+        model = model_cls(ModelContext(model_config.hf_config, model_config.dtype, backend, quantization, parallel))
     _load_checkpoint(model, model_config)
     if not config.enforce_eager:
         dispatch_custom_ops(model, platform)

@@ -1,11 +1,15 @@
 """FP8 (e4m3) weights: vLLM's ``fp8`` checkpoints, ``compressed-tensors`` float-quantized
 checkpoints, and online quantization of unquantized checkpoints.
 
-CPUs have no FP8 arithmetic, so weights are dequantized once, at load, to the
-compute dtype (the log reports the resulting weight memory). When the
-checkpoint's scheme quantizes activations (W8A8: static per-tensor, or dynamic
-per-token, block-wise checkpoints included), the same quantize-dequantize is
-applied to activations, unless ``quantization.quantize_activations`` is off.
+Two kernels (``quantization.fp8_kernel``). ``scaled_mm`` (the default where the weights live
+on a GPU) keeps the e4m3 weights and multiplies FP8 activations by them with
+``torch._scaled_mm``, scaled per token (dynamic) or per tensor (static) on the activation
+side and per output channel on the weight side (a per-tensor scale of each fused part,
+expanded); the log's weight memory shows the saving. ``dequantize`` (the default on CPUs,
+which have no FP8 arithmetic) widens the weights once, at load, to the compute dtype and
+applies the same quantize-dequantize to activations. Both compute the same W8A8 product.
+Weight-only schemes (``quantization.quantize_activations`` off, online FP8) and 128x128
+block checkpoints always dequantize.
 """
 
 from __future__ import annotations
@@ -39,8 +43,10 @@ class Fp8Scheme:
 
 
 class Fp8LinearMethod:
-    def __init__(self, scheme: Fp8Scheme, quantize_activations: bool, online: bool = False) -> None:
+    def __init__(self, scheme: Fp8Scheme, quantize_activations: bool, online: bool = False,
+                 kernel: str = "auto") -> None:
         self.scheme = scheme
+        self.kernel = kernel
         #: splits over tensor-parallel ranks by output rows or input columns, its scales per
         #: tensor or per output channel following; 128x128 blocks would straddle the slices
         self.tensor_parallel = online or scheme.weights != "block"
@@ -79,6 +85,12 @@ class Fp8LinearMethod:
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         w = layer.weight.data
+        if self._scaled_mm(w):  # e4m3 weights stay; the scales become one per output channel
+            layer.register_buffer("fp8_weight_scale", self._expanded_scale(layer, w.shape).reshape(1, -1).float(),
+                                  persistent=False)
+            delattr(layer, self.scheme.scale_name)
+            layer.fp8_scaled_mm = True
+            return
         if self.online:  # per-channel FP8 of a full-precision checkpoint
             scale = (w.float().abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
             dequant = (w.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * scale
@@ -87,6 +99,13 @@ class Fp8LinearMethod:
             delattr(layer, self.scheme.scale_name)
         del layer.weight
         layer.register_parameter("weight", nn.Parameter(dequant.to(layer.quant_dtype), requires_grad=False))
+
+    def _scaled_mm(self, weight: torch.Tensor) -> bool:
+        """Whether this layer multiplies in FP8: a W8A8 scheme with per-tensor or per-channel
+        weight scales, and the kernel asked for (or "auto" on a GPU)."""
+        if self.online or self.activations is None or self.scheme.weights == "block":
+            return False
+        return self.kernel == "scaled_mm" or (self.kernel == "auto" and weight.device.type == "cuda")
 
     def _expanded_scale(self, layer: nn.Module, shape: torch.Size) -> torch.Tensor:
         scale = getattr(layer, self.scheme.scale_name).data
@@ -104,6 +123,8 @@ class Fp8LinearMethod:
         return torch.cat(parts)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if getattr(layer, "fp8_scaled_mm", False):
+            return self._apply_scaled_mm(layer, x, bias)
         if self.activations is None:
             return nn.functional.linear(x, layer.weight, bias)
         if self.activations == "static":
@@ -115,12 +136,46 @@ class Fp8LinearMethod:
                 start += size
             out = torch.cat(outs, dim=-1)
             return out if bias is None else out + bias
-        amax = x.abs().amax(dim=-1, keepdim=True)
-        shard = getattr(layer, "shard", None)
-        if shard is not None and shard.reduces:  # each rank holds a slice of the row: its scale is the whole row's
-            amax = shard.parallel.comm.all_reduce(amax, "max")
-        scale = (amax.float() / FP8_MAX).clamp(min=1e-12).to(x.dtype)
-        return nn.functional.linear(fake_quantize(x, scale), layer.weight, bias)
+        return nn.functional.linear(fake_quantize(x, _token_scale(layer, x).to(x.dtype)), layer.weight, bias)
+
+    def _apply_scaled_mm(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """FP8 x FP8 with row-wise scales: per token (or the static scale, repeated) for the
+        activations, per output channel for the weights; fp32 accumulation."""
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        # cuBLASLt's row-wise scaling writes bf16 only; elsewhere the compute dtype directly
+        out_dtype = torch.bfloat16 if x.device.type == "cuda" else x.dtype
+        if self.activations == "static":  # each fused part has its own input scale
+            outs, start = [], 0
+            for i, size in enumerate(layer.quant_output_sizes):
+                scale = layer.input_scale[i].float().reshape(1, 1).expand(x.shape[0], 1).contiguous()
+                outs.append(torch._scaled_mm(_to_fp8(x, scale), layer.weight[start:start + size].t(), scale_a=scale,
+                                             scale_b=layer.fp8_weight_scale[:, start:start + size].contiguous(),
+                                             out_dtype=out_dtype))
+                start += size
+            out = torch.cat(outs, dim=-1)
+        else:
+            scale = _token_scale(layer, x)
+            out = torch._scaled_mm(_to_fp8(x, scale), layer.weight.t(), scale_a=scale,
+                                   scale_b=layer.fp8_weight_scale, out_dtype=out_dtype)
+        out = out.to(x.dtype)
+        if bias is not None:
+            out = out + bias
+        return out.reshape(*shape[:-1], out.shape[-1])
+
+
+def _token_scale(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Dynamic per-token activation scales [tokens, 1], float32: the row's absolute maximum
+    over FP8's range (under tensor parallelism, the whole row's, by a max all-reduce)."""
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    shard = getattr(layer, "shard", None)
+    if shard is not None and shard.reduces:  # each rank holds a slice of the row: its scale is the whole row's
+        amax = shard.parallel.comm.all_reduce(amax, "max")
+    return (amax.float() / FP8_MAX).clamp(min=1e-12)
+
+
+def _to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
 def _block_scale_loader(layer: nn.Module, output_sizes: list[int], block_n: int):
@@ -165,6 +220,7 @@ class Fp8Method:
 
     def __init__(self, config: dict[str, Any], options: Any = None) -> None:
         quantize_activations = getattr(options, "quantize_activations", True)
+        kernel = getattr(options, "fp8_kernel", "auto")
         if not config:  # online: quantization="fp8" over a full-precision checkpoint
             self.method = Fp8LinearMethod(Fp8Scheme("channel"), quantize_activations, online=True)
             self.ignored_layers = None
@@ -181,7 +237,7 @@ class Fp8Method:
             fp8 = Fp8Scheme("block", tuple(block), "token", "weight_scale_inv")
         else:
             fp8 = Fp8Scheme("tensor", None, "static" if scheme == "static" else "token")
-        self.method = Fp8LinearMethod(fp8, quantize_activations)
+        self.method = Fp8LinearMethod(fp8, quantize_activations, kernel=kernel)
         self.ignored_layers = config.get("ignored_layers")
 
     def linear_method(self, prefix: str) -> Optional[Fp8LinearMethod]:
@@ -218,7 +274,8 @@ class CompressedTensorsMethod:
                 raise ConfigError("quantization_config.config_groups.input_activations",
                                   f"unsupported activation scheme {inputs}")
         scheme = Fp8Scheme(strategy, block, activations)
-        self.method = Fp8LinearMethod(scheme, getattr(options, "quantize_activations", True))
+        self.method = Fp8LinearMethod(scheme, getattr(options, "quantize_activations", True),
+                                      kernel=getattr(options, "fp8_kernel", "auto"))
         self.ignore = config.get("ignore")
 
     def linear_method(self, prefix: str) -> Optional[Fp8LinearMethod]:

@@ -9,10 +9,10 @@ zeros[g_idx[k], n]) * scales[g_idx[k], n]``. From there one kernel is chosen:
   (``_weight_int4pack_mm_for_cpu``); act-order becomes a permutation of the
   input channels, applied to activations.
 - otherwise (8-bit, irregular groups): int8 storage, dequantized per call.
-- CUDA (when the layer's tensors live on a GPU): the Triton dequant-GEMM in
-  ``triton_gemm`` over GPTQ-packed weights (AWQ is repacked to that layout).
-  The engine itself runs on CPU today, so this path is exercised by the kernel
-  test under TRITON_INTERPRET=1.
+- CUDA (when the layer's tensors live on a GPU, as under the cuda platform, which
+  loads weights straight to the device): the Triton dequant-GEMM in ``triton_gemm``
+  over GPTQ-packed weights (AWQ is repacked to that layout); tested on CPU by the
+  kernel test under TRITON_INTERPRET=1, and compiled for sm_80/sm_90.
 
 Weights stay quantized in memory in every case.
 """
