@@ -12,8 +12,8 @@ its ``options_model`` (a pydantic model): ``platform: {name: cpu, cpu: {num_thre
 
 Platforms are registered through the ``register_platforms`` hook.
 ``platform.name: auto`` tries every registered platform's ``detect()`` and
-takes the usable one with the highest ``priority``, logging at warning level
-why each other one was passed over; an explicit name that is unusable is an
+takes the usable one with the highest ``priority``, logging why each other one
+was passed over (at warning level only when none is usable); an explicit name that is unusable is an
 error that gives the platform's reason. The defaults below are plain PyTorch
 on the CPU, so a subclass overrides only what it changes.
 """

@@ -53,6 +53,7 @@ def _choose(name: str, registry: Registry) -> type[Platform]:
         log.info("platform selected", platform=name, why=f"platform.name is {name!r}; {found.reason}")
         return cls
     usable: list[tuple[int, str, type[Platform], Detection]] = []
+    unusable: list[tuple[str, str]] = []
     for entry_name in registry.names():
         try:
             cls = registry.get(entry_name)
@@ -62,13 +63,18 @@ def _choose(name: str, registry: Registry) -> type[Platform]:
         if found.usable:
             usable.append((cls.priority, entry_name, cls, found))
         else:
-            log.warning("platform not usable", platform=entry_name, reason=found.reason)
+            unusable.append((entry_name, found.reason))
+    # a platform without its device here is expected (the cuda platform on a CPU machine):
+    # info, unless nothing can run, when the reasons are the error's explanation
+    report = log.info if usable else log.warning
+    for entry_name, reason in unusable:
+        report("platform not usable", platform=entry_name, reason=reason)
     if not usable:
         tried = ", ".join(registry.names()) or "none is registered"
         raise ConfigError("platform.name", f"no platform can run here (tried: {tried}); the warnings above say why")
     usable.sort(key=lambda item: -item[0])
     _, chosen, cls, found = usable[0]
     for _, other, _, _ in usable[1:]:
-        log.warning("platform not chosen", platform=other, reason=f"{chosen!r} is usable and ranks higher")
+        log.info("platform not chosen", platform=other, reason=f"{chosen!r} is usable and ranks higher")
     log.info("platform selected", platform=chosen, why=f"platform.name is 'auto'; {found.reason}")
     return cls
