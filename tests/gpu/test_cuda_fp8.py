@@ -1,0 +1,29 @@
+"""On a CUDA GPU: FP8 checkpoints keep their e4m3 weights on the device and multiply with
+torch._scaled_mm, reproducing the shared W8A8 reference logits. cuBLASLt writes row-wise
+scaled products in bf16, so the bound is bf16's (1e-2 relative), not fp32's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tokenmill import LLM, load_config
+from tokenmill.testing.logits import prompt_logits
+
+CHECKPOINTS = Path(__file__).parents[2].parent / "shared" / "quant-checkpoints"
+
+
+@pytest.mark.skipif(not CHECKPOINTS.is_dir(), reason=f"shared checkpoints not found at {CHECKPOINTS}")
+@pytest.mark.parametrize("name", ["ct-fp8-channel-dynamic", "ct-fp8-tensor-static", "fp8-tensor-static"])
+def test_fp8_on_the_gpu_matches_the_w8a8_reference(name):
+    reference = load_file(CHECKPOINTS / name / "reference.safetensors")
+    config = load_config(model=str(CHECKPOINTS / name), device="cuda", dtype="float32", kv_cache_memory_bytes=2**26)
+    engine = LLM(config=config).llm_engine
+    layer = engine.runner.model.model.layers[0].mlp.down_proj
+    assert layer.weight.dtype == torch.float8_e4m3fn and layer.weight.device.type == "cuda"
+    logits = torch.stack([prompt_logits(engine, row.tolist()).cpu() for row in reference["input_ids"]])
+    expected = reference["logits_w8a8"]
+    assert ((logits - expected).norm() / expected.norm()).item() < 1e-2
