@@ -87,7 +87,7 @@ def timed_pass(llm: LLM, prompts: list[list[int]], params: SamplingParams, batch
     """Requests ``batch`` at a time: output tokens per second, and the decode time per output
     token (first token to last, per request; the median over requests)."""
     stats = llm.llm_engine.scheduler.spec_stats
-    before = (stats.num_draft_tokens, stats.num_accepted_tokens, list(stats.accepted_per_position), stats.num_drafts)
+    before = stats.snapshot()
     tokens, tpot = 0, []
     start = time.perf_counter()
     for i in range(0, len(prompts), batch):
@@ -96,13 +96,10 @@ def timed_pass(llm: LLM, prompts: list[list[int]], params: SamplingParams, batch
             tokens += n
             tpot.append((m.finished_time - m.first_token_time) / (n - 1))
     seconds = time.perf_counter() - start
-    per_position = [after - (before[2][j] if j < len(before[2]) else 0)
-                    for j, after in enumerate(stats.accepted_per_position)]
-    drafted = stats.num_draft_tokens - before[0]
+    new = stats.since(before)
     return {"output_tok_s": tokens / seconds, "tpot_ms": 1000 * statistics.median(tpot),
-            "drafts": stats.num_drafts - before[3], "draft_tokens": drafted,
-            "accepted_tokens": stats.num_accepted_tokens - before[1],
-            "accepted_per_position": per_position}
+            "drafts": new.num_drafts, "draft_tokens": new.num_draft_tokens,
+            "accepted_tokens": new.num_accepted_tokens, "accepted_per_position": new.accepted_per_position}
 
 
 def main() -> None:

@@ -91,17 +91,15 @@ class ServerMetrics:
             self._observe_request(output, now)
 
     def _observe_spec(self, stats: SpecDecodingStats) -> None:
-        seen = self._seen_spec
-        if stats.num_drafts == seen.num_drafts:
+        new = stats.since(self._seen_spec)
+        if not new.num_drafts:
             return
-        self.spec_drafts.inc(stats.num_drafts - seen.num_drafts)
-        self.spec_draft_tokens.inc(stats.num_draft_tokens - seen.num_draft_tokens)
-        self.spec_accepted_tokens.inc(stats.num_accepted_tokens - seen.num_accepted_tokens)
-        for position, count in enumerate(stats.accepted_per_position):
-            before = seen.accepted_per_position[position] if position < len(seen.accepted_per_position) else 0
-            self._spec_per_position.labels(self.model_name, str(position)).inc(count - before)
-        self._seen_spec = SpecDecodingStats(stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
-                                            list(stats.accepted_per_position))
+        self.spec_drafts.inc(new.num_drafts)
+        self.spec_draft_tokens.inc(new.num_draft_tokens)
+        self.spec_accepted_tokens.inc(new.num_accepted_tokens)
+        for position, count in enumerate(new.accepted_per_position):
+            self._spec_per_position.labels(self.model_name, str(position)).inc(count)
+        self._seen_spec = stats.snapshot()
 
     def _observe_request(self, output: RequestOutput, now: float) -> None:
         metrics = output.metrics

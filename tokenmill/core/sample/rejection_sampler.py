@@ -39,6 +39,14 @@ def accept_greedy(targets: Sequence[int], drafts: Sequence[int]) -> list[int]:
     return list(targets[:len(drafts) + 1])
 
 
+def row_starts(drafts: Sequence[Sequence[int]]) -> list[int]:
+    """Each request's first row, and the end: a request with k drafts has k + 1 rows."""
+    starts = [0]
+    for request_drafts in drafts:
+        starts.append(starts[-1] + len(request_drafts) + 1)
+    return starts
+
+
 def verify(sampler: Sampler, logits: torch.Tensor, rows: Sequence[SamplingRow],
            drafts: Sequence[Sequence[int]],
            draft_probs: Optional[Sequence[Optional[torch.Tensor]]] = None) -> list[Verified]:
@@ -48,9 +56,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, rows: Sequence[SamplingRow],
     want_logprobs = any(row.params.logprobs is not None for row in rows)
     raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
     processed, greedy = sampler.process(logits, rows)
-    starts = [0]
-    for request_drafts in drafts:
-        starts.append(starts[-1] + len(request_drafts) + 1)
+    starts = row_starts(drafts)
     tokens: list[list[int]] = [[] for _ in drafts]
     sampled = [i for i in range(len(drafts)) if not greedy[starts[i]]]
     if len(sampled) < len(drafts):

@@ -48,14 +48,11 @@ class Sampler:
         want_logprobs = any(row.params.logprobs is not None for row in rows)
         raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
         processed, greedy = self.process(logits, rows)
-        tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-        greedy_mask = torch.tensor(greedy, device=logits.device)
-        if greedy_mask.any():
-            tokens[greedy_mask] = processed[greedy_mask].argmax(dim=-1)
-        random_index = (~greedy_mask).nonzero().flatten()
-        if len(random_index):
+        tokens = processed.argmax(dim=-1)  # the greedy rows' tokens; the sampling rows' are drawn
+        random_index = [i for i, g in enumerate(greedy) if not g]
+        if random_index:
             tokens[random_index] = self.draw(processed[random_index].softmax(dim=-1),
-                                             [rows[i].generator for i in random_index.tolist()])
+                                             [rows[i].generator for i in random_index])
         token_list = tokens.tolist()
         if raw_logprobs is None:
             return token_list, [None] * len(rows)

@@ -3,7 +3,7 @@ tokens accepted, and acceptances by position (how far into a draft the target ag
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass
@@ -23,6 +23,17 @@ class SpecDecodingStats:
             self.accepted_per_position.extend([0] * (num_draft_tokens - len(self.accepted_per_position)))
         for position in range(num_accepted):
             self.accepted_per_position[position] += 1
+
+    def snapshot(self) -> "SpecDecodingStats":
+        return replace(self, accepted_per_position=list(self.accepted_per_position))
+
+    def since(self, earlier: "SpecDecodingStats") -> "SpecDecodingStats":
+        """What was counted after ``earlier`` (a snapshot of these counters)."""
+        before = earlier.accepted_per_position + [0] * len(self.accepted_per_position)
+        return SpecDecodingStats(self.num_drafts - earlier.num_drafts,
+                                 self.num_draft_tokens - earlier.num_draft_tokens,
+                                 self.num_accepted_tokens - earlier.num_accepted_tokens,
+                                 [count - before[j] for j, count in enumerate(self.accepted_per_position)])
 
     @property
     def acceptance_rate(self) -> float:

@@ -20,7 +20,7 @@ import torch
 
 from tokenmill.core.distributed.messages import Row, Step
 from tokenmill.core.sample.persistent_batch import PersistentBatch
-from tokenmill.core.sample.rejection_sampler import accept_greedy, verify
+from tokenmill.core.sample.rejection_sampler import accept_greedy, row_starts, verify
 from tokenmill.core.sample.sampler import Sampler, SamplingRow, gather_logprobs
 from tokenmill.core.worker.model_step import ModelStep, StepResult
 from tokenmill.interfaces.batch import (
@@ -51,6 +51,8 @@ class LaunchedStep:
     #: has k + 1 consecutive rows)
     sample_rows: list[int] = field(default_factory=list)
     sample_items: list[ScheduledRequest] = field(default_factory=list)
+    #: the sampling rows of ``sample_items``, as the logits processors were told them
+    sampling_rows: list[SamplingRow] = field(default_factory=list)
     #: (item, first row, first prompt token, count) per prompt-logprob span
     prompt_spans: list[tuple[ScheduledRequest, int, int, int]] = field(default_factory=list)
     step: Optional[Step] = None
@@ -135,9 +137,9 @@ class ModelRunner:
                 rows.extend(range(start - 1 - len(item.spec_token_ids), start))
         if batch.is_empty:
             return launched
-        sampling_rows = self._update_processors(launched.sample_items)
+        launched.sampling_rows = self._update_processors(launched.sample_items)
         self._processors_hold = launched
-        greedy = (bool(rows) and not launched.prompt_spans and self.sampler.argmax_only(sampling_rows)
+        greedy = (bool(rows) and not launched.prompt_spans and self.sampler.argmax_only(launched.sampling_rows)
                   and (self.greedy_head is not None or self.model_step.parallel.world_size > 1))
         launched.step = Step([Row(item.new_token_ids, item.num_computed_tokens, item.block_ids,
                                   self._states[item.request_id].data.adapter_name) for item in batch.scheduled],
@@ -159,18 +161,17 @@ class ModelRunner:
             sampling_rows = self._update_processors(sample_items)  # other steps were launched since
             self._processors_hold = launched
         else:
-            sampling_rows = self._sampling_rows(sample_items)
+            sampling_rows = launched.sampling_rows
         drafts = [item.spec_token_ids for item in sample_items]
         row_index = [row + j for item, row in kept for j in range(len(item.spec_token_ids) + 1)]
         verified: list[tuple[list[int], list[Optional[PositionLogprobs]]]] = []
         prompt_logprobs: dict[str, list[Optional[PositionLogprobs]]] = {}
         if result.tokens is not None:
             targets = [result.tokens[row] for row in row_index]
-            start = 0
-            for request_drafts in drafts:
-                tokens = accept_greedy(targets[start:start + len(request_drafts) + 1], request_drafts)
+            starts = row_starts(drafts)
+            for request_drafts, start, end in zip(drafts, starts, starts[1:]):
+                tokens = accept_greedy(targets[start:end], request_drafts)
                 verified.append((tokens, [None] * len(tokens)))
-                start += len(request_drafts) + 1
         else:
             logits = result.logits
             prompt_logprobs = self._prompt_logprobs(logits, spans)
