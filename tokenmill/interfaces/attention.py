@@ -34,6 +34,9 @@ class AttentionCapabilities:
     #: cache dtypes besides the compute dtype it can keep K/V in (``cache.kv_cache_dtype``):
     #: new K/V rounded to it on write, widened again on read
     kv_cache_dtypes: tuple[torch.dtype, ...] = ()
+    #: decode steps can be recorded once and replayed (CUDA graphs): the backend has
+    #: ``graph_metadata``, and a decode step's forward reads only that metadata's tensors
+    cuda_graph: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +87,13 @@ class AttentionBackend(Protocol):
     backend defines it, the model runner calls it once per step and every layer gets its
     result (a subclass carrying what the layers share: vLLM's metadata builder), so no
     backend keeps per-step state of its own.
+
+    Optional, with the ``cuda_graph`` capability: ``graph_metadata(common, positions,
+    max_seq_len) -> AttentionMetadata``, the metadata of a recorded decode step. Every row
+    has one query token at ``positions``; ``common``'s tensors are the graph's fixed input
+    buffers, refilled before each replay, and its host copies hold no step's values, so
+    nothing in the result may depend on them: a replay runs whatever the recording
+    launched, with the same grid (``max_seq_len`` bounds every row's context).
     """
 
     name: ClassVar[str]

@@ -5,7 +5,8 @@ party's accelerator: whether it is usable here, which dtype ``dtype: auto``
 means for a checkpoint, per-process setup (threads, allocator), the KV-cache
 memory budget, the optimisation pass over a loaded model (prepacked weights,
 fused ops, decode fast paths), an optional greedy argmax head, and host buffers
-(swap space, input staging). The core asks; it never tests for a device itself.
+(swap space, input staging), recorded device work for decode steps (CUDA graphs) and the
+memory a forward pass's activations take. The core asks; it never tests for a device itself.
 
 A platform's options live in its own config section, ``platform.<name>``, validated by
 its ``options_model`` (a pydantic model): ``platform: {name: cpu, cpu: {num_threads: 4}}``.
@@ -42,6 +43,14 @@ class GreedyArgmax(Protocol):
         """The argmax token per row of ``hidden``, or None to fall back to full logits."""
 
 
+class DeviceGraph(Protocol):
+    """Device work recorded once and launched again as a whole: the same kernels, on whatever
+    their input buffers hold at the time."""
+
+    def replay(self) -> None:
+        """Launch the recorded work again."""
+
+
 class NoOptions(BaseModel):
     """A platform without options: its section, if given, must be empty."""
 
@@ -60,6 +69,10 @@ class Platform:
     dist_backend: str = "gloo"
     #: with ``platform.name: auto``, the usable platform with the highest priority wins
     priority: int = 0
+    #: the KV-cache budget leaves room for a forward pass's activations, measured by running
+    #: one at startup (``peak_memory``); a platform whose budget is a configured number
+    #: (the CPU's ``cache.kv_cache_memory``) skips that run
+    profiles_memory: ClassVar[bool] = False
     #: validates the ``platform.<name>`` config section
     options_model: ClassVar[type[BaseModel]] = NoOptions
 
@@ -79,9 +92,22 @@ class Platform:
     def setup_process(self) -> None:
         """Per-process setup before the model is built: threads, allocator settings."""
 
-    def kv_cache_memory(self, requested: int) -> int:
-        """The bytes the KV cache may use, given the configured ``cache.kv_cache_memory``."""
+    def kv_cache_memory(self, requested: int, activation_bytes: int = 0) -> int:
+        """The bytes the KV cache may use, given the configured ``cache.kv_cache_memory`` and,
+        where the platform ``profiles_memory``, the peak a forward pass's activations reached."""
         return requested
+
+    def peak_memory(self, run: Callable[[], None]) -> int:
+        """Bytes the device's allocator held at its peak during ``run`` beyond what it held
+        before. Asked only where the platform ``profiles_memory``."""
+        run()
+        return 0
+
+    def capture_graph(self, run: Callable[[], None]) -> Optional[DeviceGraph]:
+        """``run``'s device work recorded for replay (after a warm-up run), or None where the
+        platform has no such graphs and decode steps launch their kernels one by one. Every
+        graph of an engine shares one memory pool: they are never replayed at once."""
+        return None
 
     def custom_op(self, layer: torch.nn.Module) -> Optional[Callable[..., Any]]:
         """This platform's implementation of the op ``layer.op_name`` names (a

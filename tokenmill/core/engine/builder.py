@@ -36,6 +36,7 @@ from tokenmill.core.sched.swap_space import SwapSpace
 from tokenmill.core.spec_decode.proposer_model import LocalProposerModel, load_proposer_model
 from tokenmill.core.spec_decode.speculator import Speculator
 from tokenmill.core.structured_output.manager import StructuredOutputManager
+from tokenmill.core.worker.decode_graphs import DecodeGraphs
 from tokenmill.core.worker.input_staging import InputStaging
 from tokenmill.core.worker.model_builder import build_model
 from tokenmill.core.worker.model_runner import ModelRunner
@@ -110,8 +111,13 @@ def _build_engine(config: EngineConfig, pm: PluginManager, components: Component
                           max_adapters=adapters.max_active if adapters else None, pipeline_depth=parallel.pp_size,
                           num_lookahead_slots=speculator.proposer.num_lookahead_slots if speculator else 0)
     greedy_head = None if config.enforce_eager or adapters or group else platform.greedy_head(model)
+    graphs = None
+    if not (config.enforce_eager or adapters or group) and built.backend.capabilities.cuda_graph:
+        graphs = DecodeGraphs.for_engine(model, built.backend, platform, config.scheduler.max_num_seqs,
+                                         config.cache.block_size, model_config.max_model_len,
+                                         scheduler.num_lookahead_slots)
     model_step = ModelStep(model, built.backend, config.cache.block_size, model_config.vocab_size, parallel,
-                           swap_caches, adapters, greedy_head, InputStaging.for_platform(platform))
+                           swap_caches, adapters, greedy_head, InputStaging.for_platform(platform), graphs)
     if group is not None:
         model_step = DistributedModelStep(model_step, group)
         adapters = DistributedAdapters(adapters, group) if adapters is not None else None

@@ -3,7 +3,8 @@
 The driver and each worker call ``build_model`` with the same config and their own
 ``ParallelContext``: the checkpoint streams into this rank's shard (its columns, rows,
 vocabulary range, pipeline stage), the platform optimises it, and the adapters attach.
-How many KV blocks it can hold is each rank's to say; the engine allocates the minimum.
+How many KV blocks it can hold is each rank's to say (after a profiling forward pass, on a
+platform that ``profiles_memory``); the engine allocates the minimum.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from tokenmill.core.model_loader.weights import load_strictly
 from tokenmill.core.plugin_host.components import Components
 from tokenmill.core.plugin_host.plugin_manager import PluginManager
 from tokenmill.core.worker.kv_cache import SwapCaches, allocate_kv_caches
+from tokenmill.core.worker.memory_profile import profile_forward
 from tokenmill.interfaces.adapters import AdapterType
 from tokenmill.interfaces.attention import AttentionBackend
 from tokenmill.interfaces.errors import ConfigError
@@ -65,7 +67,15 @@ class BuiltModel:
         """(KV blocks this rank's budget holds, host blocks its swap space holds).
         ``extra_bytes_per_block``: other caches over the same blocks (a draft model's)."""
         per_block = max(1, self.kv_bytes_per_block(config.cache.block_size) + extra_bytes_per_block)
-        budget = platform.kv_cache_memory(int(config.cache.kv_cache_memory))
+        activations = 0
+        if platform.profiles_memory:
+            activations = platform.peak_memory(lambda: profile_forward(
+                self.model, self.backend, self.parallel, self.model_config.vocab_size, self.cache_dtype,
+                platform.device_type, config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs,
+                self.model_config.max_model_len, config.cache.block_size))
+            log.info("memory profiled", activation_mib=round(activations / 2**20, 1),
+                     tokens=config.scheduler.max_num_batched_tokens)
+        budget = platform.kv_cache_memory(int(config.cache.kv_cache_memory), activations)
         return budget // per_block, int(config.cache.swap_space) // per_block
 
     def allocate_caches(self, config: EngineConfig, platform: Platform, num_blocks: int,

@@ -5,6 +5,8 @@ others), so this part holds no per-request state: the message carries each row's
 blocks and adapter. What comes back, on the driver only, is either the logits rows or,
 where every row takes the argmax of its raw logits, their token ids: under tensor
 parallelism those come from gathering each vocabulary shard's (max, index), not the logits.
+A step whose rows all decode replays a recorded graph where the engine captured them
+(``DecodeGraphs``); every other step launches its kernels one by one.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 
 from tokenmill.core.distributed.messages import Row, Step
 from tokenmill.core.layers.linear_shard import vocab_range
+from tokenmill.core.worker.decode_graphs import DecodeGraphs
 from tokenmill.core.worker.input_staging import InputStaging
 from tokenmill.core.worker.kv_cache import SwapCaches
 from tokenmill.interfaces.adapters import AdapterType
@@ -38,7 +41,7 @@ class ModelStep:
     def __init__(self, model: CausalLM, attention: AttentionBackend, block_size: int, vocab_size: int,
                  parallel: ParallelContext = SINGLE, swap: Optional[SwapCaches] = None,
                  adapters: Optional[AdapterType] = None, greedy_head: Optional[GreedyArgmax] = None,
-                 staging: Optional[InputStaging] = None) -> None:
+                 staging: Optional[InputStaging] = None, graphs: Optional[DecodeGraphs] = None) -> None:
         self.model = model
         #: the backend's per-step metadata builder, where it has one (AttentionBackend)
         self._build_metadata = getattr(attention, "build_metadata", None)
@@ -51,6 +54,8 @@ class ModelStep:
         self.greedy_head = greedy_head
         #: copies the inputs to the model's device (None: the model runs on the host)
         self.staging = staging
+        #: recorded decode steps, replayed for steps of decode rows only; None runs all eagerly
+        self.graphs = graphs
 
     def swap_blocks(self, out: Sequence[Sequence[int]], into: Sequence[Sequence[int]]) -> None:
         """Copy (device block, host block) pairs out to and in from the swap space."""
@@ -64,10 +69,15 @@ class ModelStep:
         With ``wait=False`` a driver that is not the last stage returns once its own stage
         is done, and takes the result later with ``receive`` (pipelined batches)."""
         stage = self.parallel
-        input_ids, positions, metadata = self._prepare_inputs(step.rows)
-        if self.adapters is not None:
-            self.adapters.prepare_step([r.adapter for r in step.rows], [len(r.token_ids) for r in step.rows])
-        hidden = self.model.forward(input_ids, positions, metadata)
+        host = HostInputs.of(step.rows, self.block_size)
+        size = None if self.graphs is None else self.graphs.bucket(host.query_lens, host.block_table.shape[1])
+        if size is not None:
+            hidden = self.graphs.run(size, host.token_ids, host.positions, host.slots, host.seq_lens,
+                                     host.block_table, self._put)
+        else:
+            if self.adapters is not None:
+                self.adapters.prepare_step([r.adapter for r in step.rows], [len(r.token_ids) for r in step.rows])
+            hidden = self.model.forward(*self._prepare_inputs(host))
         if not step.logits_rows:  # a prefill chunk that samples nothing: only its KV was wanted
             return StepResult() if stage.rank == 0 else None
         if not stage.is_last_stage:
@@ -108,39 +118,52 @@ class ModelStep:
             return StepResult(tokens=comm.recv((rows,), torch.long, comm.last_stage_driver).tolist())
         return StepResult(logits=comm.recv((rows, self.vocab_size), torch.float32, comm.last_stage_driver))
 
-    def _prepare_inputs(self, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        bs = self.block_size
+    def _put(self, values: np.ndarray, name: str) -> torch.Tensor:
+        staging = self.staging
+        return torch.from_numpy(values) if staging is None else staging.to_device(name, values)
+
+    def _prepare_inputs(self, host: "HostInputs") -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        put = self._put
+        common = AttentionMetadata(
+            query_start_loc=put(host.query_start.astype(np.int32), "query_start_loc"),
+            seq_lens=put(host.seq_lens.astype(np.int32), "seq_lens"),
+            block_table=put(host.block_table, "block_table"),
+            slot_mapping=put(host.slots, "slot_mapping"),
+            max_query_len=int(host.query_lens.max()),
+            max_seq_len=int(host.seq_lens.max()),
+            query_start_loc_cpu=tuple(host.query_start.tolist()),
+            seq_lens_cpu=tuple(host.seq_lens.tolist()),
+            block_size=self.block_size,
+        )
+        metadata = common if self._build_metadata is None else self._build_metadata(common)
+        return put(host.token_ids, "input_ids"), put(host.positions, "positions"), metadata
+
+
+@dataclass(frozen=True)
+class HostInputs:
+    """A step's flat inputs on the host, as numpy arrays."""
+
+    token_ids: np.ndarray
+    positions: np.ndarray
+    query_lens: np.ndarray
+    query_start: np.ndarray
+    seq_lens: np.ndarray
+    block_table: np.ndarray
+    slots: np.ndarray
+
+    @classmethod
+    def of(cls, rows: list[Row], block_size: int) -> "HostInputs":
+        bs = block_size
         query_lens = np.fromiter((len(r.token_ids) for r in rows), np.int64, len(rows))
         computed = np.fromiter((r.num_computed_tokens for r in rows), np.int64, len(rows))
         query_start = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(query_lens, out=query_start[1:])
-        seq_lens = computed + query_lens
         num_tokens = int(query_start[-1])
-
         request_index = np.repeat(np.arange(len(rows)), query_lens)
         positions = computed[request_index] + np.arange(num_tokens) - query_start[:-1][request_index]
-        max_blocks = max(len(r.block_ids) for r in rows)
-        block_table = np.zeros((len(rows), max_blocks), dtype=np.int32)
+        block_table = np.zeros((len(rows), max(len(r.block_ids) for r in rows)), dtype=np.int32)
         for i, r in enumerate(rows):
             block_table[i, : len(r.block_ids)] = r.block_ids
         slots = block_table[request_index, positions // bs].astype(np.int64) * bs + positions % bs
-
         token_ids = np.fromiter((t for r in rows for t in r.token_ids), np.int64, num_tokens)
-        staging = self.staging
-
-        def put(values: np.ndarray, name: str) -> torch.Tensor:
-            return torch.from_numpy(values) if staging is None else staging.to_device(name, values)
-
-        common = AttentionMetadata(
-            query_start_loc=put(query_start.astype(np.int32), "query_start_loc"),
-            seq_lens=put(seq_lens.astype(np.int32), "seq_lens"),
-            block_table=put(block_table, "block_table"),
-            slot_mapping=put(slots, "slot_mapping"),
-            max_query_len=int(query_lens.max()),
-            max_seq_len=int(seq_lens.max()),
-            query_start_loc_cpu=tuple(query_start.tolist()),
-            seq_lens_cpu=tuple(seq_lens.tolist()),
-            block_size=bs,
-        )
-        metadata = common if self._build_metadata is None else self._build_metadata(common)
-        return put(token_ids, "input_ids"), put(positions, "positions"), metadata
+        return cls(token_ids, positions, query_lens, query_start, computed + query_lens, block_table, slots)

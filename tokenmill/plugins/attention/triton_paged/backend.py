@@ -50,6 +50,7 @@ class TritonPagedAttention:
         logits_soft_cap=True,
         requires_device=None if INTERPRETED else "cuda",
         kv_cache_dtypes=(torch.bfloat16,),  # K/V rounded before the write kernel; loads widen to fp32
+        cuda_graph=True,
     )
 
     def __init__(self, tokens_per_split: int = 256, block_m: int = 16 if INTERPRETED else 64,
@@ -91,7 +92,20 @@ class TritonPagedAttention:
             decode_tokens=on_device(decode_tokens).long(), decode_req=on_device(decode_req),
             decode_pos=on_device(decode_pos), decode_only=len(decode_tokens) == starts[-1],
             tile_req=on_device(tile_req), tile_start=on_device(tile_start),
-            num_splits=max(1, min(16, -(-longest_decode // self.tokens_per_split))))
+            num_splits=self._num_splits(longest_decode))
+
+    def graph_metadata(self, common: AttentionMetadata, positions: torch.Tensor, max_seq_len: int) -> TritonMetadata:
+        """A recorded decode step's plan: row i is request i, at ``positions[i]`` (the graph's
+        position buffer), split as many ways as the longest context allowed would be; a
+        shorter context leaves the splits past its blocks empty, and the merge skips them."""
+        rows = torch.arange(positions.shape[0], dtype=torch.int32, device=positions.device)
+        return TritonMetadata(
+            *(getattr(common, name) for name in _COMMON_FIELDS),
+            decode_tokens=rows.long(), decode_req=rows, decode_pos=positions, decode_only=True,
+            tile_req=rows[:0], tile_start=rows[:0], num_splits=self._num_splits(max_seq_len))
+
+    def _num_splits(self, longest_decode: int) -> int:
+        return max(1, min(16, -(-longest_decode // self.tokens_per_split)))
 
     def forward(self, layer: AttentionLayerSpec, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:

@@ -1,0 +1,148 @@
+"""Decode steps replayed from recorded graphs: bucketing, padding and the engine at HF parity.
+
+No GPU here, so the recording is ``RecordingPlatform``'s stand-in (it re-runs the recorded
+function on each replay, over the same buffers and metadata, and refuses host
+synchronisation while recording); the attention is the Triton backend in the interpreter,
+through the same runner and metadata a GPU uses. tests/gpu/test_cuda_graphs.py compares
+real CUDA graphs with eager decoding.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import PROMPTS
+from tokenmill import LLM, SamplingParams, hookimpl, load_config
+from tokenmill.core.plugin_host.plugin_manager import make_plugin_manager
+from tokenmill.core.worker.decode_graphs import DecodeGraphs, capture_sizes
+from tokenmill.testing.device_graphs import HostSyncCheck, HostSyncError, RecordingPlatform
+from tokenmill.testing.hf_reference import assert_matches_reference, hf_greedy
+
+
+def recording_plugins():
+    class Plugin:
+        @hookimpl
+        def register_platforms(self, register):
+            register(RecordingPlatform.name, RecordingPlatform)
+
+    pm = make_plugin_manager()
+    pm.register_plugin(Plugin(), "recording-platform")
+    return pm
+
+
+def graphed_llm(model_dir, arch: str, **overrides) -> LLM:
+    args = dict(model=str(model_dir(arch)), device="cpu-graphs", attention_backend="triton", block_size=8,
+                max_num_seqs=4, max_num_batched_tokens=32, kv_cache_memory_bytes=2**23)
+    return LLM(config=load_config(**{**args, **overrides}), plugin_manager=recording_plugins())
+
+
+def run(llm: LLM, prompts, max_tokens):
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=0)
+                            for n in max_tokens], use_tqdm=False)
+    tokens = [o.outputs[0].token_ids for o in outputs]
+    logprobs = [[e[t].logprob for e, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outputs]
+    return tokens, logprobs
+
+
+@pytest.mark.parametrize("max_num_seqs,sizes", [(1, [1]), (2, [1, 2]), (8, [1, 2, 4, 8]),
+                                                (12, [1, 2, 4, 8, 12]), (256, [1, 2, 4, 8, 16, 32, 64, 128, 256])])
+def test_buckets_are_powers_of_two_up_to_max_num_seqs(max_num_seqs, sizes):
+    assert capture_sizes(max_num_seqs) == sizes
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_engine_with_recorded_decode_steps_matches_hf(arch, model_dir):
+    """Three requests of different lengths: decode batches of 3 (bucket 4, one padding row),
+    2 and 1 replay their graphs; prompts (chunks of 16) run eagerly; tokens and logprobs are
+    HF's, and those of the same engine without graphs."""
+    prompts = [(p * 3)[:n] for p, n in zip(PROMPTS[:3], (32, 20, 9))]
+    max_tokens = [12, 8, 4]
+    llm = graphed_llm(model_dir, arch, max_num_batched_tokens=16)
+    graphs = llm.llm_engine.runner.model_step.graphs
+    assert isinstance(graphs, DecodeGraphs) and sorted(graphs.graphs) == [1, 2, 4]
+    tokens, logprobs = run(llm, prompts, max_tokens)
+    reference = hf_greedy(model_dir(arch), prompts, 12)
+    for ref, n in zip(reference, max_tokens):
+        ref.token_ids[n:], ref.logprobs[n:] = [], []
+    assert_matches_reference(reference, tokens, logprobs)
+    assert graphs.graphs[4].replays > 0 and graphs.graphs[2].replays > 0 and graphs.graphs[1].replays > 0
+    eager = graphed_llm(model_dir, arch, max_num_batched_tokens=16, enforce_eager=True)
+    assert eager.llm_engine.runner.model_step.graphs is None
+    assert run(eager, prompts, max_tokens)[0] == tokens
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen3", "phi3", "gemma", "gemma2", "gpt2"])
+def test_every_family_records_its_decode_step_without_host_synchronisation(arch, model_dir):
+    """Recording runs under the stand-in's host-sync check (CUDA capture would fail on a
+    ``.tolist()`` in the forward pass); the replayed steps decode as the eager engine."""
+    prompts, max_tokens = [p[:12] for p in PROMPTS[:3]], [6, 4, 2]
+    graphed = graphed_llm(model_dir, arch)
+    tokens, logprobs = run(graphed, prompts, max_tokens)
+    assert graphed.llm_engine.runner.model_step.graphs.graphs[4].replays > 0
+    eager_tokens, eager_logprobs = run(graphed_llm(model_dir, arch, enforce_eager=True), prompts, max_tokens)
+    assert tokens == eager_tokens
+    assert np.allclose(np.concatenate(logprobs), np.concatenate(eager_logprobs), atol=1e-5)
+
+
+def test_padding_rows_write_no_kv_and_real_rows_read_their_own(model_dir):
+    """A step of 3 decode rows replays bucket 4: the KV cache changes at the 3 real slots
+    only, and the hidden states equal an eager forward of the same rows."""
+    llm = graphed_llm(model_dir, "llama")
+    step = llm.llm_engine.runner.model_step
+    graphs, model = step.graphs, step.model
+    caches = [m.kv_cache for m in model.modules() if hasattr(m, "kv_cache")]
+    for cache in caches:
+        cache.normal_()
+    before = [cache.clone() for cache in caches]
+    token_ids = np.array([5, 6, 7])
+    positions = np.array([3, 10, 0])
+    block_table = np.array([[1, 2], [3, 4], [5, 0]], dtype=np.int32)
+    slots = np.array([1 * 8 + 3, 4 * 8 + 2, 5 * 8 + 0])
+    seq_lens = positions + 1
+    size = graphs.bucket(np.ones(3, dtype=np.int64), 2)
+    assert size == 4
+    with torch.inference_mode():
+        hidden = graphs.run(size, token_ids, positions, slots, seq_lens, block_table, step._put).clone()
+    for cache, old in zip(caches, before):
+        changed = (cache != old).any(-1).any(-1).any(0).flatten()  # [2, blocks, block_size, ...] -> per slot
+        assert changed.nonzero().flatten().tolist() == sorted(slots.tolist())
+        cache.copy_(old)
+    from tokenmill.core.distributed.messages import Row, Step  # an eager step of the same rows
+    rows = [Row([int(t)], int(p), [int(b) for b in table if b] or [0], None)
+            for t, p, table in zip(token_ids, positions, block_table)]
+    rows[2] = Row([7], 0, [5], None)
+    step.graphs = None
+    eager = step.run(Step(rows, [0, 1, 2], False))
+    step.graphs = graphs
+    torch.testing.assert_close(model.compute_logits(hidden), eager.logits, rtol=1e-5, atol=1e-5)
+
+
+def test_steps_that_are_not_all_decode_rows_or_too_large_run_eagerly(model_dir):
+    graphs = graphed_llm(model_dir, "llama").llm_engine.runner.model_step.graphs
+    assert graphs.bucket(np.array([1, 1, 1]), 2) == 4
+    assert graphs.bucket(np.array([1]), 2) == 1
+    assert graphs.bucket(np.array([1, 2]), 2) is None  # a prompt chunk or a verify step
+    assert graphs.bucket(np.ones(5, dtype=np.int64), 2) is None  # past max_num_seqs
+    assert graphs.bucket(np.array([1]), graphs.block_table.shape[1] + 1) is None
+
+
+def test_no_graphs_on_a_platform_without_them_or_with_lora(model_dir):
+    cpu = LLM(str(model_dir("llama")), attention_backend="triton", block_size=8, kv_cache_memory_bytes=2**23)
+    assert cpu.llm_engine.runner.model_step.graphs is None  # the cpu platform records none
+    lora = graphed_llm(model_dir, "llama", enable_lora=True)
+    assert lora.llm_engine.runner.model_step.graphs is None  # per-step adapter indices
+
+
+@pytest.mark.parametrize("operation", [
+    lambda x: x.tolist(), lambda x: x[0].item(), lambda x: bool(x[0]), lambda x: x.nonzero(),
+    lambda x: x[x > 1], lambda x: torch.bincount(x), lambda x: x.repeat_interleave(x),
+    lambda x: x.cpu(), lambda x: x.unique()])
+def test_the_stand_in_refuses_what_cuda_capture_refuses(operation):
+    x = torch.arange(4)
+    with pytest.raises(HostSyncError), HostSyncCheck():
+        operation(x)
+    with HostSyncCheck():  # device-side work stays allowed
+        torch.cumsum(x, 0), x.argsort(), x.repeat_interleave(2), x[torch.tensor([0, 2])]

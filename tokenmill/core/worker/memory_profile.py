@@ -1,0 +1,42 @@
+"""The profiling forward pass: how much device memory a step's activations take at their peak.
+
+On a device whose memory is shared by the weights, the KV cache and each step's
+activations (a GPU), the KV budget must leave room for the largest step the scheduler can
+form, or that step runs out of memory mid-serving. vLLM measures it by running one such
+step at startup; so does this: ``max_num_batched_tokens`` prompt tokens spread over as many
+requests as ``max_num_seqs`` allows (each at most ``max_model_len``), every request's last
+token taking logits. Its KV goes into a one-block cache bound for the pass, which the real
+allocation replaces. Every rank runs it at the same point, so the collectives of tensor and
+pipeline parallelism pair up.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.core.distributed.messages import Row, Step
+from tokenmill.core.worker.kv_cache import allocate_kv_caches
+from tokenmill.core.worker.model_step import ModelStep
+from tokenmill.interfaces.attention import AttentionBackend
+from tokenmill.interfaces.models import CausalLM
+from tokenmill.interfaces.parallel import ParallelContext
+
+
+def profile_step(num_tokens: int, max_num_seqs: int, max_model_len: int, block_size: int) -> Step:
+    """The largest step: ``num_tokens`` split as evenly as possible over up to
+    ``max_num_seqs`` requests of at most ``max_model_len`` tokens, all in block 0."""
+    num_seqs = max(min(max_num_seqs, num_tokens), -(-num_tokens // max_model_len))
+    lengths = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
+    lengths = [min(n, max_model_len) for n in lengths if n > 0]
+    rows = [Row([0] * n, 0, [0] * -(-n // block_size), None) for n in lengths]
+    ends = [sum(lengths[:i + 1]) - 1 for i in range(len(lengths))]
+    return Step(rows, ends, False)
+
+
+def profile_forward(model: CausalLM, backend: AttentionBackend, parallel: ParallelContext, vocab_size: int,
+                    cache_dtype: torch.dtype, device: str, num_tokens: int, max_num_seqs: int, max_model_len: int,
+                    block_size: int) -> None:
+    """Run the largest step once, on a throwaway one-block KV cache."""
+    allocate_kv_caches(model, backend, 1, block_size, cache_dtype, device)
+    ModelStep(model, backend, block_size, vocab_size, parallel).run(
+        profile_step(num_tokens, max_num_seqs, max_model_len, block_size))
