@@ -6,9 +6,11 @@ in flight, then reports request and output-token throughput and
 TTFT / TPOT / ITL / E2EL (mean, median, p99; TPOT = (e2e - ttft) / (n - 1)).
 
 Point it at a running server (``--base-url``), or let it launch one per
-engine in turn on the same model: ``--launch tokenmill,transformers,llama.cpp``
-(llama.cpp: ``llama-server`` with one slot per concurrent request on the same
-weights as GGUF; needs ``--llama-cpp``, see llama_cpp.py).
+engine in turn on the same model: ``--launch tokenmill,transformers,vllm,llama.cpp``
+(vllm: ``vllm serve``, where vLLM is installed; llama.cpp: ``llama-server`` with one
+slot per concurrent request on the same weights as GGUF; needs ``--llama-cpp``, see
+llama_cpp.py). ``--device cuda`` serves tokenmill on its cuda platform; transformers and
+vLLM take the GPU wherever there is one.
 
     tokenmill bench serve --launch tokenmill,transformers --preset 52m --num-prompts 64 \\
         --input-len 256 --output-len 128 --max-concurrency 32
@@ -48,7 +50,7 @@ class Result:
 
 #: per engine, the fields it accepts beyond OpenAI's (transformers serve rejects unknown ones)
 EXTRA_FIELDS = {"tokenmill": {"ignore_eos": True}, "external": {"ignore_eos": True}, "llama.cpp": {"ignore_eos": True},
-                "transformers": {}}
+                "vllm": {"ignore_eos": True}, "transformers": {}}
 
 
 async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, output_len: int,
@@ -140,8 +142,13 @@ def launch(engine: str, model_path: str, port: int, threads: int, max_num_seqs: 
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     if engine == "tokenmill":
         command = [sys.executable, "-m", "tokenmill.cli", "serve", model_path, "--port", str(port),
-                   "--served-model-name", "bench", "--max-num-seqs", str(max_num_seqs), "--num-threads", str(threads),
-                   "--kv-cache-dtype", args.kv_cache_dtype, "--log-level", "warning"]
+                   "--served-model-name", "bench", "--max-num-seqs", str(max_num_seqs), "--device", args.device,
+                   "--dtype", args.dtype, "--kv-cache-dtype", args.kv_cache_dtype, "--log-level", "warning"]
+        if args.device != "cuda":
+            command += ["--num-threads", str(threads)]
+    elif engine == "vllm":
+        command = ["vllm", "serve", model_path, "--port", str(port), "--served-model-name", "bench",
+                   "--max-num-seqs", str(max_num_seqs), "--dtype", args.dtype]
     elif engine == "transformers":
         command = ["transformers", "serve", model_path, "--port", str(port), "--continuous-batching"]
     elif engine == "llama.cpp":
@@ -160,7 +167,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     add_common_args(parser)
     parser.add_argument("--base-url", help="an already running server (skips --launch)")
     parser.add_argument("--served-model", default="bench", help="the 'model' field to send")
-    parser.add_argument("--launch", default="tokenmill", help="comma-separated: tokenmill,transformers,llama.cpp")
+    parser.add_argument("--launch", default="tokenmill",
+                        help="comma-separated: tokenmill,transformers,vllm,llama.cpp")
+    parser.add_argument("--device", default="auto", help="tokenmill's platform when launched (cpu, cuda)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="tokenmill's and vLLM's compute dtype when launched")
     parser.add_argument("--port", type=int, default=8321)
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--random-input-len", "--input-len", dest="input_len", type=int, default=256)
@@ -212,7 +223,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
               f"TPOT p50 {r['tpot']['median_ms']} ms  ITL p50 {r['itl']['median_ms']} ms  "
               f"E2EL p50 {r['e2el']['median_ms']} ms" + (f"  errors: {r['errors']}" if r["errors"] else ""))
     engines = report["engines"]
-    for peer, key in (("transformers", "transformers"), ("llama.cpp", "llama_cpp")):
+    for peer, key in (("transformers", "transformers"), ("vllm", "vllm"), ("llama.cpp", "llama_cpp")):
         if "tokenmill" in engines and peer in engines and engines[peer]["output_throughput"]:
             ratio = engines["tokenmill"]["output_throughput"] / engines[peer]["output_throughput"]
             report[f"ratio_tokenmill_vs_{key}"] = round(ratio, 3)
