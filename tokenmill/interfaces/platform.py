@@ -89,8 +89,9 @@ class Platform:
         """The compute dtype ``dtype: auto`` gives a checkpoint stored in ``checkpoint_dtype``."""
         return checkpoint_dtype
 
-    def setup_process(self) -> None:
-        """Per-process setup before the model is built: threads, allocator settings."""
+    def setup_process(self, rank: int = 0) -> None:
+        """Per-process setup before the model is built: threads, allocator settings, the
+        device of this process's ``rank`` (the driver is rank 0)."""
 
     def kv_cache_memory(self, requested: int, activation_bytes: int = 0) -> int:
         """The bytes the KV cache may use, given the configured ``cache.kv_cache_memory`` and,

@@ -71,7 +71,7 @@ def _build(spec: WorkerSpec, rank: int, connection: Connection) -> ModelStep:
     connection.send_bytes(encode(Hello(rank, PROTOCOL_VERSION, os.getpid(), socket.gethostname(),
                                        components.fingerprint())))
     platform = select_platform(components.platforms, config)
-    platform.setup_process()
+    platform.setup_process(rank)
     tp, pp = spec.tensor_parallel_size, spec.pipeline_parallel_size
     store = dist.PrefixStore(bytes.fromhex(spec.authkey)[:8].hex(), dist.TCPStore(
         spec.driver_host, spec.store_port, tp * pp, is_master=False, timeout=timedelta(seconds=STARTUP_TIMEOUT_S)))

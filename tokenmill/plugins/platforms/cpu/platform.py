@@ -49,7 +49,7 @@ class CpuPlatform(Platform):
             return torch.float32  # bf16 widens to fp32 exactly
         return checkpoint_dtype
 
-    def setup_process(self) -> None:
+    def setup_process(self, rank: int = 0) -> None:
         if self.options.num_threads is not None:
             torch.set_num_threads(self.options.num_threads)
         if self.options.keep_freed_memory:  # before prepacking, whose temporaries then come from the heap

@@ -4,8 +4,8 @@ What it decides (options in ``platform.cuda``):
 - usable only where PyTorch has CUDA and a device is visible; ``tokenmill serve --platform
   cuda`` elsewhere fails at startup with the reason, never falling back to the CPU;
 - ``dtype: auto`` computes fp32 checkpoints in fp16 (vLLM's rule), others as stored;
-- weights on the device; the KV cache gets ``gpu_memory_utilization`` of the device's memory
-  less what is in use once the weights are loaded and less the peak of a profiling forward
+- each rank on its own GPU; weights on the device; the KV cache gets ``gpu_memory_utilization``
+  of the device's memory less what this engine uses once the weights are loaded and less the peak of a profiling forward
   pass's activations; swap space and input staging in pinned host memory, so copies to and
   from the device are asynchronous;
 - decode steps recorded as CUDA graphs (``capture_graph``), all in one memory pool.
@@ -13,11 +13,13 @@ What it decides (options in ``platform.cuda``):
 
 from __future__ import annotations
 
+import gc
 import os
 from typing import Callable, Optional, Sequence
 
 import torch
 
+from tokenmill.interfaces.errors import ConfigError
 from tokenmill.interfaces.platform import Detection, DeviceGraph, Platform
 from tokenmill.plugins.platforms.cuda.options import CudaOptions
 
@@ -32,6 +34,8 @@ class CudaPlatform(Platform):
     profiles_memory = True
     #: the memory pool every captured graph allocates from (made with the first graph)
     _graph_pool = None
+    #: device memory in use when this process started (``setup_process``): not this engine's
+    _used_before = 0
 
     @classmethod
     def detect(cls) -> Detection:
@@ -47,12 +51,29 @@ class CudaPlatform(Platform):
     def resolve_dtype(self, checkpoint_dtype: torch.dtype) -> torch.dtype:
         return torch.float16 if checkpoint_dtype == torch.float32 else checkpoint_dtype
 
+    def setup_process(self, rank: int = 0) -> None:
+        """The rank's GPU (one per rank, among those visible: a Ray actor sees only its own),
+        and the memory in use before this engine loaded anything, so that its budget counts
+        only its own use (vLLM's rule: two engines at 0.4 share a GPU)."""
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        gc.collect()  # an engine this process dropped may still hold its caches through a cycle
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        wanted = total * self.options.gpu_memory_utilization
+        if free < wanted:
+            raise ConfigError("platform.cuda.gpu_memory_utilization",
+                              f"{free / 2**30:.1f} GiB of the GPU's {total / 2**30:.1f} GiB are free, less than "
+                              f"gpu_memory_utilization={self.options.gpu_memory_utilization} asks for "
+                              f"({wanted / 2**30:.1f} GiB): lower it, or free the GPU")
+        self._used_before = total - free
+
     def kv_cache_memory(self, requested: int, activation_bytes: int = 0) -> int:
-        """What ``gpu_memory_utilization`` leaves once the weights are on the device and a
-        forward pass's activations have their room (vLLM's rule)."""
+        """What ``gpu_memory_utilization`` of the GPU leaves once this engine's weights are on
+        it and a forward pass's activations have their room (vLLM's rule)."""
         torch.cuda.empty_cache()  # the profiling pass's freed blocks are not in use
         free, total = torch.cuda.mem_get_info()
-        return max(0, int(total * self.options.gpu_memory_utilization) - (total - free) - activation_bytes)
+        own = (total - free) - self._used_before
+        return max(0, int(total * self.options.gpu_memory_utilization) - own - activation_bytes)
 
     def peak_memory(self, run: Callable[[], None]) -> int:
         torch.cuda.synchronize()
