@@ -15,6 +15,7 @@ import sys
 
 import pytest
 
+from tokenmill.plugins.models.triton_moe import FP32_LARGE_TILES, LARGE_TILES, SMALL_TILES
 from tokenmill.testing.triton_aot import TARGETS, kernel_cases
 
 #: shared memory one block may use: sm_80's and sm_90's opt-in maxima
@@ -32,7 +33,7 @@ def compiled() -> dict:
 
 def test_the_cases_cover_every_kernel_and_every_choice():
     assert {case.kernel for case in CASES} == {"write_kv", "paged_attention", "prefill_attention", "merge_splits",
-                                               "dequant_gemm", "bgmv"}
+                                               "dequant_gemm", "bgmv", "fused_moe", "block_fp8_gemm"}
     attention = [case.constexprs for case in CASES if case.kernel == "paged_attention"]
     assert {c["BLOCK_SIZE"] for c in attention} == {4, 8, 16, 32, 64, 128}
     assert {c["HEAD_DIM"] for c in attention} == {64, 80, 96, 112, 128, 256}
@@ -48,6 +49,17 @@ def test_the_cases_cover_every_kernel_and_every_choice():
         {"*fp32", "*bf16", "*fp16"}
     assert {(c["BITS"], c["IEEE_FP32"]) for c in (case.constexprs for case in CASES if case.kernel == "dequant_gemm")} \
         == {(4, True), (8, True), (4, False), (8, False)}
+    moe = [(case.signature["a_ptr"], case.constexprs) for case in CASES if case.kernel == "fused_moe"]
+    assert {(a, c["IEEE_FP32"]) for a, c in moe} == {("*fp32", True), ("*bf16", False), ("*fp16", False)}
+    large = {"*fp32": FP32_LARGE_TILES, "*bf16": LARGE_TILES, "*fp16": LARGE_TILES}
+    assert {(a, c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["MUL_ROUTED_WEIGHT"]) for a, c in moe} == {
+        (a, *tiles, routed) for a in large for tiles in (SMALL_TILES, large[a]) for routed in (False, True)}
+    # block FP8: the engine's 128x128 blocks, each tile the wrapper picks per dtype
+    block_fp8 = [(case.signature["a_ptr"], case.constexprs) for case in CASES if case.kernel == "block_fp8_gemm"]
+    assert {c["GROUP_K"] for _, c in block_fp8} == {128}
+    assert {(a, c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["IEEE_FP32"]) for a, c in block_fp8} == {
+        ("*fp32", 16, 32, 32, True), ("*bf16", 16, 64, 64, False), ("*bf16", 64, 64, 32, False),
+        ("*fp16", 16, 64, 64, False), ("*fp16", 64, 64, 32, False)}
 
 
 @pytest.mark.parametrize("target", sorted(TARGETS))
@@ -58,3 +70,11 @@ def test_kernel_compiles_for_the_gpu(case, target, compiled):
     assert figures["cubin_bytes"] > 0
     assert figures["spill_bytes"] == 0, f"{case.id} spills {figures['spill_bytes']} bytes on {target}"
     assert figures["shared_bytes"] <= SHARED_LIMIT[target]
+
+
+@pytest.mark.parametrize("target", sorted(TARGETS))
+def test_block_fp8_gemm_spills_nothing_to_its_stack_frame(target, compiled):
+    """ptxas spills registers into the stack frame (``ptxas -v``'s spill stores), which LOCAL
+    above does not count; the block-FP8 GEMM's tiles are sized per dtype to need none."""
+    stacks = {case.id: compiled[target][case.id]["stack_bytes"] for case in CASES if case.kernel == "block_fp8_gemm"}
+    assert stacks and not any(stacks.values()), stacks

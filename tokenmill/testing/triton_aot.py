@@ -7,7 +7,7 @@ whole pipeline down to a cubin with the ptxas Triton ships, so those errors surf
 machine without a GPU. ``kernel_cases()`` holds the constexpr choices the engine can make:
 every value of every axis at least once (block sizes, head sizes, GQA group sizes, split
 counts, dtypes, bit widths, flags) rather than their full product, which would take hours
-to compile; ``compile_case`` returns the cubin's register, shared-memory and spill figures.
+to compile; ``compile_case`` returns the cubin's register, shared-memory, spill and stack figures.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -35,6 +36,8 @@ from tokenmill.plugins.attention.triton_paged.kernels import (
     _prefill_attention_kernel,
     _write_kv_kernel,
 )
+from tokenmill.plugins.models.triton_moe import _fused_moe_kernel, tiles_for
+from tokenmill.plugins.quantization.triton_block_fp8 import _block_fp8_gemm_kernel, gpu_tiles
 from tokenmill.plugins.quantization.triton_gemm import _dequant_gemm_kernel
 
 #: what the engine computes in, and the Triton pointer types of those dtypes
@@ -64,7 +67,10 @@ class KernelCase:
 class Compiled:
     registers: int
     shared_bytes: int
-    spill_bytes: int
+    spill_bytes: int  # cuobjdump's LOCAL
+    #: the per-thread stack frame (cuobjdump's STACK): where ptxas puts the registers it spills
+    #: (its ``-v`` reports them as spill stores), which LOCAL does not count
+    stack_bytes: int
     cubin_bytes: int
 
 
@@ -126,7 +132,7 @@ def kernel_cases() -> list[KernelCase]:
                            {"part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
                             "out_ptr": f"*{dtype}"},
                            {"HEAD_DIM": head, "HEAD_PAD": triton.next_power_of_2(head), "NUM_SPLITS": splits}))
-    for dtype in dtypes:
+    for name, dtype in DTYPES.items():
         # GPTQ/AWQ dequant-GEMM: 4 and 8 bits (AWQ is repacked to GPTQ's 4-bit layout); fp32
         # activations take the IEEE dot, fp16/bf16 the tensor-core one
         for bits in (4, 8):
@@ -135,12 +141,30 @@ def kernel_cases() -> list[KernelCase]:
                                 "scales_ptr": f"*{dtype}", "g_idx_ptr": "*i32", "c_ptr": f"*{dtype}"},
                                {"BITS": bits, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32,
                                 "IEEE_FP32": dtype == "fp32"}))
+        # block FP8: 128x128 scale blocks (every block checkpoint's), e4m3 weights read as bytes,
+        # in each tile the wrapper picks for the dtype (decode- and prefill-sized for fp16/bf16)
+        for block_m, block_n, block_k in sorted({gpu_tiles(getattr(torch, name), m, 128) for m in (1, 64)}):
+            cases.append(_case("block_fp8_gemm", _block_fp8_gemm_kernel,
+                               {"a_ptr": f"*{dtype}", "w_ptr": "*u8", "scale_ptr": "*fp32", "scale_row_ptr": "*i32",
+                                "c_ptr": f"*{dtype}"},
+                               {"GROUP_K": 128, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
+                                "IEEE_FP32": dtype == "fp32"}))
         # LoRA: shrink (x in the model dtype -> fp32) and expand (fp32 -> the base output, accumulating)
         for accumulate in (False, True):
             x, y = ("fp32", dtype) if accumulate else (dtype, "fp32")
             cases.append(_case("bgmv", _bgmv_kernel,
                                {"x_ptr": f"*{x}", "w_ptr": f"*{dtype}", "slot_ptr": "*i32", "y_ptr": f"*{y}"},
                                {"ACCUMULATE": accumulate, "BLOCK_N": 32, "BLOCK_K": 64}))
+        # MoE expert GEMMs: each tile the wrapper picks for the dtype (few pairs per expert, many),
+        # gate/up (no routed weight) and down (with)
+        moe_tiles = sorted({tiles_for(pairs, 1, getattr(torch, name)) for pairs in (1, 64)})
+        for (block_m, block_n, block_k), routed in itertools.product(moe_tiles, (False, True)):
+            cases.append(_case("fused_moe", _fused_moe_kernel,
+                               {"a_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "c_ptr": f"*{dtype}",
+                                "routed_weight_ptr": "*fp32", "sorted_pair_ptr": "*i32", "expert_ids_ptr": "*i32",
+                                "num_padded_ptr": "*i32"},
+                               {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
+                                "MUL_ROUTED_WEIGHT": routed, "IEEE_FP32": dtype == "fp32"}))
     return cases
 
 
@@ -148,7 +172,7 @@ def compile_case(case: KernelCase, target: GPUTarget) -> Compiled:
     compiled = triton.compile(ASTSource(case.fn, case.signature, constexprs=case.constexprs), target=target)
     cubin = compiled.asm["cubin"]
     usage = _resource_usage(cubin)
-    return Compiled(usage["REG"], compiled.metadata.shared, usage["LOCAL"], len(cubin))
+    return Compiled(usage["REG"], compiled.metadata.shared, usage["LOCAL"], usage["STACK"], len(cubin))
 
 
 def _resource_usage(cubin: bytes) -> dict[str, int]:
@@ -183,15 +207,15 @@ def main() -> None:
     if "--json" in sys.argv:
         print(json.dumps(results))
         return
-    print("| target | kernel case | registers | shared bytes | spill bytes |")
-    print("|---|---|---|---|---|")
+    print("| target | kernel case | registers | shared bytes | spill bytes | stack bytes |")
+    print("|---|---|---|---|---|---|")
     for name, cases in results.items():
         for case_id, figures in cases.items():
             if "error" in figures:
-                print(f"| {name} | `{case_id}` | error: {figures['error'].splitlines()[0]} | | |")
+                print(f"| {name} | `{case_id}` | error: {figures['error'].splitlines()[0]} | | | |")
             else:
                 print(f"| {name} | `{case_id}` | {figures['registers']} | {figures['shared_bytes']} "
-                      f"| {figures['spill_bytes']} |")
+                      f"| {figures['spill_bytes']} | {figures['stack_bytes']} |")
 
 
 if __name__ == "__main__":

@@ -69,11 +69,15 @@ class QuantizationConfig(BaseModel):
     method: Optional[str] = None
     #: apply the checkpoint's activation quantization (FP8 W8A8 schemes); off = weight-only
     quantize_activations: bool = True
-    #: how FP8 W8A8 linears multiply: "scaled_mm" keeps the e4m3 weights (1 byte per parameter)
-    #: and multiplies FP8 by FP8 with torch._scaled_mm; "dequantize" widens the weights once, at
-    #: load; "auto" is scaled_mm where the weights live on a GPU, dequantize elsewhere (a CPU
-    #: has no FP8 arithmetic). Weight-only and 128x128-block schemes always dequantize
-    fp8_kernel: Literal["auto", "scaled_mm", "dequantize"] = "auto"
+    #: how FP8 linears multiply: "scaled_mm" keeps the e4m3 weights (1 byte per parameter) of
+    #: per-tensor and per-channel W8A8 schemes and multiplies FP8 by FP8 with torch._scaled_mm;
+    #: "triton" keeps a 128x128-block checkpoint's e4m3 weights and block scales and multiplies
+    #: with a Triton GEMM that widens weight tiles in registers (block schemes only; on a CPU it
+    #: needs TRITON_INTERPRET=1); "dequantize" widens the weights once, at load; "auto" is
+    #: scaled_mm or triton (by scheme) where the weights live on a GPU, dequantize elsewhere (a
+    #: CPU has no FP8 arithmetic). Other weight-only schemes always dequantize, and scaled_mm
+    #: leaves block schemes to dequantize
+    fp8_kernel: Literal["auto", "scaled_mm", "triton", "dequantize"] = "auto"
 
 
 class StructuredOutputsConfig(BaseModel):
@@ -248,6 +252,8 @@ VLLM_NAMES: dict[str, str] = {
     "small_batch_gemv": "platform.cpu.small_batch_gemv",
     "huge_pages": "platform.cpu.huge_pages",
     "keep_freed_memory": "platform.cpu.keep_freed_memory",
+    # the cuda platform's (platform.cuda)
+    "gpu_memory_utilization": "platform.cuda.gpu_memory_utilization",
     "tensor_parallel_size": "parallel.tensor_parallel_size",
     "pipeline_parallel_size": "parallel.pipeline_parallel_size",
     "distributed_executor_backend": "parallel.distributed_executor_backend",

@@ -1,4 +1,14 @@
-"""Mixture-of-experts MLP: softmax top-k routing, experts computed grouped per expert."""
+"""Mixture-of-experts MLP: softmax top-k routing, experts computed grouped per expert.
+
+``FusedMoE`` is a ``CustomOp`` (op ``"fused_moe"``). Its ``forward_native`` counts each
+expert's tokens on the host and runs one matmul per expert in a Python loop: the fastest
+way on a CPU, where reading the counts costs nothing. On a GPU that read is a device-to-host
+sync per layer, which stalls the stream and cannot be recorded in a CUDA graph; the device
+path (``tokenmill.plugins.models.triton_moe.fused_moe``: routing and expert GEMMs on the
+device, nothing read back) is what the cuda platform returns from ``Platform.custom_op``
+for the op. The core does not import it (the core holds no device
+code); tests run it on the CPU, under Triton's interpreter, by setting a layer's ``op_impl``.
+"""
 
 from __future__ import annotations
 
@@ -8,21 +18,24 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from tokenmill.core.layers.custom_op import CustomOp
 from tokenmill.interfaces.errors import ConfigError
 from tokenmill.interfaces.parallel import SINGLE, ParallelContext
 
 
-class FusedMoE(nn.Module):
+class FusedMoE(CustomOp):
     """``E`` gated experts stored as ``w13 [E, 2 * inter, hidden]`` (gate rows, then up)
     and ``w2 [E, hidden, inter]``; each token goes to its top-k experts.
 
-    Tokens are sorted by expert and each expert runs one matmul over all of its
-    tokens: a Python loop over experts, never over tokens.
+    ``forward_native`` sorts tokens by expert and each expert runs one matmul over all of
+    its tokens: a Python loop over experts, never over tokens.
 
     Under tensor parallelism every rank holds every expert's slice of the intermediate
     dimension (gate/up split by rows, down by columns, vLLM's scheme), routes all tokens
     the same way, and the partial outputs are all-reduced.
     """
+
+    op_name = "fused_moe"
 
     def __init__(self, num_experts: int, top_k: int, hidden: int, inter: int, renormalize: bool,
                  activation: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype,
@@ -66,11 +79,21 @@ class FusedMoE(nn.Module):
             return torch.cat([gate.narrow(1, start, self.inter), up.narrow(1, start, self.inter)], dim=1)
         return tensor.narrow(2, start, self.inter)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's top-k experts ``[num_tokens, top_k]`` and their weights: fp32 softmax
+        probabilities, renormalised to sum to one where the model says so."""
         probs = F.softmax(self.gate(x).float(), dim=-1)
-        weights, experts = probs.topk(self.top_k, dim=-1)  # [num_tokens, top_k]
+        weights, experts = probs.topk(self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, experts
+
+    def all_reduce(self, out: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's partial output (``out`` itself without tensor parallelism)."""
+        return self.parallel.comm.all_reduce(out) if self.parallel.tp_size > 1 else out
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
+        weights, experts = self.route(x)
         flat_experts = experts.flatten()
         order = flat_experts.argsort(stable=True)
         token_of = order // self.top_k
@@ -87,4 +110,4 @@ class FusedMoE(nn.Module):
             y = F.linear(self.act(gate) * up, self.w2[expert])
             out.index_add_(0, tokens, (y * flat_weights[rows, None]).to(out.dtype))
             start += count
-        return self.parallel.comm.all_reduce(out) if self.parallel.tp_size > 1 else out
+        return self.all_reduce(out)

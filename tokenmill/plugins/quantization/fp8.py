@@ -1,15 +1,20 @@
 """FP8 (e4m3) weights: vLLM's ``fp8`` checkpoints, ``compressed-tensors`` float-quantized
 checkpoints, and online quantization of unquantized checkpoints.
 
-Two kernels (``quantization.fp8_kernel``). ``scaled_mm`` (the default where the weights live
-on a GPU) keeps the e4m3 weights and multiplies FP8 activations by them with
-``torch._scaled_mm``, scaled per token (dynamic) or per tensor (static) on the activation
-side and per output channel on the weight side (a per-tensor scale of each fused part,
-expanded); the log's weight memory shows the saving. ``dequantize`` (the default on CPUs,
-which have no FP8 arithmetic) widens the weights once, at load, to the compute dtype and
-applies the same quantize-dequantize to activations. Both compute the same W8A8 product.
-Weight-only schemes (``quantization.quantize_activations`` off, online FP8) and 128x128
-block checkpoints always dequantize.
+Three kernels (``quantization.fp8_kernel``). ``scaled_mm`` (the default for per-tensor and
+per-channel W8A8 checkpoints where the weights live on a GPU) keeps the e4m3 weights and
+multiplies FP8 activations by them with ``torch._scaled_mm``, scaled per token (dynamic) or
+per tensor (static) on the activation side and per output channel on the weight side (a
+per-tensor scale of each fused part, expanded); the log's weight memory shows the saving.
+``triton`` (the default for 128x128 block checkpoints on a GPU) keeps their e4m3 weights and
+block scales and multiplies with the Triton GEMM in ``triton_block_fp8``, which widens each
+weight tile in registers, after the same per-token rounding of activations; on a CPU it
+runs in Triton's interpreter (``TRITON_INTERPRET=1``, for tests). ``dequantize`` (the
+default on CPUs, which have no FP8 arithmetic) widens the weights once, at load, to the
+compute dtype and applies the same quantize-dequantize to activations. All compute the same
+W8A8 product. Weight-only per-tensor and per-channel schemes
+(``quantization.quantize_activations`` off, online FP8) always dequantize; ``scaled_mm``
+leaves block checkpoints to ``dequantize``.
 """
 
 from __future__ import annotations
@@ -52,6 +57,14 @@ class Fp8LinearMethod:
         self.tensor_parallel = online or scheme.weights != "block"
         self.activations = scheme.activations if quantize_activations and not online else None
         self.online = online
+        #: what the block-FP8 Triton GEMM serves: K blocks its slab divides, activations
+        #: rounded per token (the fused parts' static scales would need a GEMM per part) or not
+        self.triton_block = (not online and scheme.weights == "block" and scheme.block[1] % 16 == 0
+                             and self.activations != "static")
+        if kernel == "triton" and not self.triton_block:
+            raise ConfigError("quantization.fp8_kernel",
+                              "triton multiplies block-wise FP8 checkpoints (weight blocks a multiple of 16 wide in K, "
+                              "dynamic or no activation quantization); use auto, scaled_mm or dequantize for this one")
 
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int], dtype: torch.dtype) -> None:
         n, shards = sum(output_sizes), len(output_sizes)
@@ -85,6 +98,16 @@ class Fp8LinearMethod:
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         w = layer.weight.data
+        if self._triton(w):  # e4m3 weights and block scales stay; each output row's scale row
+            from tokenmill.plugins.quantization.triton_block_fp8 import INTERPRETED
+
+            if w.device.type != "cuda" and not INTERPRETED:
+                raise ConfigError("quantization.fp8_kernel",
+                                  "triton runs on a CUDA GPU, or on a CPU in Triton's interpreter (TRITON_INTERPRET=1)")
+            layer.register_buffer("fp8_scale_rows", block_scale_rows(layer.quant_block_sizes, self.scheme.block[0])
+                                  .to(device=w.device, dtype=torch.int32), persistent=False)
+            layer.fp8_triton = True
+            return
         if self._scaled_mm(w):  # e4m3 weights stay; the scales become one per output channel
             layer.register_buffer("fp8_weight_scale", self._expanded_scale(layer, w.shape).reshape(1, -1).float(),
                                   persistent=False)
@@ -107,6 +130,12 @@ class Fp8LinearMethod:
             return False
         return self.kernel == "scaled_mm" or (self.kernel == "auto" and weight.device.type == "cuda")
 
+    def _triton(self, weight: torch.Tensor) -> bool:
+        """Whether this layer multiplies with the block-FP8 Triton GEMM: a block scheme it
+        serves, and the kernel asked for (or "auto" on a GPU)."""
+        on_gpu = weight.device.type == "cuda"
+        return self.triton_block and (self.kernel == "triton" or (self.kernel == "auto" and on_gpu))
+
     def _expanded_scale(self, layer: nn.Module, shape: torch.Size) -> torch.Tensor:
         scale = getattr(layer, self.scheme.scale_name).data
         if self.scheme.weights == "channel":
@@ -114,17 +143,14 @@ class Fp8LinearMethod:
         if self.scheme.weights == "tensor":
             return torch.repeat_interleave(scale, torch.tensor(layer.quant_output_sizes)).unsqueeze(1)
         bn, bk = self.scheme.block
-        parts, block_row = [], 0
-        for size in layer.quant_block_sizes:
-            rows = -(-size // bn)
-            part = scale[block_row:block_row + rows].repeat_interleave(bn, 0)[:size]
-            parts.append(part.repeat_interleave(bk, 1)[:, : shape[1]])
-            block_row += rows
-        return torch.cat(parts)
+        rows = block_scale_rows(layer.quant_block_sizes, bn).to(scale.device)
+        return scale[rows].repeat_interleave(bk, 1)[:, : shape[1]]
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         if getattr(layer, "fp8_scaled_mm", False):
             return self._apply_scaled_mm(layer, x, bias)
+        if getattr(layer, "fp8_triton", False):
+            return self._apply_triton(layer, x, bias)
         if self.activations is None:
             return nn.functional.linear(x, layer.weight, bias)
         if self.activations == "static":
@@ -162,6 +188,32 @@ class Fp8LinearMethod:
         if bias is not None:
             out = out + bias
         return out.reshape(*shape[:-1], out.shape[-1])
+
+    def _apply_triton(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """The block-FP8 Triton GEMM on the e4m3 weights, after the dequantizing path's
+        per-token rounding of activations through FP8."""
+        from tokenmill.plugins.quantization.triton_block_fp8 import block_fp8_gemm
+
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        if self.activations is not None:
+            x = fake_quantize(x, _token_scale(layer, x).to(x.dtype))
+        out = block_fp8_gemm(x, layer.weight, getattr(layer, self.scheme.scale_name), layer.fp8_scale_rows,
+                             self.scheme.block[1])
+        if bias is not None:
+            out = out + bias
+        return out.reshape(*shape[:-1], out.shape[-1])
+
+
+def block_scale_rows(part_sizes: list[int], block_n: int) -> torch.Tensor:
+    """Each output row's row of block scales (int64 [N]). A fused layer's parts stack their own
+    block rows, so a part's row ``j`` takes the part's block row ``j // block_n``: past a part
+    whose size is not a multiple of ``block_n``, not the fused row's ``n // block_n``."""
+    rows, first = [], 0
+    for size in part_sizes:
+        rows.append(first + torch.arange(size) // block_n)
+        first += -(-size // block_n)
+    return torch.cat(rows)
 
 
 def _token_scale(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -222,7 +274,7 @@ class Fp8Method:
         quantize_activations = getattr(options, "quantize_activations", True)
         kernel = getattr(options, "fp8_kernel", "auto")
         if not config:  # online: quantization="fp8" over a full-precision checkpoint
-            self.method = Fp8LinearMethod(Fp8Scheme("channel"), quantize_activations, online=True)
+            self.method = Fp8LinearMethod(Fp8Scheme("channel"), quantize_activations, online=True, kernel=kernel)
             self.ignored_layers = None
             return
         scheme = config.get("activation_scheme", "dynamic")

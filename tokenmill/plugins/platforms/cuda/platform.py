@@ -8,19 +8,21 @@ What it decides (options in ``platform.cuda``):
   of the device's memory less what this engine uses once the weights are loaded and less the peak of a profiling forward
   pass's activations; swap space and input staging in pinned host memory, so copies to and
   from the device are asynchronous;
-- decode steps recorded as CUDA graphs (``capture_graph``), all in one memory pool.
+- decode steps recorded as CUDA graphs (``capture_graph``), all in one memory pool;
+- mixture-of-experts layers on the Triton fused-MoE kernel (``custom_op``).
 """
 
 from __future__ import annotations
 
 import gc
 import os
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from tokenmill.interfaces.errors import ConfigError
 from tokenmill.interfaces.platform import Detection, DeviceGraph, Platform
+from tokenmill.plugins.models.triton_moe import fused_moe
 from tokenmill.plugins.platforms.cuda.options import CudaOptions
 
 
@@ -97,6 +99,11 @@ class CudaPlatform(Platform):
         with torch.cuda.graph(graph, pool=self._graph_pool):
             run()
         return graph
+
+    def custom_op(self, layer: torch.nn.Module) -> Optional[Callable[..., Any]]:
+        """Mixture-of-experts layers route on the device (Triton grouped GEMMs over tokens sorted
+        by expert): no host synchronisation per layer, so their decode steps record as graphs."""
+        return fused_moe if layer.op_name == "fused_moe" else None
 
     def place_model(self, model: torch.nn.Module) -> None:
         model.to(self.device_type)
