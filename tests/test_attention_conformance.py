@@ -169,3 +169,21 @@ def test_cpu_kernels_read_a_bf16_cache_as_its_fp32_values(seed):
     narrow = backend.forward(spec, q, k, v, cache.clone(), metadata)
     wide = CpuAttention().forward(spec, q, k, v, cache.float(), metadata)
     assert torch.equal(narrow, wide)
+
+
+@pytest.mark.parametrize("head_dim,block_size", [(128, 128), (256, 64)])
+@pytest.mark.parametrize("window", [None, 20])
+def test_triton_decode_reads_large_blocks_in_parts(head_dim, block_size, window):
+    """A block of 128 x head 128 or 64 x head 256 is read 64 or 32 positions at a time (what
+    fits in registers): a window that starts inside a block leaves its first parts empty."""
+    import torch
+
+    from tokenmill.plugins.attention.triton_paged.backend import TritonPagedAttention
+    from tokenmill.plugins.attention.triton_paged.kernels import decode_sub_block
+    from tokenmill.testing.attention_conformance import AttentionCase
+
+    assert decode_sub_block(block_size, head_dim) < block_size
+    case = AttentionCase(seed=3, num_heads=2, num_kv_heads=1, head_dim=head_dim, block_size=block_size,
+                         dtype=torch.float32, requests=((150, 1), (70, 1), (0, 1)), sliding_window=window,
+                         soft_cap=None)
+    check_backend(TritonPagedAttention(), case)

@@ -45,6 +45,10 @@ def test_the_cases_cover_every_kernel_and_every_choice():
     assert {c["HEAD_DIM"] for c in prefill} == {64, 80, 96, 112, 128, 256}
     assert {(c["USE_SOFT_CAP"], c["USE_WINDOW"]) for c in prefill} == {(a, b) for a in (0, 1) for b in (0, 1)}
     assert {c["IEEE_FP32"] for c in prefill} == {True, False}
+    assert {(case.signature["q_ptr"], case.signature["cache_ptr"], case.constexprs["HEAD_DIM"])
+            for case in CASES if case.kernel == "prefill_attention"} == {
+        (f"*{q}", f"*{c}", head) for q, c in (("fp32", "fp32"), ("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "bf16"))
+        for head in (64, 80, 96, 112, 128, 256)}  # each with the tile the wrapper picks for it
     assert {case.signature["cache_ptr"] for case in CASES if case.kernel == "paged_attention"} == \
         {"*fp32", "*bf16", "*fp16"}
     assert {(c["BITS"], c["IEEE_FP32"]) for c in (case.constexprs for case in CASES if case.kernel == "dequant_gemm")} \
@@ -69,12 +73,7 @@ def test_kernel_compiles_for_the_gpu(case, target, compiled):
     assert "error" not in figures, figures.get("error")
     assert figures["cubin_bytes"] > 0
     assert figures["spill_bytes"] == 0, f"{case.id} spills {figures['spill_bytes']} bytes on {target}"
+    # ptxas spills registers into the stack frame (``ptxas -v``'s spill stores), which LOCAL does
+    # not count: every tile the wrappers pick is sized to need none
+    assert figures["stack_bytes"] == 0, f"{case.id} spills {figures['stack_bytes']} stack bytes on {target}"
     assert figures["shared_bytes"] <= SHARED_LIMIT[target]
-
-
-@pytest.mark.parametrize("target", sorted(TARGETS))
-def test_block_fp8_gemm_spills_nothing_to_its_stack_frame(target, compiled):
-    """ptxas spills registers into the stack frame (``ptxas -v``'s spill stores), which LOCAL
-    above does not count; the block-FP8 GEMM's tiles are sized per dtype to need none."""
-    stacks = {case.id: compiled[target][case.id]["stack_bytes"] for case in CASES if case.kernel == "block_fp8_gemm"}
-    assert stacks and not any(stacks.values()), stacks

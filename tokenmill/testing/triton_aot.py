@@ -35,10 +35,12 @@ from tokenmill.plugins.attention.triton_paged.kernels import (
     _paged_attention_kernel,
     _prefill_attention_kernel,
     _write_kv_kernel,
+    decode_sub_block,
+    prefill_tiles,
 )
 from tokenmill.plugins.models.triton_moe import _fused_moe_kernel, tiles_for
 from tokenmill.plugins.quantization.triton_block_fp8 import _block_fp8_gemm_kernel, gpu_tiles
-from tokenmill.plugins.quantization.triton_gemm import _dequant_gemm_kernel
+from tokenmill.plugins.quantization.triton_gemm import _dequant_gemm_kernel, gemm_block_k
 
 #: what the engine computes in, and the Triton pointer types of those dtypes
 DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -56,11 +58,14 @@ class KernelCase:
     fn: Any
     signature: dict[str, str]
     constexprs: dict[str, Any]
+    #: the launch's warps (Triton's default, 4, unless the wrapper picks)
+    num_warps: int = 4
 
     @property
     def id(self) -> str:
         types = "-".join(sorted({t.lstrip("*") for t in self.signature.values() if t.startswith("*")}))
-        return f"{self.kernel}[{types};" + ",".join(f"{k}={v}" for k, v in self.constexprs.items()) + "]"
+        warps = "" if self.num_warps == 4 else f",num_warps={self.num_warps}"
+        return f"{self.kernel}[{types};" + ",".join(f"{k}={v}" for k, v in self.constexprs.items()) + warps + "]"
 
 
 @dataclass(frozen=True)
@@ -79,8 +84,8 @@ def _signature(fn: Any, types: dict[str, str], constexprs: dict[str, Any]) -> di
     return {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in fn.arg_names}
 
 
-def _case(kernel: str, fn: Any, types: dict[str, str], constexprs: dict[str, Any]) -> KernelCase:
-    return KernelCase(kernel, _compilable(fn), _signature(fn, types, constexprs), constexprs)
+def _case(kernel: str, fn: Any, types: dict[str, str], constexprs: dict[str, Any], num_warps: int = 4) -> KernelCase:
+    return KernelCase(kernel, _compilable(fn), _signature(fn, types, constexprs), constexprs, num_warps)
 
 
 def _compilable(fn: Any) -> JITFunction:
@@ -114,19 +119,25 @@ def kernel_cases() -> list[KernelCase]:
                             "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "scale": "fp32", "soft_cap": "fp32"},
                            {"GROUP": group, "BLOCK_SIZE": block, "HEAD_DIM": head,
                             "HEAD_PAD": triton.next_power_of_2(head), "NUM_SPLITS": splits,
-                            "USE_SOFT_CAP": soft_cap, "USE_WINDOW": window}))
-    # prefill: the backend's GPU tile (64 query tokens x 64 context positions); fp32 dots for
-    # fp32 queries, tensor-core dots for bf16/fp16
-    for head, block, group, (query, cache), (soft_cap, window) in zip(
-            HEAD_DIMS, _cycle(BLOCK_SIZES[::-1], 6), _cycle(GROUPS[::-1], 6), _cycle(query_cache[::-1], 6),
-            _cycle(flags[::-1], 6)):
+                            "USE_SOFT_CAP": soft_cap, "USE_WINDOW": window,
+                            "SUB_BLOCK": decode_sub_block(block, triton.next_power_of_2(head))}))
+    # a recorded decode step (decode_graphs) reads the graph's int64 position buffer
+    cases.append(dataclasses.replace(cases[-1], signature={**cases[-1].signature, "token_pos_ptr": "*i64"}))
+    # prefill: the backend's GPU tile (32 query tokens) and the context step and warps the
+    # wrapper picks per head size and dot precision (fp32 dots for fp32 queries, tensor-core
+    # dots for bf16/fp16), every head size with every query/cache dtype pair
+    for (head, (query, cache)), block, group, (soft_cap, window) in zip(
+            itertools.product(HEAD_DIMS, query_cache), _cycle(BLOCK_SIZES[::-1], 24), _cycle(GROUPS[::-1], 24),
+            _cycle(flags[::-1], 24)):
+        head_pad = triton.next_power_of_2(head)
+        block_n, num_warps = prefill_tiles(query == "fp32", head_pad)
         cases.append(_case("prefill_attention", _prefill_attention_kernel,
                            {"q_ptr": f"*{query}", "cache_ptr": f"*{cache}", "block_table_ptr": "*i32",
                             "out_ptr": f"*{query}", "tile_req_ptr": "*i32", "tile_start_ptr": "*i32",
                             "query_start_ptr": "*i32", "seq_lens_ptr": "*i32", "scale": "fp32", "soft_cap": "fp32"},
-                           {"GROUP": group, "BLOCK_SIZE": block, "HEAD_DIM": head,
-                            "HEAD_PAD": triton.next_power_of_2(head), "BLOCK_M": 64, "BLOCK_N": 64,
-                            "USE_SOFT_CAP": soft_cap, "USE_WINDOW": window, "IEEE_FP32": query == "fp32"}))
+                           {"GROUP": group, "BLOCK_SIZE": block, "HEAD_DIM": head, "HEAD_PAD": head_pad,
+                            "BLOCK_M": 32, "BLOCK_N": block_n, "USE_SOFT_CAP": soft_cap, "USE_WINDOW": window,
+                            "IEEE_FP32": query == "fp32"}, num_warps))
     for head, splits, dtype in zip(HEAD_DIMS, _cycle(NUM_SPLITS, 6), _cycle(dtypes, 6)):
         cases.append(_case("merge_splits", _merge_splits_kernel,
                            {"part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
@@ -139,7 +150,7 @@ def kernel_cases() -> list[KernelCase]:
             cases.append(_case("dequant_gemm", _dequant_gemm_kernel,
                                {"a_ptr": f"*{dtype}", "qweight_ptr": "*i32", "zeros_ptr": "*i32",
                                 "scales_ptr": f"*{dtype}", "g_idx_ptr": "*i32", "c_ptr": f"*{dtype}"},
-                               {"BITS": bits, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32,
+                               {"BITS": bits, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": gemm_block_k(getattr(torch, name)),
                                 "IEEE_FP32": dtype == "fp32"}))
         # block FP8: 128x128 scale blocks (every block checkpoint's), e4m3 weights read as bytes,
         # in each tile the wrapper picks for the dtype (decode- and prefill-sized for fp16/bf16)
@@ -169,7 +180,8 @@ def kernel_cases() -> list[KernelCase]:
 
 
 def compile_case(case: KernelCase, target: GPUTarget) -> Compiled:
-    compiled = triton.compile(ASTSource(case.fn, case.signature, constexprs=case.constexprs), target=target)
+    compiled = triton.compile(ASTSource(case.fn, case.signature, constexprs=case.constexprs), target=target,
+                              options={"num_warps": case.num_warps})
     cubin = compiled.asm["cubin"]
     usage = _resource_usage(cubin)
     return Compiled(usage["REG"], compiled.metadata.shared, usage["LOCAL"], usage["STACK"], len(cubin))

@@ -53,12 +53,11 @@ class TritonPagedAttention:
         cuda_graph=True,
     )
 
-    def __init__(self, tokens_per_split: int = 256, block_m: int = 16 if INTERPRETED else 64,
-                 block_n: int = 32 if INTERPRETED else 64) -> None:
+    def __init__(self, tokens_per_split: int = 256, block_m: int = 16 if INTERPRETED else 32) -> None:
         #: decode contexts longer than this are split across programs (flash-decoding), then merged
         self.tokens_per_split = tokens_per_split
-        #: the prefill kernel's tile: query tokens per program, context positions per step
-        self.block_m, self.block_n = block_m, block_n
+        #: query tokens per prefill program (context positions per step: ``kernels.prefill_tiles``)
+        self.block_m = block_m
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         return (2, num_blocks, block_size, num_kv_heads, head_dim)
@@ -124,5 +123,5 @@ class TritonPagedAttention:
                 metadata.decode_pos, layer.scale, cap, window, metadata.num_splits)
         kernels.prefill_attention(query, kv_cache, metadata.block_table, out, metadata.tile_req, metadata.tile_start,
                                   metadata.query_start_loc, metadata.seq_lens, layer.scale, cap, window,
-                                  self.block_m, self.block_n)
+                                  self.block_m)
         return out

@@ -51,8 +51,11 @@ def _paged_attention_kernel(
     stride_qt, stride_qh, stride_c_kv, stride_c_block, stride_c_off, stride_c_head, stride_bt,
     stride_pt, stride_ph, stride_ps,
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, USE_SOFT_CAP: tl.constexpr, USE_WINDOW: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, USE_SOFT_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, SUB_BLOCK: tl.constexpr,
 ):
+    """One program per (decode token, head, split): online softmax over the split's cache
+    blocks, SUB_BLOCK positions of a block at a time (a whole large block of a large head
+    would not fit in registers)."""
     token = tl.program_id(0)
     head = tl.program_id(1)
     split = tl.program_id(2)
@@ -73,29 +76,32 @@ def _paged_attention_kernel(
     start = first_block + split * per_split
     end = tl.minimum(start + per_split, last_block + 1)
 
-    offsets = tl.arange(0, BLOCK_SIZE)
     m = -float("inf")
     l = 0.0
     acc = tl.zeros((HEAD_PAD,), dtype=tl.float32)
+    kv_mask = dim_mask[None, :]
     for b in range(start, end):
         physical = tl.load(block_table_ptr + req * stride_bt + b)
         base = cache_ptr + physical * stride_c_block + kv_head * stride_c_head
-        kv_mask = dim_mask[None, :]
-        k = tl.load(base + offsets[:, None] * stride_c_off + dims[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        scores = tl.sum(k * q[None, :], axis=1) * scale  # [BLOCK_SIZE]
-        if USE_SOFT_CAP:
-            scores = soft_cap * (2.0 / (1.0 + tl.exp(-2.0 * scores / soft_cap)) - 1.0)  # soft_cap * tanh(s / cap)
-        positions = b * BLOCK_SIZE + offsets
-        valid = (positions <= pos) & (positions >= first)
-        scores = tl.where(valid, scores, -float("inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=0))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new)
-        v = tl.load(base + stride_c_kv + offsets[:, None] * stride_c_off + dims[None, :], mask=kv_mask,
-                    other=0.0).to(tl.float32)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-        l = l * alpha + tl.sum(p, axis=0)
-        m = m_new
+        for part in range(BLOCK_SIZE // SUB_BLOCK):
+            offsets = part * SUB_BLOCK + tl.arange(0, SUB_BLOCK)
+            k = tl.load(base + offsets[:, None] * stride_c_off + dims[None, :], mask=kv_mask,
+                        other=0.0).to(tl.float32)
+            scores = tl.sum(k * q[None, :], axis=1) * scale  # [SUB_BLOCK]
+            if USE_SOFT_CAP:
+                scores = soft_cap * (2.0 / (1.0 + tl.exp(-2.0 * scores / soft_cap)) - 1.0)  # soft_cap * tanh(s / cap)
+            positions = b * BLOCK_SIZE + offsets
+            valid = (positions <= pos) & (positions >= first)
+            scores = tl.where(valid, scores, -float("inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=0))
+            m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # nothing valid yet (a window's start)
+            alpha = tl.exp(m - m_safe)
+            p = tl.exp(scores - m_safe)
+            v = tl.load(base + stride_c_kv + offsets[:, None] * stride_c_off + dims[None, :], mask=kv_mask,
+                        other=0.0).to(tl.float32)
+            acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+            l = l * alpha + tl.sum(p, axis=0)
+            m = m_new
     out = part_acc_ptr + token * stride_pt + head * stride_ph + split * stride_ps
     tl.store(out + dims, acc, mask=dim_mask)
     tl.store(part_m_ptr + (token * tl.num_programs(1) + head) * NUM_SPLITS + split, m)
@@ -124,6 +130,12 @@ def _merge_splits_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, stride_p
                        mask=dim_mask, other=0.0) * weight
     tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, (acc / total).to(out_ptr.dtype.element_ty),
              mask=dim_mask)
+
+
+def decode_sub_block(block_size: int, head_pad: int) -> int:
+    """Cache positions the decode kernel holds at once: at most 8192 values of K (and of V),
+    64 registers a thread at 4 warps; more spills at block 128 x head 256."""
+    return min(block_size, max(1, 8192 // head_pad))
 
 
 def write_kv(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -156,6 +168,7 @@ def paged_attention(query: torch.Tensor, cache: torch.Tensor, block_table: torch
         block_table.stride(0), acc.stride(0), acc.stride(1), acc.stride(2),
         GROUP=heads // kv_heads, BLOCK_SIZE=cache.shape[2], HEAD_DIM=head_dim, HEAD_PAD=head_pad,
         NUM_SPLITS=num_splits, USE_SOFT_CAP=soft_cap is not None, USE_WINDOW=window is not None,
+        SUB_BLOCK=decode_sub_block(cache.shape[2], head_pad),
     )
     out = torch.empty_like(query)
     _merge_splits_kernel[(tokens, heads)](acc, m, l, out, acc.stride(0), acc.stride(1), acc.stride(2),
@@ -236,22 +249,34 @@ def _prefill_attention_kernel(
 
 def prefill_attention(query: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, out: torch.Tensor,
                       tile_req: torch.Tensor, tile_start: torch.Tensor, query_start_loc: torch.Tensor,
-                      seq_lens: torch.Tensor, scale: float, soft_cap, window, block_m: int, block_n: int) -> None:
+                      seq_lens: torch.Tensor, scale: float, soft_cap, window, block_m: int) -> None:
     """Attention for the query tiles (``tile_req``, ``tile_start``: each tile's request and
     first flat token), written into ``out`` at those tokens."""
     tiles = tile_req.shape[0]
     if tiles == 0:
         return
     _, heads, head_dim = query.shape
+    head_pad = max(16, triton.next_power_of_2(head_dim))
+    ieee_fp32 = query.dtype == torch.float32 or (INTERPRETED and query.dtype == torch.bfloat16)
+    block_n, num_warps = (32, 4) if INTERPRETED else prefill_tiles(ieee_fp32, head_pad)
     _prefill_attention_kernel[(tiles, heads)](
         query, cache, block_table, out, tile_req, tile_start, query_start_loc, seq_lens,
         scale, soft_cap or 1.0, window or 0,
         query.stride(0), query.stride(1), cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
         block_table.stride(0), out.stride(0), out.stride(1),
         GROUP=heads // cache.shape[3], BLOCK_SIZE=cache.shape[2], HEAD_DIM=head_dim,
-        HEAD_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=block_m, BLOCK_N=block_n,
+        HEAD_PAD=head_pad, BLOCK_M=block_m, BLOCK_N=block_n,
         USE_SOFT_CAP=soft_cap is not None, USE_WINDOW=window is not None,
         # fp32 dots for fp32 models; bf16 ones too in the interpreter, whose dot of bf16 tiles is
         # wrong (numpy has no bf16), so that it checks the rest of the kernel
-        IEEE_FP32=query.dtype == torch.float32 or (INTERPRETED and query.dtype == torch.bfloat16),
+        IEEE_FP32=ieee_fp32, num_warps=num_warps,
     )
+
+
+def prefill_tiles(ieee_fp32: bool, head_pad: int) -> tuple[int, int]:
+    """(context positions per step, warps) of the prefill kernel on a GPU, for its 32-token
+    query tiles: the largest that compile without spilling registers on sm_80 and sm_90
+    (fp32 tiles take twice the registers of bf16/fp16 ones; tests/test_triton_compile.py)."""
+    if not ieee_fp32 or head_pad <= 64:
+        return 32, 8
+    return (16, 4) if head_pad == 128 else (16, 8)
