@@ -118,3 +118,19 @@ def sampler_for(rows: list, seed: int = 0, eos: tuple[int, ...] = (), vocab: int
     sampler.update_batch(BatchUpdate(len(rows), added=tuple(
         AddedRow(i, r.params, r.prompt_token_ids, r.output_token_ids) for i, r in enumerate(rows))))
     return sampler
+
+
+def with_platforms(*platforms):
+    """The plugin manager with ``platforms`` (Platform subclasses) registered beside the installed ones."""
+    from tokenmill import hookimpl
+    from tokenmill.core.plugin_host.plugin_manager import make_plugin_manager
+
+    class Plugin:
+        @hookimpl
+        def register_platforms(self, register):
+            for cls in platforms:
+                register(cls.name, cls)
+
+    pm = make_plugin_manager()
+    pm.register_plugin(Plugin(), "test-platforms")
+    return pm

@@ -13,29 +13,17 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import PROMPTS
-from tokenmill import LLM, SamplingParams, hookimpl, load_config
-from tokenmill.core.plugin_host.plugin_manager import make_plugin_manager
+from conftest import PROMPTS, with_platforms
+from tokenmill import LLM, SamplingParams, load_config
 from tokenmill.core.worker.decode_graphs import DecodeGraphs, capture_sizes
 from tokenmill.testing.device_graphs import HostSyncCheck, HostSyncError, RecordingPlatform
 from tokenmill.testing.hf_reference import assert_matches_reference, hf_greedy
 
 
-def recording_plugins():
-    class Plugin:
-        @hookimpl
-        def register_platforms(self, register):
-            register(RecordingPlatform.name, RecordingPlatform)
-
-    pm = make_plugin_manager()
-    pm.register_plugin(Plugin(), "recording-platform")
-    return pm
-
-
 def graphed_llm(model_dir, arch: str, **overrides) -> LLM:
     args = dict(model=str(model_dir(arch)), device="cpu-graphs", attention_backend="triton", block_size=8,
                 max_num_seqs=4, max_num_batched_tokens=32, kv_cache_memory_bytes=2**23)
-    return LLM(config=load_config(**{**args, **overrides}), plugin_manager=recording_plugins())
+    return LLM(config=load_config(**{**args, **overrides}), plugin_manager=with_platforms(RecordingPlatform))
 
 
 def run(llm: LLM, prompts, max_tokens):

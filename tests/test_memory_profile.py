@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import NEW_TOKENS, PROMPTS, greedy_in_batches
-from tokenmill import LLM, hookimpl, load_config
-from tokenmill.core.plugin_host.plugin_manager import make_plugin_manager
+from conftest import NEW_TOKENS, PROMPTS, greedy_in_batches, with_platforms
+from tokenmill import LLM, load_config
 from tokenmill.core.worker.memory_profile import profile_step
 from tokenmill.interfaces.platform import Platform
 from tokenmill.testing.hf_reference import assert_matches_reference
@@ -50,16 +49,9 @@ def test_the_profiled_step_is_the_largest_the_scheduler_can_form(tokens, max_seq
 
 
 def test_the_kv_budget_leaves_the_measured_activations_and_the_engine_stays_exact(model_dir, hf_reference):
-    class Plugin:
-        @hookimpl
-        def register_platforms(self, register):
-            register(ProfilingPlatform.name, ProfilingPlatform)
-
-    pm = make_plugin_manager()
-    pm.register_plugin(Plugin(), "profiling-platform")
     budget = 8 * 2**20
     llm = LLM(config=load_config(model=str(model_dir("llama")), device="cpu-profiling", kv_cache_memory_bytes=budget,
-                                 max_num_batched_tokens=64, block_size=8), plugin_manager=pm)
+                                 max_num_batched_tokens=64, block_size=8), plugin_manager=with_platforms(ProfilingPlatform))
     engine = llm.llm_engine
     assert engine.platform.profiled_steps == 1
     caches = [m.kv_cache for m in engine.runner.model.modules() if hasattr(m, "kv_cache")]

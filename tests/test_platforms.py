@@ -12,8 +12,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field
 from structlog.testing import capture_logs
 
-from conftest import NEW_TOKENS, PROMPTS, greedy_in_batches
-from tokenmill import LLM, hookimpl, load_config
+from conftest import NEW_TOKENS, PROMPTS, greedy_in_batches, with_platforms
+from tokenmill import LLM, load_config
 from tokenmill.core.layers.linear import Linear
 from tokenmill.core.plugin_host.plugin_manager import make_plugin_manager
 from tokenmill.interfaces.errors import ConfigError, UnknownComponent
@@ -59,18 +59,6 @@ class FasterFake(ReferencePlatform):
     priority = 50
 
 
-def plugin_manager(*platforms: type[Platform]):
-    class Plugin:
-        @hookimpl
-        def register_platforms(self, register):
-            for cls in platforms:
-                register(cls.name, cls)
-
-    pm = make_plugin_manager()
-    pm.register_plugin(Plugin(), "test-platforms")
-    return pm
-
-
 def build(model_dir, pm, **overrides) -> LLM:
     return LLM(config=load_config(model=str(model_dir("llama")), kv_cache_memory_bytes=2**24, **overrides),
                plugin_manager=pm)
@@ -82,7 +70,7 @@ def test_a_platform_defined_here_selected_from_yaml_matches_hf(model_dir, hf_ref
     config = tmp_path / "engine.yaml"
     config.write_text(yaml.safe_dump({"model": str(model_dir("llama")), "platform": {"name": "cpu-reference"},
                                       "cache": {"kv_cache_memory": 2**24}}))
-    llm = LLM(config=load_config(config), plugin_manager=plugin_manager(ReferencePlatform))
+    llm = LLM(config=load_config(config), plugin_manager=with_platforms(ReferencePlatform))
     engine = llm.llm_engine
     assert isinstance(engine.platform, ReferencePlatform)
     assert engine.runner.greedy_head is None
@@ -95,7 +83,7 @@ def test_a_platform_defined_here_selected_from_yaml_matches_hf(model_dir, hf_ref
 
 def test_auto_takes_the_usable_platform_with_the_highest_priority_and_says_why_not_the_others(model_dir):
     with capture_logs() as logs:
-        llm = build(model_dir, plugin_manager(MissingDevice, FasterFake))
+        llm = build(model_dir, with_platforms(MissingDevice, FasterFake))
     assert llm.llm_engine.platform.name == "faster-fake"
     passed_over = {entry["platform"]: entry for entry in logs if entry["event"].startswith("platform not")}
     assert "driver not loaded" in passed_over["imaginary"]["reason"]
@@ -115,7 +103,7 @@ def test_auto_without_extra_platforms_is_cpu(model_dir):
 
 def test_an_unusable_explicit_platform_is_an_error_with_its_reason(model_dir):
     with pytest.raises(ConfigError, match="driver not loaded") as info:
-        build(model_dir, plugin_manager(MissingDevice), device="imaginary")
+        build(model_dir, with_platforms(MissingDevice), device="imaginary")
     assert info.value.key == "platform.name"
 
 
@@ -168,12 +156,12 @@ def test_a_section_for_no_registered_platform_is_an_error(model_dir):
 
 def test_a_plugin_platform_validates_its_own_section_and_ignores_others_loudly(model_dir):
     with capture_logs() as logs:
-        llm = build(model_dir, plugin_manager(Tuned), platform={"name": "tuned", "tuned": {"lanes": 8},
+        llm = build(model_dir, with_platforms(Tuned), platform={"name": "tuned", "tuned": {"lanes": 8},
                                                                 "cpu": {"num_threads": 1}})
     assert llm.llm_engine.platform.options == TunedOptions(lanes=8)
     assert any(entry["event"] == "options ignored" and entry["section"] == "platform.cpu" for entry in logs)
     with pytest.raises(ConfigError) as info:
-        build(model_dir, plugin_manager(Tuned), platform={"name": "tuned", "tuned": {"lanes": 0}})
+        build(model_dir, with_platforms(Tuned), platform={"name": "tuned", "tuned": {"lanes": 0}})
     assert info.value.key == "platform.tuned.lanes"
 
 
