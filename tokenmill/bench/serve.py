@@ -147,7 +147,7 @@ def launch(engine: str, model_path: str, port: int, threads: int, max_num_seqs: 
         if args.device != "cuda":
             command += ["--num-threads", str(threads)]
     elif engine == "vllm":
-        command = ["vllm", "serve", model_path, "--port", str(port), "--served-model-name", "bench",
+        command = [args.vllm, "serve", model_path, "--port", str(port), "--served-model-name", "bench",
                    "--max-num-seqs", str(max_num_seqs), "--dtype", args.dtype]
     elif engine == "transformers":
         command = ["transformers", "serve", model_path, "--port", str(port), "--continuous-batching"]
@@ -169,6 +169,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--served-model", default="bench", help="the 'model' field to send")
     parser.add_argument("--launch", default="tokenmill",
                         help="comma-separated: tokenmill,transformers,vllm,llama.cpp")
+    parser.add_argument("--vllm", default="vllm", help="the vllm executable (e.g. in a venv of its own)")
     parser.add_argument("--device", default="auto", help="tokenmill's platform when launched (cpu, cuda)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="tokenmill's and vLLM's compute dtype when launched")
