@@ -137,6 +137,6 @@ def test_partial_and_straddling_blocks_on_the_triton_kernel(arch, sizes, tmp_pat
 def test_the_triton_kernel_refuses_schemes_without_blocks_and_cpus_without_the_interpreter(monkeypatch):
     with pytest.raises(ConfigError, match="quantization.fp8_kernel: triton multiplies block-wise FP8"):
         engine(CHECKPOINTS / "fp8-tensor-static", "triton")
-    monkeypatch.setattr("tokenmill.plugins.quantization.triton_block_fp8.INTERPRETED", False)
+    monkeypatch.setattr("tokenmill.plugins.triton_env.INTERPRETED", False)
     with pytest.raises(ConfigError, match="quantization.fp8_kernel: triton runs on a CUDA GPU, or on a CPU in Triton"):
         engine(CHECKPOINTS / "fp8-block", "triton")

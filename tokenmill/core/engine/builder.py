@@ -110,9 +110,11 @@ def _build_engine(config: EngineConfig, pm: PluginManager, components: Component
     scheduler = Scheduler(config.scheduler, kv_cache, policy, swap_space,
                           max_adapters=adapters.max_active if adapters else None, pipeline_depth=parallel.pp_size,
                           num_lookahead_slots=speculator.proposer.num_lookahead_slots if speculator else 0)
-    greedy_head = None if config.enforce_eager or adapters or group else platform.greedy_head(model)
+    # the platform's fast paths for the forward pass: one rank, no per-step adapter state
+    fast_paths = not (config.enforce_eager or adapters or group)
+    greedy_head = platform.greedy_head(model) if fast_paths else None
     graphs = None
-    if not (config.enforce_eager or adapters or group) and built.backend.capabilities.cuda_graph:
+    if fast_paths and built.backend.capabilities.cuda_graph:
         graphs = DecodeGraphs.for_engine(model, built.backend, platform, config.scheduler.max_num_seqs,
                                          config.cache.block_size, model_config.max_model_len,
                                          scheduler.num_lookahead_slots)

@@ -131,8 +131,8 @@ class Sampler:
         index = torch.tensor(penalized, device=logits.device)
         selected = logits[index]
         counts = _token_counts([rows[i].output_token_ids for i in penalized], selected)
-        repetition = torch.tensor([p.repetition_penalty for p in params], device=logits.device).unsqueeze(1)
-        if bool((repetition != 1.0).any()):
+        if any(p.repetition_penalty != 1.0 for p in params):
+            repetition = torch.tensor([p.repetition_penalty for p in params], device=logits.device).unsqueeze(1)
             seen = (_token_counts([rows[i].prompt_token_ids for i in penalized], selected) > 0) | (counts > 0)
             selected = torch.where(seen, torch.where(selected > 0, selected / repetition, selected * repetition),
                                    selected)

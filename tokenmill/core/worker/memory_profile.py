@@ -12,6 +12,8 @@ pipeline parallelism pair up.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from tokenmill.core.distributed.messages import Row, Step
@@ -27,10 +29,8 @@ def profile_step(num_tokens: int, max_num_seqs: int, max_model_len: int, block_s
     ``max_num_seqs`` requests of at most ``max_model_len`` tokens, all in block 0."""
     num_seqs = max(min(max_num_seqs, num_tokens), -(-num_tokens // max_model_len))
     lengths = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
-    lengths = [min(n, max_model_len) for n in lengths if n > 0]
     rows = [Row([0] * n, 0, [0] * -(-n // block_size), None) for n in lengths]
-    ends = [sum(lengths[:i + 1]) - 1 for i in range(len(lengths))]
-    return Step(rows, ends, False)
+    return Step(rows, [end - 1 for end in itertools.accumulate(lengths)], False)
 
 
 def profile_forward(model: CausalLM, backend: AttentionBackend, parallel: ParallelContext, vocab_size: int,

@@ -24,7 +24,6 @@ Written for GPUs; tested on CPU with ``TRITON_INTERPRET=1`` against the loop pat
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -32,9 +31,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.core.layers.moe import FusedMoE
-
-#: kernels run in Triton's interpreter (read when this module is imported, as Triton does)
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+from tokenmill.plugins.triton_env import ieee_fp32_dots
 
 
 class ExpertBlocks(NamedTuple):
@@ -143,9 +140,7 @@ def expert_gemm(a: torch.Tensor, weights: torch.Tensor, blocks: ExpertBlocks, ro
         n, k, num_pairs, pairs_per_row,
         a.stride(0), a.stride(1), weights.stride(0), weights.stride(1), weights.stride(2), c.stride(0), c.stride(1),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, MUL_ROUTED_WEIGHT=mul_routed_weight,
-        # fp32 dots for fp32 models; bf16 ones too in the interpreter, whose dot of bf16 tiles is
-        # wrong (numpy has no bf16)
-        IEEE_FP32=a.dtype == torch.float32 or (INTERPRETED and a.dtype == torch.bfloat16),
+        IEEE_FP32=ieee_fp32_dots(a.dtype),
     )
     return c
 

@@ -28,6 +28,7 @@ from torch import nn
 from tokenmill.core.layers.linear import shard_loader
 from tokenmill.interfaces.errors import ConfigError
 from tokenmill.interfaces.hookspecs import hookimpl
+from tokenmill.plugins import triton_env
 from tokenmill.plugins.quantization.group_quant import ignored, output_shard_loader
 
 FP8 = torch.float8_e4m3fn
@@ -99,9 +100,7 @@ class Fp8LinearMethod:
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         w = layer.weight.data
         if self._triton(w):  # e4m3 weights and block scales stay; each output row's scale row
-            from tokenmill.plugins.quantization.triton_block_fp8 import INTERPRETED
-
-            if w.device.type != "cuda" and not INTERPRETED:
+            if w.device.type != "cuda" and not triton_env.INTERPRETED:
                 raise ConfigError("quantization.fp8_kernel",
                                   "triton runs on a CUDA GPU, or on a CPU in Triton's interpreter (TRITON_INTERPRET=1)")
             layer.register_buffer("fp8_scale_rows", block_scale_rows(layer.quant_block_sizes, self.scheme.block[0])

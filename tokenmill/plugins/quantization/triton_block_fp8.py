@@ -23,15 +23,13 @@ Written for GPUs; tested on CPU with ``TRITON_INTERPRET=1`` against the torch pa
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-#: kernels run in Triton's interpreter (read when this module is imported, as Triton does)
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+from tokenmill.plugins.triton_env import INTERPRETED, ieee_fp32_dots
 
 
 @triton.jit
@@ -111,9 +109,6 @@ def block_fp8_gemm(a: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, s
         a, bits, scale, scale_rows, c, m, n, k,
         a.stride(0), a.stride(1), bits.stride(0), bits.stride(1), scale.stride(0), scale.stride(1),
         c.stride(0), c.stride(1),
-        GROUP_K=group_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        # fp32 dots for fp32 models; bf16 ones too in the interpreter, whose dot of bf16 tiles is
-        # wrong (numpy has no bf16), so that it checks the rest of the kernel
-        IEEE_FP32=a.dtype == torch.float32 or (INTERPRETED and a.dtype == torch.bfloat16),
+        GROUP_K=group_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE_FP32=ieee_fp32_dots(a.dtype),
     )
     return c

@@ -19,7 +19,7 @@ import torch
 
 from tokenmill.interfaces.attention import AttentionCapabilities, AttentionLayerSpec, AttentionMetadata
 from tokenmill.plugins.attention.triton_paged import kernels
-from tokenmill.plugins.attention.triton_paged.kernels import INTERPRETED
+from tokenmill.plugins.triton_env import INTERPRETED
 
 _COMMON_FIELDS = tuple(f.name for f in fields(AttentionMetadata))
 

@@ -17,14 +17,11 @@ tile rather than once per query token.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-#: kernels run in Triton's interpreter (read when this module is imported, as Triton does)
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+from tokenmill.plugins.triton_env import INTERPRETED, ieee_fp32_dots
 
 
 @triton.jit
@@ -257,7 +254,7 @@ def prefill_attention(query: torch.Tensor, cache: torch.Tensor, block_table: tor
         return
     _, heads, head_dim = query.shape
     head_pad = max(16, triton.next_power_of_2(head_dim))
-    ieee_fp32 = query.dtype == torch.float32 or (INTERPRETED and query.dtype == torch.bfloat16)
+    ieee_fp32 = ieee_fp32_dots(query.dtype)
     block_n, num_warps = (32, 4) if INTERPRETED else prefill_tiles(ieee_fp32, head_pad)
     _prefill_attention_kernel[(tiles, heads)](
         query, cache, block_table, out, tile_req, tile_start, query_start_loc, seq_lens,
@@ -266,10 +263,8 @@ def prefill_attention(query: torch.Tensor, cache: torch.Tensor, block_table: tor
         block_table.stride(0), out.stride(0), out.stride(1),
         GROUP=heads // cache.shape[3], BLOCK_SIZE=cache.shape[2], HEAD_DIM=head_dim,
         HEAD_PAD=head_pad, BLOCK_M=block_m, BLOCK_N=block_n,
-        USE_SOFT_CAP=soft_cap is not None, USE_WINDOW=window is not None,
-        # fp32 dots for fp32 models; bf16 ones too in the interpreter, whose dot of bf16 tiles is
-        # wrong (numpy has no bf16), so that it checks the rest of the kernel
-        IEEE_FP32=ieee_fp32, num_warps=num_warps,
+        USE_SOFT_CAP=soft_cap is not None, USE_WINDOW=window is not None, IEEE_FP32=ieee_fp32,
+        num_warps=num_warps,
     )
 
 
