@@ -9,7 +9,8 @@ grid and every tensor's address, so:
 - a step of ``n`` decode rows replays the smallest recorded size ``>= n`` (the buckets are
   1, 2, 4, 8, ... and ``max_num_seqs``), its extra rows padded: token 0 at position 0 with
   slot -1, so they write no KV; they read block 0 and their outputs are dropped;
-- the attention metadata is built once per bucket, by the backend's ``graph_metadata``;
+- the attention metadata is built once per bucket, by the backend's ``graph_metadata``, and
+  kept as long as the graphs (a recording holds addresses, not references);
 - the logits and sampling stay outside the graph, on the rows that are real.
 
 Which platform records (CUDA graphs, or a stand-in in the tests) is the platform's
@@ -67,6 +68,10 @@ class DecodeGraphs:
         #: the forward pass's hidden states, written by every replay (set by ``capture``)
         self.hidden: Optional[torch.Tensor] = None
         self.graphs: dict[int, DeviceGraph] = {}
+        #: each bucket's attention metadata, made before its recording and read by every
+        #: replay: a recorded graph holds its tensors' addresses, not references, so they
+        #: live as long as the graphs do (freed, the replay reads whatever reuses the memory)
+        self.metadata: dict[int, AttentionMetadata] = {}
 
     @classmethod
     def for_engine(cls, model: CausalLM, backend: AttentionBackend, platform: Platform, max_num_seqs: int,
@@ -86,8 +91,8 @@ class DecodeGraphs:
             self.hidden = row.new_zeros(self.sizes[-1], *row.shape[1:])
             for size in tqdm(reversed(self.sizes), total=len(self.sizes), desc="Capturing decode graphs",
                              unit="graph", leave=False):
-                forward = self._forward_into(size)
-                graph = platform.capture_graph(forward)
+                self.metadata[size] = self._metadata(size)
+                graph = platform.capture_graph(self._forward_into(size, self.metadata[size]))
                 if graph is None:
                     self.hidden = None
                     return False
@@ -99,8 +104,7 @@ class DecodeGraphs:
         metadata = metadata or self._metadata(size)
         return self.model.forward(self.input_ids[:size], self.positions[:size], metadata)
 
-    def _forward_into(self, size: int) -> Callable[[], None]:
-        metadata = self._metadata(size)  # built once, outside the recording
+    def _forward_into(self, size: int, metadata: AttentionMetadata) -> Callable[[], None]:
         hidden = self.hidden
 
         def forward() -> None:

@@ -18,10 +18,12 @@ import torch
 
 from tokenmill.core.distributed.messages import Row, Step
 from tokenmill.core.worker.kv_cache import allocate_kv_caches
+from tokenmill.core.worker.input_staging import InputStaging
 from tokenmill.core.worker.model_step import ModelStep
 from tokenmill.interfaces.attention import AttentionBackend
 from tokenmill.interfaces.models import CausalLM
 from tokenmill.interfaces.parallel import ParallelContext
+from tokenmill.interfaces.platform import Platform
 
 
 def profile_step(num_tokens: int, max_num_seqs: int, max_model_len: int, block_size: int) -> Step:
@@ -34,9 +36,10 @@ def profile_step(num_tokens: int, max_num_seqs: int, max_model_len: int, block_s
 
 
 def profile_forward(model: CausalLM, backend: AttentionBackend, parallel: ParallelContext, vocab_size: int,
-                    cache_dtype: torch.dtype, device: str, num_tokens: int, max_num_seqs: int, max_model_len: int,
-                    block_size: int) -> None:
-    """Run the largest step once, on a throwaway one-block KV cache."""
-    allocate_kv_caches(model, backend, 1, block_size, cache_dtype, device)
-    ModelStep(model, backend, block_size, vocab_size, parallel).run(
+                    cache_dtype: torch.dtype, platform: Platform, num_tokens: int, max_num_seqs: int,
+                    max_model_len: int, block_size: int) -> None:
+    """Run the largest step once, on a throwaway one-block KV cache, its inputs staged to the
+    device as a serving step's are."""
+    allocate_kv_caches(model, backend, 1, block_size, cache_dtype, platform.device_type)
+    ModelStep(model, backend, block_size, vocab_size, parallel, staging=InputStaging.for_platform(platform)).run(
         profile_step(num_tokens, max_num_seqs, max_model_len, block_size))

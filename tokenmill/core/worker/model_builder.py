@@ -71,7 +71,7 @@ class BuiltModel:
         if platform.profiles_memory:
             activations = platform.peak_memory(lambda: profile_forward(
                 self.model, self.backend, self.parallel, self.model_config.vocab_size, self.cache_dtype,
-                platform.device_type, config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs,
+                platform, config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs,
                 self.model_config.max_model_len, config.cache.block_size))
             log.info("memory profiled", activation_mib=round(activations / 2**20, 1),
                      tokens=config.scheduler.max_num_batched_tokens)

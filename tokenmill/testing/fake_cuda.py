@@ -1,0 +1,217 @@
+"""A CUDA device on the CPU, for the device-boundary net: tensors that say they are on
+``cuda``, hold real values in host memory, and refuse to meet host tensors where CUDA would.
+
+On a CPU-only machine, host and "device" tensors are the same kind, so code that hands a
+host tensor to a device kernel (token ids that skipped the staging copy, a host tensor of
+repeats beside a device scale) runs and passes; on a GPU it raises "Expected all tensors
+to be on the same device". Under ``fake_cuda()``:
+
+- ``device="cuda"`` (a factory's argument, ``torch.device("cuda")`` as a context,
+  ``.to("cuda")``, ``.cuda()``, ``Module.to``) gives a ``DeviceTensor``: ``device`` is
+  ``cuda:0``, the values live in a host tensor inside it, so the engine computes real tokens;
+- every aten operation checks its tensors' devices as CUDA's kernels do (``check_devices``):
+  one device per operation, except host 0-dim tensors (scalars to a CUDA kernel), the
+  copies between devices, and host index tensors in indexing (CUDA moves those itself);
+- a Triton kernel gets the device tensors' memory and refuses a host tensor, with Triton's
+  own message; ``.numpy()`` of a device tensor fails as on a GPU;
+- ``pin_memory=True`` gives ordinary host memory (what pinning changes is only speed).
+
+Values are real, so an engine on ``FakeCudaPlatform`` can be compared with Hugging Face.
+What it does not model: streams and asynchrony (every copy completes at once), memory
+limits, and the address-level faults of recorded graphs (``device_graphs`` has those).
+Why a tensor subclass and not ``FakeTensorMode``: fake tensors have no values (the engine
+could not sample), and on a CPU-only build their ``.to("cuda")``, cross-device
+``copy_``, host-index indexing and pinning all raise although each is legal on a GPU.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack, contextmanager
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from tokenmill.testing.kernel_launches import intercept_launches
+
+CUDA = torch.device("cuda", 0)
+aten = torch.ops.aten
+
+#: operations whose tensors may sit on two devices: copies between them
+_COPIES = frozenset({aten.copy_.default, aten._to_copy.default, aten._foreach_copy.default,
+                     aten._foreach_copy_.default, aten.lift_fresh.default, aten.detach.default})
+#: indexing: CUDA moves host index tensors to the device itself (self and values must match)
+_INDEXING = frozenset({aten.index.Tensor, aten.index_put_.default, aten.index_put.default,
+                       aten._index_put_impl_.default, aten._unsafe_index.Tensor})
+
+
+class DeviceMismatchError(RuntimeError):
+    """A host tensor met a device tensor in an operation CUDA refuses."""
+
+
+class DeviceTensor(torch.Tensor):
+    """A tensor on ``cuda:0`` whose values are the host tensor ``elem``."""
+
+    elem: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, elem: torch.Tensor) -> "DeviceTensor":
+        tensor = torch.Tensor._make_wrapper_subclass(
+            cls, elem.size(), strides=elem.stride(), storage_offset=elem.storage_offset(), dtype=elem.dtype,
+            device=CUDA, requires_grad=elem.requires_grad)
+        tensor.elem = elem
+        return tensor
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __repr__(self) -> str:
+        return f"DeviceTensor({self.elem!r})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        check_devices(func, args, kwargs)
+        to_device = _wants_device(kwargs)
+        if to_device is not None:
+            kwargs = {**kwargs, "device": torch.device("cpu")}
+        out = func(*tree_map(host_value, args), **tree_map(host_value, kwargs))
+        if func is aten._to_copy.default and to_device is False:
+            return out  # to the host: a plain tensor
+        if func in (aten.copy_.default, aten._foreach_copy_.default):
+            return args[0]
+        return tree_map(lambda x: DeviceTensor(x) if isinstance(x, torch.Tensor) else x, out)
+
+
+def host_value(x: Any) -> Any:
+    """The host tensor holding a device tensor's values; anything else as it is."""
+    return x.elem if isinstance(x, DeviceTensor) else x
+
+
+def _device_of(x: torch.Tensor) -> str:
+    return "cuda" if isinstance(x, DeviceTensor) else x.device.type
+
+
+def _wants_device(kwargs: dict) -> Optional[bool]:
+    """True where ``kwargs`` names a cuda device, False for another one, None for none."""
+    device = kwargs.get("device")
+    if device is None:
+        return None
+    return torch.device(device).type == "cuda"
+
+
+def check_devices(func: Any, args: tuple, kwargs: dict) -> None:
+    """Raise ``DeviceMismatchError`` where CUDA's kernel for ``func`` would refuse its tensors."""
+    if func in _COPIES:
+        return
+    if func in _INDEXING:
+        tensors = [args[0]] + [a for a in args[2:] if isinstance(a, torch.Tensor)]
+    else:
+        tensors = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+    devices = {_device_of(t) for t in tensors if not (t.dim() == 0 and _device_of(t) == "cpu")}
+    if len(devices) > 1:
+        found = ", ".join(sorted(devices))
+        shapes = ", ".join(f"{_device_of(t)}{tuple(t.shape)}" for t in tensors)
+        raise DeviceMismatchError(f"Expected all tensors to be on the same device, but found at least two devices, "
+                                  f"{found}! ({func}: {shapes})")
+
+
+def _to(func: Any, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """``Tensor.to`` across the boundary: to cuda wraps, to the host unwraps (a copy)."""
+    device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+    if device is None:  # a dtype change stays where it is
+        if not isinstance(tensor, DeviceTensor):
+            return func(tensor, *args, **kwargs)
+        device = CUDA
+    options: dict[str, Any] = {"dtype": dtype or tensor.dtype}
+    if memory_format is not None:
+        options["memory_format"] = memory_format
+    if device.type == "cuda":
+        if isinstance(tensor, DeviceTensor):
+            moved = tensor.elem.to(**options, copy=bool(kwargs.get("copy")))
+            return tensor if moved is tensor.elem else DeviceTensor(moved)
+        return DeviceTensor(tensor.to(**options, copy=True))
+    if isinstance(tensor, DeviceTensor):
+        return tensor.elem.to(device, **options, copy=True)
+    return func(tensor, *args, **kwargs)
+
+
+def _index(index: Any) -> Any:
+    return tree_map(host_value, index)
+
+
+class _Placement(TorchFunctionMode):
+    """The Python-level calls CPU-only torch refuses for ``cuda`` before any operation runs:
+    factories and conversions that name the device, pinning, indexing a device tensor."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        name = getattr(func, "__name__", "")
+        kwargs.pop("pin_memory", None)
+        if name == "to" and args and isinstance(args[0], torch.Tensor):
+            return _to(func, *args, **kwargs)
+        if name == "cuda" and args and isinstance(args[0], torch.Tensor):
+            return _to(func, args[0], CUDA)
+        if name == "pin_memory":
+            return args[0].clone()
+        if name == "is_pinned":
+            return False
+        if name == "copy_" and any(isinstance(x, DeviceTensor) for x in args[:2]):
+            return aten.copy_.default(args[0], args[1])  # the binding's device guard needs CUDA
+        if name == "contiguous" and isinstance(args[0], DeviceTensor):  # its binding's guard needs CUDA
+            contiguous = args[0].elem.contiguous(*args[1:], **kwargs)
+            return args[0] if contiguous is args[0].elem else DeviceTensor(contiguous)
+        if name == "tolist" and isinstance(args[0], DeviceTensor):
+            return args[0].elem.tolist()  # read back, as CUDA does
+        if name in ("numpy", "__array__") and isinstance(args[0], DeviceTensor):
+            raise TypeError("can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy the tensor "
+                            "to host memory first.")
+        if name == "__getitem__" and isinstance(args[0], DeviceTensor):
+            return self._getitem(*args)
+        if name == "__setitem__" and isinstance(args[0], DeviceTensor):
+            return self._setitem(*args)
+        if _wants_device(kwargs) and name != "device":  # factories, new_*, *_like
+            out = func(*tree_map(host_value, args), **{**kwargs, "device": torch.device("cpu")})
+            return tree_map(lambda x: DeviceTensor(x) if isinstance(x, torch.Tensor) else x, out)
+        return func(*args, **kwargs)
+
+    @staticmethod
+    def _getitem(tensor: DeviceTensor, index: Any) -> torch.Tensor:
+        flat = [x for x in tree_flatten(index)[0] if isinstance(x, torch.Tensor)]
+        check_devices(aten.index.Tensor, (tensor, flat), {})
+        return DeviceTensor(tensor.elem[_index(index)])
+
+    @staticmethod
+    def _setitem(tensor: DeviceTensor, index: Any, value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            check_devices(aten.index_put_.default, (tensor, [], value), {})
+        tensor.elem[_index(index)] = host_value(value)
+
+
+def _triton_launch(kernel: Any, grid: Any, args: tuple, kwargs: dict, launch: Callable[[tuple, dict], Any]) -> Any:
+    """A kernel reads device memory: device tensors give theirs, a host tensor is refused."""
+
+    def pointer(position: Any, x: Any) -> Any:
+        if isinstance(x, DeviceTensor):
+            return x.elem
+        if isinstance(x, torch.Tensor):
+            raise ValueError(f"Pointer argument (at {position}) cannot be accessed from Triton (cpu tensor?)")
+        return x
+
+    return launch(tuple(pointer(i, a) for i, a in enumerate(args)), {k: pointer(k, v) for k, v in kwargs.items()})
+
+
+@contextmanager
+def fake_cuda() -> Iterator[None]:
+    """Inside the block, ``cuda`` is the stand-in device."""
+    overwrite = torch.__future__.get_overwrite_module_params_on_conversion()
+    # Module.to("cuda") then wraps each parameter anew, rather than setting a host
+    # parameter's ``.data`` to a device tensor (a shallow copy that loses the subclass)
+    torch.__future__.set_overwrite_module_params_on_conversion(True)
+    try:
+        with ExitStack() as stack:
+            stack.enter_context(_Placement())
+            stack.enter_context(intercept_launches(_triton_launch))
+            yield
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(overwrite)

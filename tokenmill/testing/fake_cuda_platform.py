@@ -1,0 +1,54 @@
+"""The cuda platform on the stand-in device (``fake_cuda``), for the CPU suite's device nets.
+
+``FakeCudaPlatform`` is ``CudaPlatform`` itself (device placement, pinned host buffers,
+the profiling forward pass, the Triton fused-MoE op, dtype rules), less the calls into
+the CUDA runtime, which a CPU-only torch lacks: memory figures come from the config
+(``cache.kv_cache_memory``), the profiling pass's peak is not measured, and decode steps
+are recorded by the faithful graph stand-in (``device_graphs.record``) instead of
+``torch.cuda.CUDAGraph``. Use it inside ``fake_cuda()``, with the Triton attention backend
+in the interpreter.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from tokenmill.interfaces.platform import Detection, DeviceGraph
+from tokenmill.plugins.platforms.cuda.platform import CudaPlatform
+from tokenmill.testing.device_graphs import RecordedGraph, record
+
+
+class FakeCudaPlatform(CudaPlatform):
+    name = "fake-cuda"
+    priority = -1  # chosen only by name
+
+    def __init__(self, config, options=None) -> None:
+        super().__init__(config, options)
+        #: every graph recorded, in order
+        self.graphs: list[RecordedGraph] = []
+        #: how many profiling forward passes ran
+        self.profiled = 0
+
+    @classmethod
+    def detect(cls) -> Detection:
+        return Detection(True, "the CUDA stand-in on the CPU (tokenmill.testing.fake_cuda)")
+
+    def setup_process(self, rank: int = 0) -> None:
+        """No device to pick and no memory to read."""
+
+    def kv_cache_memory(self, requested: int, activation_bytes: int = 0) -> int:
+        return requested
+
+    def peak_memory(self, run: Callable[[], None]) -> int:
+        run()
+        self.profiled += 1
+        return 0
+
+    def capture_graph(self, run: Callable[[], None]) -> Optional[DeviceGraph]:
+        run()  # the warm-up, as on CUDA (outside the recording)
+        graph = record(run)
+        self.graphs.append(graph)
+        return graph
+
+    def describe(self) -> dict:
+        return {"platform": self.name, "device": self.device_type}
