@@ -1,10 +1,11 @@
 """Decode steps replayed from recorded graphs: bucketing, padding and the engine at HF parity.
 
-No GPU here, so the recording is ``RecordingPlatform``'s stand-in (it re-runs the recorded
-function on each replay, over the same buffers and metadata, and refuses host
-synchronisation while recording); the attention is the Triton backend in the interpreter,
-through the same runner and metadata a GPU uses. tests/gpu/test_cuda_graphs.py compares
-real CUDA graphs with eager decoding.
+No GPU here, so the recording is ``RecordingPlatform``'s stand-in (``device_graphs.record``:
+the aten operations and Triton launches of one run, re-issued on the same tensors without
+running Python; what capture refuses is refused); the attention is the Triton backend in
+the interpreter, through the same runner and metadata a GPU uses.
+tests/test_device_boundaries.py runs the same path on the CUDA stand-in device, and
+tests/gpu/test_cuda_graphs.py compares real CUDA graphs with eager decoding.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import torch
 from conftest import PROMPTS, with_platforms
 from tokenmill import LLM, SamplingParams, load_config
 from tokenmill.core.worker.decode_graphs import DecodeGraphs, capture_sizes
-from tokenmill.testing.device_graphs import HostSyncCheck, HostSyncError, RecordingPlatform
+from tokenmill.testing.device_graphs import FreedTensorError, HostSyncCheck, HostSyncError, RecordingPlatform, record
+from tokenmill.testing.fake_cuda import fake_cuda
 from tokenmill.testing.hf_reference import assert_matches_reference, hf_greedy
 
 
@@ -137,3 +139,50 @@ def test_the_stand_in_refuses_what_cuda_capture_refuses(operation):
         operation(x)
     with HostSyncCheck():  # device-side work stays allowed
         torch.cumsum(x, 0), x.argsort(), x.repeat_interleave(2), x[torch.tensor([0, 2])]
+
+
+def test_a_replay_runs_no_python_and_keeps_the_values_fixed_at_capture():
+    """As a CUDA graph: the recorded kernels see the buffers' new values, while a Python
+    number read at capture stays what it was, and the function itself never runs again."""
+    buffer, out, calls, scale = torch.arange(4.0), torch.zeros(4), [], [2.0]
+
+    def run():
+        calls.append(1)
+        out.copy_(buffer * scale[0] + 1)
+
+    run()
+    graph = record(run)
+    buffer.copy_(torch.tensor([10.0, 20.0, 30.0, 40.0]))
+    scale[0] = 100.0
+    graph.replay()
+    assert len(calls) == 2 and out.tolist() == [21.0, 41.0, 61.0, 81.0]
+
+
+def test_a_tensor_freed_after_capture_fails_the_replay_and_temporaries_live_on():
+    """A tensor made before the recording is held by address only: freed, the replay reads
+    freed memory (a GPU's illegal address). What the recording made belongs to the graph."""
+    out = torch.zeros(3)
+    index = [torch.tensor([2, 0, 1])]
+
+    def run():
+        temporary = torch.arange(3.0) * 2  # made while recording: the graph keeps it
+        out.copy_(temporary[index[0]])
+
+    graph = record(run)
+    graph.replay()
+    assert out.tolist() == [4.0, 0.0, 2.0]
+    index.clear()
+    with pytest.raises(FreedTensorError, match="freed"):
+        graph.replay()
+
+
+def test_copies_between_host_and_device_are_refused_while_recording():
+    with fake_cuda():
+        device = torch.zeros(4, device="cuda")
+        with pytest.raises(HostSyncError, match="between host and device"):
+            record(lambda: device.copy_(torch.ones(4)))
+        with pytest.raises(HostSyncError):
+            record(lambda: device.sum().item())
+        graph = record(lambda: device.add_(1))  # device work records
+        graph.replay()
+        assert device.cpu().tolist() == [2.0] * 4

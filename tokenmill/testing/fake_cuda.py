@@ -73,13 +73,24 @@ class DeviceTensor(torch.Tensor):
         kwargs = kwargs or {}
         check_devices(func, args, kwargs)
         to_device = _wants_device(kwargs)
+        if to_device is None and any(isinstance(a, torch.device) for a in args):  # aten.to.device
+            to_device = next(a for a in args if isinstance(a, torch.device)).type == "cuda"
+            args = tuple(torch.device("cpu") if isinstance(a, torch.device) else a for a in args)
         if to_device is not None:
-            kwargs = {**kwargs, "device": torch.device("cpu")}
+            kwargs = {**kwargs, "device": torch.device("cpu")} if "device" in kwargs else kwargs
         out = func(*tree_map(host_value, args), **tree_map(host_value, kwargs))
-        if func is aten._to_copy.default and to_device is False:
-            return out  # to the host: a plain tensor
+        if to_device is False:
+            return out  # to the host (``_to_copy``, ``to.dtype_layout``, ...): a plain tensor
         if func in (aten.copy_.default, aten._foreach_copy_.default):
             return args[0]
+        return _wrap(out)
+
+
+def _wrap(out: Any) -> Any:
+    """Device tensors around an operation's host results. Made outside inference mode: a view
+    of a parameter taken in inference mode shares the parameter's version counter, which an
+    inference-mode wrapper cannot (a plain CUDA view has no such wrapper)."""
+    with torch.inference_mode(False):
         return tree_map(lambda x: DeviceTensor(x) if isinstance(x, torch.Tensor) else x, out)
 
 
@@ -161,8 +172,8 @@ class _Placement(TorchFunctionMode):
         if name == "contiguous" and isinstance(args[0], DeviceTensor):  # its binding's guard needs CUDA
             contiguous = args[0].elem.contiguous(*args[1:], **kwargs)
             return args[0] if contiguous is args[0].elem else DeviceTensor(contiguous)
-        if name == "tolist" and isinstance(args[0], DeviceTensor):
-            return args[0].elem.tolist()  # read back, as CUDA does
+        if name in ("tolist", "__int__", "__float__", "__bool__", "__index__") and isinstance(args[0], DeviceTensor):
+            return getattr(args[0].elem, name)()  # read back (a synchronisation), as CUDA does
         if name in ("numpy", "__array__") and isinstance(args[0], DeviceTensor):
             raise TypeError("can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy the tensor "
                             "to host memory first.")
@@ -171,8 +182,7 @@ class _Placement(TorchFunctionMode):
         if name == "__setitem__" and isinstance(args[0], DeviceTensor):
             return self._setitem(*args)
         if _wants_device(kwargs) and name != "device":  # factories, new_*, *_like
-            out = func(*tree_map(host_value, args), **{**kwargs, "device": torch.device("cpu")})
-            return tree_map(lambda x: DeviceTensor(x) if isinstance(x, torch.Tensor) else x, out)
+            return _wrap(func(*tree_map(host_value, args), **{**kwargs, "device": torch.device("cpu")}))
         return func(*args, **kwargs)
 
     @staticmethod

@@ -46,7 +46,7 @@ class AWQLinearMethod:
         q = unpack_awq(layer.qweight.data)  # [K, N]
         zeros = unpack_awq(layer.qzeros.data)  # [G, N]
         scales = layer.scales.data.float()
-        g_idx = torch.arange(q.shape[0]) // self.group_size
+        g_idx = torch.arange(q.shape[0], device=q.device) // self.group_size
         for name in ("qweight", "qzeros", "scales"):
             delattr(layer, name)
         layer.kernel = GroupQuantizedLinear(q, zeros, scales, g_idx, 4, layer.quant_dtype, layer)

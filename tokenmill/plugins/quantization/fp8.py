@@ -140,7 +140,8 @@ class Fp8LinearMethod:
         if self.scheme.weights == "channel":
             return scale
         if self.scheme.weights == "tensor":
-            return torch.repeat_interleave(scale, torch.tensor(layer.quant_output_sizes)).unsqueeze(1)
+            repeats = torch.tensor(layer.quant_output_sizes, device=scale.device)
+            return torch.repeat_interleave(scale, repeats).unsqueeze(1)
         bn, bk = self.scheme.block
         rows = block_scale_rows(layer.quant_block_sizes, bn).to(scale.device)
         return scale[rows].repeat_interleave(bk, 1)[:, : shape[1]]
@@ -168,22 +169,17 @@ class Fp8LinearMethod:
         activations, per output channel for the weights; fp32 accumulation."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        # cuBLASLt's row-wise scaling writes bf16 only; elsewhere the compute dtype directly
-        out_dtype = torch.bfloat16 if x.device.type == "cuda" else x.dtype
         if self.activations == "static":  # each fused part has its own input scale
             outs, start = [], 0
             for i, size in enumerate(layer.quant_output_sizes):
                 scale = layer.input_scale[i].float().reshape(1, 1).expand(x.shape[0], 1).contiguous()
-                outs.append(torch._scaled_mm(_to_fp8(x, scale), layer.weight[start:start + size].t(), scale_a=scale,
-                                             scale_b=layer.fp8_weight_scale[:, start:start + size].contiguous(),
-                                             out_dtype=out_dtype))
+                outs.append(_scaled_mm(_to_fp8(x, scale), layer.weight[start:start + size].t(), scale,
+                                       layer.fp8_weight_scale[:, start:start + size].contiguous(), x.dtype))
                 start += size
             out = torch.cat(outs, dim=-1)
         else:
             scale = _token_scale(layer, x)
-            out = torch._scaled_mm(_to_fp8(x, scale), layer.weight.t(), scale_a=scale,
-                                   scale_b=layer.fp8_weight_scale, out_dtype=out_dtype)
-        out = out.to(x.dtype)
+            out = _scaled_mm(_to_fp8(x, scale), layer.weight.t(), scale, layer.fp8_weight_scale, x.dtype)
         if bias is not None:
             out = out + bias
         return out.reshape(*shape[:-1], out.shape[-1])
@@ -223,6 +219,19 @@ def _token_scale(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if shard is not None and shard.reduces:  # each rank holds a slice of the row: its scale is the whole row's
         amax = shard.parallel.comm.all_reduce(amax, "max")
     return (amax.float() / FP8_MAX).clamp(min=1e-12)
+
+
+def _scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+               dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b`` of FP8 operands, scaled by rows of ``scale_a`` [M, 1] and columns of
+    ``scale_b`` [1, N], in ``dtype``. cuBLASLt's row-wise scaling writes bf16 only, which
+    would round an fp32 model's every product to bf16 (2e-2 relative in its logits); fp32
+    models multiply with unit scales into fp32 and scale after."""
+    if dtype != torch.float32:
+        out_dtype = torch.bfloat16 if a.device.type == "cuda" else dtype
+        return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype).to(dtype)
+    one = torch.ones((), dtype=torch.float32, device=a.device)
+    return torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.float32) * scale_a * scale_b
 
 
 def _to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ AWQ_REVERSE = (0, 4, 1, 5, 2, 6, 3, 7)  # column c sits in nibble AWQ_REVERSE[c]
 def unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     """int32 words -> int32 values, ``32 // bits`` per word along ``dim``."""
     per_word = 32 // bits
-    shifts = torch.arange(per_word, dtype=torch.int32) * bits
+    shifts = torch.arange(per_word, dtype=torch.int32, device=packed.device) * bits
     moved = packed.movedim(dim, -1)
     values = (moved.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [..., words, per_word]
     return values.flatten(-2).movedim(-1, dim)
@@ -28,7 +28,7 @@ def pack(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     per_word = 32 // bits
     moved = values.to(torch.int64).movedim(dim, -1)
     grouped = moved.reshape(*moved.shape[:-1], -1, per_word)
-    shifts = torch.arange(per_word, dtype=torch.int64) * bits
+    shifts = torch.arange(per_word, dtype=torch.int64, device=values.device) * bits
     words = (grouped << shifts).sum(-1)
     words = torch.where(words >= 2**31, words - 2**32, words)  # reinterpret as signed int32
     return words.to(torch.int32).movedim(-1, dim).contiguous()

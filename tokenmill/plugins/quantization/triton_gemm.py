@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.plugins.triton_env import INTERPRETED
+
 
 @triton.jit
 def _dequant_gemm_kernel(
@@ -60,6 +62,8 @@ def dequant_gemm(a: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, sc
                  g_idx: torch.Tensor, bits: int, block_m: int = 16, block_n: int = 32) -> torch.Tensor:
     """``a [M, K]`` times the GPTQ-packed ``qweight [K / (32 / bits), N]``; zeros are unpacked ints."""
     block_k = gemm_block_k(a.dtype)
+    if INTERPRETED:  # the interpreter runs a program's tile at numpy's speed: few, large tiles
+        block_m, block_n, block_k = 64, 64, 64
     m, k = a.shape
     n = qweight.shape[1]
     c = torch.empty(m, n, dtype=a.dtype, device=a.device)
