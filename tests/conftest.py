@@ -23,6 +23,12 @@ from tokenmill.testing.tiny_models import make_tiny_model
 
 NEW_TOKENS = 24
 
+#: the shared quantized checkpoints (FP8, GPTQ, AWQ): ../shared beside the checkout, or the
+#: copy benchmarks/gpu_prepare.py puts in the checkout for a GPU machine (../shared does not travel)
+QUANT_CHECKPOINTS = next((path for path in (Path(__file__).parents[1] / ".gpu-data" / "quant-checkpoints",
+                                            Path(__file__).parents[1].parent / "shared" / "quant-checkpoints")
+                          if path.is_dir()), Path(__file__).parents[1].parent / "shared" / "quant-checkpoints")
+
 
 def pytest_collection_modifyitems(config, items):
     """tests/gpu is the GPU suite (marker ``gpu``), skipped where no CUDA device is visible;

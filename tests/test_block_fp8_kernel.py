@@ -11,13 +11,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from conftest import QUANT_CHECKPOINTS
 from tokenmill import LLM, SamplingParams, load_config
 from tokenmill.interfaces.errors import ConfigError
 from tokenmill.plugins.quantization.fp8 import block_scale_rows
 from tokenmill.plugins.quantization.triton_block_fp8 import block_fp8_gemm, gpu_tiles
 from tokenmill.testing.logits import prompt_logits
 
-CHECKPOINTS = Path(__file__).parents[1].parent / "shared" / "quant-checkpoints"
+CHECKPOINTS = QUANT_CHECKPOINTS
 needs_checkpoints = pytest.mark.skipif(not CHECKPOINTS.is_dir(),
                                        reason=f"shared checkpoints not found at {CHECKPOINTS}")
 BLOCK = 128

@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import PROMPTS, with_platforms
+from conftest import PROMPTS, QUANT_CHECKPOINTS, with_platforms
 from tokenmill import LLM, SamplingParams, load_config
 from tokenmill.core.distributed.messages import Row, Step
 from tokenmill.core.worker import memory_profile
@@ -32,7 +32,7 @@ from tokenmill.testing.fake_cuda_platform import FakeCudaPlatform
 from tokenmill.testing.hf_reference import assert_matches_reference, hf_greedy
 from tokenmill.testing.logits import prompt_logits
 
-CHECKPOINTS = Path(__file__).parents[1].parent / "shared" / "quant-checkpoints"
+CHECKPOINTS = QUANT_CHECKPOINTS
 #: one checkpoint per quantization method and weight layout
 QUANTIZED = ["fp8-tensor-static", "ct-fp8-channel-dynamic", "ct-fp8-tensor-static", "fp8-block",
              "gptq-w4g64-sym-v1-rtn", "gptq-w8g64-sym-v1-rtn", "gptq-w4g64-sym-descact-v1-rtn", "awq-w4g64-gemm-rtn"]

@@ -4,19 +4,18 @@ changes how a step is built."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import NEW_TOKENS, PREEMPTING, PROMPTS, assert_preempted, make_llm
+from conftest import NEW_TOKENS, PREEMPTING, PROMPTS, QUANT_CHECKPOINTS, assert_preempted, make_llm
 from tokenmill import LLM, LoRARequest, SamplingParams, load_config
 from tokenmill.testing.hf_reference import assert_matches_reference, hf_greedy
 from tokenmill.testing.logits import prompt_logits
 from tokenmill.testing.tiny_adapters import make_lora_adapter, merge_lora
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
-CHECKPOINTS = Path(__file__).parents[1].parent / "shared" / "quant-checkpoints"
+CHECKPOINTS = QUANT_CHECKPOINTS
 
 
 def generate(llm, prompts=PROMPTS, params=GREEDY, **kwargs):

@@ -12,14 +12,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-from conftest import make_llm
+from conftest import QUANT_CHECKPOINTS, make_llm
 from tokenmill import LLM, SamplingParams, load_config
 from tokenmill.interfaces.errors import ConfigError
 from tokenmill.plugins.quantization.group_quant import GroupQuantizedLinear
 from tokenmill.plugins.quantization.packing import pack, pack_awq, unpack, unpack_awq
 from tokenmill.testing.logits import prompt_logits
 
-CHECKPOINTS = Path(__file__).parents[1].parent / "shared" / "quant-checkpoints"
+CHECKPOINTS = QUANT_CHECKPOINTS
 NAMES = sorted(p.name for p in CHECKPOINTS.iterdir() if (p / "reference.safetensors").is_file()) \
     if CHECKPOINTS.is_dir() else []
 needs_checkpoints = pytest.mark.skipif(not NAMES, reason=f"shared checkpoints not found at {CHECKPOINTS}")

@@ -5,16 +5,16 @@ products in bf16, so the bound is bf16's (1e-2 relative), not fp32's."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from conftest import QUANT_CHECKPOINTS
 from tokenmill import LLM, load_config
 from tokenmill.testing.logits import prompt_logits
 
-CHECKPOINTS = Path(__file__).parents[2].parent / "shared" / "quant-checkpoints"
+CHECKPOINTS = QUANT_CHECKPOINTS
 
 
 @pytest.mark.skipif(not CHECKPOINTS.is_dir(), reason=f"shared checkpoints not found at {CHECKPOINTS}")

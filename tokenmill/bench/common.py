@@ -34,6 +34,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     "350m": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=8,
                  intermediate_size=2816, vocab_size=32000, max_position_embeddings=2048,
                  initializer_range=0.02, dtype=torch.bfloat16),
+    # TinyLlama-1.1B's shapes: the GPU check's model
+    "1b": dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
+               intermediate_size=5632, vocab_size=32000, max_position_embeddings=2048,
+               initializer_range=0.02, dtype=torch.bfloat16),
 }
 
 
@@ -76,6 +80,11 @@ def interleaved_rounds(passes: dict[str, Callable[[], Result]], rounds: int) -> 
         for name in names[r % len(names):] + names[:r % len(names)]:
             results[name].append(passes[name]())
     return results
+
+
+def hf_device(device: str) -> str:
+    """Where transformers runs beside the engine: the engine's ``--device`` (``auto``: a GPU if visible)."""
+    return "cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu"
 
 
 def hf_dtype(name: str, model: Path) -> torch.dtype:

@@ -3,7 +3,8 @@
 tokenmill's engine is stepped directly (each step's wall time is one token);
 HF transformers runs ``generate`` for 1 and for N new tokens on the same
 prompt, TTFT = T(1) and TPOT = (T(N) - T(1)) / (N - 1). Medians over
-``--iters`` runs, after a warm-up; same weights, same process. With
+``--iters`` runs, after a warm-up; same weights, same process. The TTFT is cold:
+every timed request has a prompt of its own, so none hits the prefix cache. With
 ``--llama-cpp``, also llama.cpp's ``llama-batched-bench`` with one sequence
 (TTFT = its prompt time, TPOT = its decode time per token; see llama_cpp.py).
 With ``--rounds N`` the engines take turns N times (see common.interleaved_rounds);
@@ -24,20 +25,24 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.bench.common import add_common_args, hf_dtype, interleaved_rounds, prepare, random_prompts, write_json
+from tokenmill.bench.common import add_common_args, hf_device, hf_dtype, interleaved_rounds, prepare, random_prompts, write_json
 from tokenmill.bench.llama_cpp import add_llama_cpp_args, batched_bench
 
 Timings = tuple[list[float], list[float]]  # TTFTs, TPOTs (seconds)
 
 
 def tokenmill_pass(path, prompt, args) -> Callable[[], Timings]:
-    """A built engine after one warm-up request; each call times ``--iters`` requests."""
-    engine = LLM(str(path), dtype=args.dtype, enforce_eager=args.enforce_eager, num_threads=args.threads).llm_engine
+    """A built engine after one warm-up request; each call times ``--iters`` requests, each
+    with a prompt of its own (a repeated prompt would hit the prefix cache)."""
+    engine = LLM(str(path), dtype=args.dtype, enforce_eager=args.enforce_eager, num_threads=args.threads,
+                 device=args.device).llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     counter = iter(range(1 << 30))
 
     def one() -> tuple[float, float]:
-        engine.add_request(f"latency-{next(counter)}", {"prompt_token_ids": prompt}, params)
+        n = next(counter)
+        fresh = random_prompts(1, len(prompt), path, seed=1000 + n)[0]
+        engine.add_request(f"latency-{n}", {"prompt_token_ids": fresh}, params)
         stamps, start = [], time.perf_counter()
         while engine.has_unfinished_requests():
             engine.step()
@@ -50,8 +55,9 @@ def tokenmill_pass(path, prompt, args) -> Callable[[], Timings]:
 
 
 def hf_pass(path, prompt, args) -> Callable[[], Timings]:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=hf_dtype(args.dtype, path)).eval()
-    ids = torch.tensor([prompt])
+    device = hf_device(args.device)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=hf_dtype(args.dtype, path)).to(device).eval()
+    ids = torch.tensor([prompt], device=device)
 
     @torch.inference_mode()
     def timed(new_tokens: int) -> float:
@@ -59,6 +65,8 @@ def hf_pass(path, prompt, args) -> Callable[[], Timings]:
         out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                              pad_token_id=0)
         assert out.shape[1] == len(prompt) + new_tokens
+        if device == "cuda":
+            torch.cuda.synchronize()
         return time.perf_counter() - start
 
     def one() -> tuple[float, float]:
@@ -86,7 +94,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--num-iters", "--iters", dest="iters", type=int, default=3, help="timed runs per round")
-    parser.add_argument("--dtype", default="auto", choices=["float32", "bfloat16", "auto"])
+    parser.add_argument("--dtype", default="auto", choices=["float32", "bfloat16", "float16", "auto"])
+    parser.add_argument("--device", default="auto", help="the engine's platform (cpu, cuda; vLLM's --device); HF "
+                        "runs on the same device")
     parser.add_argument("--enforce-eager", action="store_true", help="tokenmill without prepacked/fused ops")
     parser.add_argument("--skip-hf", action="store_true")
     add_llama_cpp_args(parser)
@@ -107,6 +117,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             "decode_tokens_per_s": round(1 / statistics.median(tpots), 2),
             "tpot_ms_median_by_round": [round(statistics.median(tp) * 1e3, 2) for _, tp in timings],
         }
+    print("TTFT is cold: each timed request has a prompt of its own (no prefix-cache hit)")
     print(f"{'engine':<12} {'TTFT ms':>9} {'TPOT ms':>9} {'decode tok/s':>13}")
     for name, r in results["engines"].items():
         print(f"{name:<12} {r['ttft_ms_median']:>9.1f} {r['tpot_ms_median']:>9.2f} {r['decode_tokens_per_s']:>13.1f}")

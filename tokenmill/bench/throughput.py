@@ -32,7 +32,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.bench.common import add_common_args, hf_dtype, interleaved_rounds, prepare, random_prompts, write_json
+from tokenmill.bench.common import add_common_args, hf_device, hf_dtype, interleaved_rounds, prepare, random_prompts, write_json
 from tokenmill.bench.llama_cpp import add_llama_cpp_args, batched_bench
 
 #: (engine, key in the JSON ratios, label) of the peers tokenmill is compared with
@@ -78,7 +78,7 @@ def tokenmill_pass(path, prompt_sets, output_len, args, tp: int = 1, pp: int = 1
 
 
 def hf_pass(path, prompt_sets, output_len, args) -> Callable[[], float]:
-    device = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
+    device = hf_device(args.device)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=hf_dtype(args.dtype, path)).to(device)
     model.eval()
     kwargs = dict(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
