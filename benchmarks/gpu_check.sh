@@ -1,44 +1,76 @@
 #!/usr/bin/env bash
-# The GPU check (issue "The cuda platform"), from the repository root on a machine with an
-# NVIDIA GPU:  bash benchmarks/gpu_check.sh
-# Installs what it needs (as far as the machine's package index allows), runs the GPU suite
-# (tests/gpu), then the offline throughput and the online serving benchmarks on the GPU
-# against HF transformers, and against vLLM (PyPI `vllm`) where it installs, in the same run
-# on the same weights. Everything it writes goes under $OUT.
+# The GPU check, on a bare GPU machine with no package index, in about 6 minutes.
+#
+# First, on a CPU machine, in the checkout:  python benchmarks/gpu_prepare.py
+# (wheels of what the GPU image lacks into .whl/, the shared quantized checkpoints into
+# .gpu-data/; both ignored). Then, on the GPU machine, from the repository root, with those
+# two folders carried along:  bash benchmarks/gpu_check.sh
+#
+# Stages, each under a hard cap (about 6 minutes in all), each run whatever the one before it
+# did, so a crash of one hides none of the others' results:
+#   0. install: the wheels with --no-index --no-deps, the project without its dependencies;
+#   1. the GPU suite (tests/gpu), 4 workers; meanwhile the CPUs make the 1b model (TinyLlama-
+#      1.1B's shapes, random bf16 weights);
+#   2. offline throughput against HF transformers on it, 256 requests of 256 -> 128 tokens;
+#   3. batch-1 latency against HF on the same weights.
+# It prints a summary and writes at most 8 files to $OUT. Exit status: the suite's.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-check}
 mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+summary=()
+started=$SECONDS
 
-nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv | tee "$OUT/gpu.csv"
-python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'torch sees no CUDA device')" || exit 1
-python -m pip install --quiet -e ".[test]" 2>"$OUT/pip.log" || python -m pip install --quiet --no-deps -e . 2>>"$OUT/pip.log"
+stage() {  # stage NAME SECONDS COMMAND...: run under a cap, log to $OUT/NAME.txt, note the status
+    local name=$1 cap=$2
+    shift 2
+    local t0=$SECONDS
+    timeout --kill-after=10 "$cap" "$@" >"$OUT/$name.txt" 2>&1
+    local rc=$?
+    local what="exit $rc"
+    [[ $rc == 124 || $rc == 137 ]] && what="stopped at its ${cap}s cap"
+    summary+=("$name: $what, $((SECONDS - t0)) s")
+    return $rc
+}
 
-# 1. the GPU suite: HF parity on CUDA (bf16, fp16), Triton kernels at serving shapes, CUDA graphs
-#    on/off, FP8 checkpoints
-python -m pytest -q -p no:cacheprovider -m gpu tests/gpu --junitxml "$OUT/gpu-tests.xml" 2>&1 | tee "$OUT/gpu-tests.txt"
-suite=${PIPESTATUS[0]}
+nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv,noheader >"$OUT/gpu.txt" 2>&1
+echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)" >>"$OUT/gpu.txt"
 
-# vLLM where it installs (the machine may have no package index), in a venv of its own so that
-# its pinned torch does not replace the one tokenmill was tested with: a peer in both benchmarks
-VLLM_VENV=${VLLM_VENV:-/tmp/vllm-venv}
-if python -m venv "$VLLM_VENV" && "$VLLM_VENV/bin/pip" install --quiet vllm 2>>"$OUT/pip.log"; then
-    peers=transformers,vllm
-else
-    peers=transformers
-    echo "vllm did not install here: no vLLM comparison" | tee "$OUT/vllm.txt"
-fi
+install() {
+    set -e
+    [[ -d .whl ]] || { echo "no .whl/: run python benchmarks/gpu_prepare.py on a CPU machine, carry .whl"; exit 1; }
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    PYTHONPATH=/tmp/site python3 -m pip install -q --no-index --no-deps --no-build-isolation -e .
+    PYTHONPATH=/tmp/site python3 -c "import tokenmill, fastapi, uvicorn, openai, xgrammar, torch
+assert torch.cuda.is_available(), 'torch sees no CUDA device'
+print('tokenmill', tokenmill.__version__, 'torch', torch.__version__, torch.cuda.get_device_name())"
+}
+stage install 45 install
+export PYTHONPATH=/tmp/site
 
-# 2. offline throughput against HF transformers, both on the GPU, the same weights (bf16)
-tokenmill bench throughput --device cuda --preset 350m --dtype bfloat16 --num-prompts 256 --input-len 256 \
-    --output-len 128 --rounds 3 --json "$OUT/throughput-350m-bf16.json" 2>&1 | tee "$OUT/throughput.txt"
-if [[ $peers == *vllm* ]]; then
-    model=$(ls -d ~/.cache/tokenmill/bench-models/350m-* | head -1)
-    "$VLLM_VENV/bin/vllm" bench throughput --model "$model" --dtype bfloat16 --num-prompts 256 --input-len 256 \
-        --output-len 128 --output-json "$OUT/vllm-throughput-350m-bf16.json" 2>&1 | tail -5 | tee "$OUT/vllm-throughput.txt"
-fi
+model=/tmp/tokenmill-1b
+python3 -m tokenmill.cli make-model "$model" --preset 1b >"$OUT/model.log" 2>&1 &
+maker=$!
 
-# 3. online serving (streamed completions, 32 concurrent), each server launched in turn
-tokenmill bench serve --launch "tokenmill,$peers" --vllm "$VLLM_VENV/bin/vllm" --device cuda --dtype bfloat16 \
-    --preset 350m --num-prompts 256 --input-len 256 --output-len 128 --max-concurrency 32 --json "$OUT/serve-350m-bf16.json" 2>&1 | tee "$OUT/serve.txt"
+stage suite 180 python3 -m pytest -q -p no:cacheprovider -n 4 -m gpu tests/gpu -o junit_family=xunit2 \
+    --junitxml "$OUT/suite.xml" -W ignore::FutureWarning
+suite=$?
+
+wait "$maker" || summary+=("the 1b model was not made: $(tail -1 "$OUT/model.log")")
+rm -f "$OUT/model.log"
+
+stage throughput 90 python3 -m tokenmill.cli bench throughput --device cuda --model "$model" --dtype bfloat16 \
+    --num-prompts 256 --input-len 256 --output-len 128 --hf-batch-size 128 --rounds 2 --json "$OUT/throughput.json"
+
+stage latency 50 python3 -m tokenmill.cli bench latency --device cuda --model "$model" --dtype bfloat16 \
+    --input-len 256 --output-len 128 --num-iters 3 --rounds 2
+
+{
+    cat "$OUT/gpu.txt"
+    printf '%s\n' "${summary[@]}"
+    echo "suite: $(tail -1 "$OUT/suite.txt")"
+    grep -E "tok/s|x HF|TPOT|tokenmill|hf-generate" "$OUT/throughput.txt" "$OUT/latency.txt" | tail -12
+    echo "total $((SECONDS - started)) s"
+} | tee "$OUT/summary.txt"
 exit "$suite"

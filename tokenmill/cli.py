@@ -48,6 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     make.add_argument("directory")
     make.add_argument("--arch", default="llama", help="tiny architecture key (default: llama)")
     make.add_argument("--seed", type=int, default=0)
+    make.add_argument("--preset", help="a benchmark preset's shapes (52m, 350m, 1b, ...) instead of tiny ones")
     make.set_defaults(handler=_make_model)
 
     serve = commands.add_parser("serve", help="serve the OpenAI-compatible API")
@@ -334,9 +335,14 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _make_model(args: argparse.Namespace) -> int:
+    from tokenmill.bench.common import PRESETS
     from tokenmill.testing.tiny_models import make_tiny_model
 
-    path = make_tiny_model(args.arch, args.directory, seed=args.seed)
+    if args.preset is not None and args.preset not in PRESETS:
+        print(f"tokenmill make-model: unknown preset {args.preset!r}; known: {', '.join(sorted(PRESETS))}",
+              file=sys.stderr)
+        return 2
+    path = make_tiny_model(args.arch, args.directory, seed=args.seed, **PRESETS.get(args.preset, {}))
     print(path)
     return 0
 
@@ -367,11 +373,18 @@ def _serve(args: argparse.Namespace) -> int:
 
     engine = build_engine(config)
     served = AsyncLLM(engine, config.server.max_queued_requests) if isinstance(engine, LLMEngine) else engine
-    app = create_app(served, config.server)
-    uvicorn.run(app, host=config.server.host, port=config.server.port,
-                log_level=config.server.log_level, access_log=config.server.log_level == "debug",
-                timeout_graceful_shutdown=int(config.server.drain_timeout) + 1, **transport)
-    return 0
+    server: Optional[uvicorn.Server] = None
+
+    def exit_server() -> None:  # the engine stopped on an error: a supervisor starts a fresh process
+        server.should_exit = True
+
+    app = create_app(served, config.server, on_engine_stopped=exit_server)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=config.server.host, port=config.server.port, log_level=config.server.log_level,
+        access_log=config.server.log_level == "debug",
+        timeout_graceful_shutdown=int(config.server.drain_timeout) + 1, **transport))
+    server.run()
+    return 1 if getattr(served, "error", None) is not None else 0
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -50,3 +50,9 @@ class ComponentUnavailable(TokenmillError):
 class WorkerFailed(TokenmillError):
     """A worker of a multi-process engine died, hung past the collective timeout, or lost its
     connection: the engine cannot run another step, and every request in flight fails."""
+
+
+class DeviceFailed(WorkerFailed):
+    """The device raised an error that leaves it unusable (a CUDA illegal address poisons the
+    process's context: every later CUDA call fails). The engine stops as for a dead worker,
+    and ``tokenmill serve`` exits so that a supervisor can start a fresh process."""

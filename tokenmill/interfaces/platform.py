@@ -110,6 +110,14 @@ class Platform:
         graph of an engine shares one memory pool: they are never replayed at once."""
         return None
 
+    def is_fatal_error(self, error: BaseException) -> bool:
+        """Whether ``error``, raised by a step, leaves the device unusable, so that no request
+        can run again in this process (the engine then stops rather than failing only the
+        step's requests). An accelerator's error is, by default: torch raises
+        ``AcceleratorError`` for the device runtime's errors, and CUDA's are sticky. Running
+        out of memory is not (``OutOfMemoryError``): that step's requests fail, the engine goes on."""
+        return isinstance(error, getattr(torch, "AcceleratorError", ()))
+
     def custom_op(self, layer: torch.nn.Module) -> Optional[Callable[..., Any]]:
         """This platform's implementation of the op ``layer.op_name`` names (a
         ``tokenmill.core.layers.custom_op.CustomOp``), called as ``impl(layer, *args)``; None

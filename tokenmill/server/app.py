@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
+
+import structlog
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -49,6 +52,8 @@ from tokenmill.server.responses import (
     VersionResponse,
 )
 
+log = structlog.get_logger("tokenmill.server")
+
 
 def resolve_api_key(config: ServerConfig) -> Optional[str]:
     """The configured key, else TOKENMILL_API_KEY (read now, not at import), else none."""
@@ -63,8 +68,20 @@ def default_model_names(model: str) -> list[str]:
     return [model] if short in ("", model) else [model, short]
 
 
-def create_app(llm: AsyncLLM | EmbeddingEngine, config: Optional[ServerConfig] = None) -> FastAPI:
-    """The app for a generation engine (wrapped in AsyncLLM) or an embedding engine."""
+async def _watch_engine(llm: AsyncLLM, on_stopped: Callable[[], None]) -> None:
+    """Wait until the engine loop stops on an error; then /health says 503, every request in
+    flight has failed with the reason, and ``on_stopped`` runs."""
+    while llm.error is None:
+        await asyncio.sleep(0.2)
+    log.error("the engine stopped; the server exits so that a supervisor can restart it", error=repr(llm.error))
+    on_stopped()
+
+
+def create_app(llm: AsyncLLM | EmbeddingEngine, config: Optional[ServerConfig] = None,
+               on_engine_stopped: Optional[Callable[[], None]] = None) -> FastAPI:
+    """The app for a generation engine (wrapped in AsyncLLM) or an embedding engine.
+    ``on_engine_stopped`` is called once the engine's loop has stopped on an error (a dead
+    worker, a failed device): ``tokenmill serve`` exits then, so that a supervisor restarts it."""
     config = config or ServerConfig()
     generating = isinstance(llm, AsyncLLM)
     engine = llm.engine if generating else llm
@@ -83,7 +100,12 @@ def create_app(llm: AsyncLLM | EmbeddingEngine, config: Optional[ServerConfig] =
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        watcher = None
+        if generating and on_engine_stopped is not None:
+            watcher = asyncio.get_running_loop().create_task(_watch_engine(llm, on_engine_stopped))
         yield
+        if watcher is not None:
+            watcher.cancel()
         if generating:
             llm.shutdown(config.drain_timeout)
 

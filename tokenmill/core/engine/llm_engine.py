@@ -30,7 +30,7 @@ from tokenmill.core.structured_output.manager import StructuredOutputManager
 from tokenmill.core.worker.model_runner import LaunchedStep, ModelRunner
 from tokenmill.interfaces.adapters import AdapterType
 from tokenmill.interfaces.batch import ModelRunnerOutput, SchedulerOutput, SchedulerStats
-from tokenmill.interfaces.errors import InvalidRequest, WorkerFailed
+from tokenmill.interfaces.errors import DeviceFailed, InvalidRequest, WorkerFailed
 from tokenmill.interfaces.platform import Platform
 from tokenmill.interfaces.types import FinishReason, RequestOutput, SamplingParams
 
@@ -264,6 +264,7 @@ class LLMEngine:
             except WorkerFailed:
                 raise
             except Exception as exc:  # this batch fails; the ones in flight go on
+                self._raise_if_fatal(exc)
                 return self._advance(batch, _NOTHING, {item.request_id: exc for item in batch.scheduled})
             self._in_flight.append((batch, launched))
             self.scheduler.in_flight.update(item.request_id for item in batch.scheduled)
@@ -276,6 +277,7 @@ class LLMEngine:
         except WorkerFailed:
             raise
         except Exception as exc:
+            self._raise_if_fatal(exc)
             result, failures = _NOTHING, {item.request_id: exc for item in batch.scheduled}
         return self._advance(batch, result, failures)
 
@@ -342,6 +344,7 @@ class LLMEngine:
         except WorkerFailed:  # the model's ranks are out of step: no request can run again
             raise
         except Exception as exc:
+            self._raise_if_fatal(exc)
             if len(batch.scheduled) <= 1:
                 return _NOTHING, {item.request_id: exc for item in batch.scheduled}
         sampled, logprobs, prompt_logprobs, failures = {}, {}, {}, {}
@@ -354,12 +357,19 @@ class LLMEngine:
             except WorkerFailed:
                 raise
             except Exception as exc:
+                self._raise_if_fatal(exc)
                 failures[item.request_id] = exc
                 continue
             sampled.update(part.sampled_token_ids)
             logprobs.update(part.logprobs)
             prompt_logprobs.update(part.prompt_logprobs)
         return ModelRunnerOutput(sampled, logprobs, prompt_logprobs), failures
+
+    def _raise_if_fatal(self, exc: BaseException) -> None:
+        """A device error no request survives (the platform says which) stops the engine."""
+        if self.platform is not None and self.platform.is_fatal_error(exc):
+            raise DeviceFailed(f"the {self.platform.name} device failed, and this process cannot use it again: "
+                               f"{exc}") from exc
 
     def _fail(self, child_id: str, exc: BaseException, failed: dict[str, None]) -> None:
         """Finish the user request ``child_id`` belongs to, all its sequences, as failed, and

@@ -9,7 +9,9 @@ What it decides (options in ``platform.cuda``):
   pass's activations; swap space and input staging in pinned host memory, so copies to and
   from the device are asynchronous;
 - decode steps recorded as CUDA graphs (``capture_graph``), all in one memory pool;
-- mixture-of-experts layers on the Triton fused-MoE kernel (``custom_op``).
+- mixture-of-experts layers on the Triton fused-MoE kernel (``custom_op``);
+- a CUDA error that poisons the context stops the engine (``is_fatal_error``); running out
+  of memory fails only that step's requests.
 """
 
 from __future__ import annotations
@@ -99,6 +101,17 @@ class CudaPlatform(Platform):
         with torch.cuda.graph(graph, pool=self._graph_pool):
             run()
         return graph
+
+    def is_fatal_error(self, error: BaseException) -> bool:
+        """torch's ``AcceleratorError``, and the CUDA errors that reach Python as plain
+        ``RuntimeError`` (Triton's launcher, older code paths): an illegal address or a
+        device-side assert leaves the context unusable."""
+        if isinstance(error, torch.OutOfMemoryError):
+            return False
+        text = str(error)
+        return super().is_fatal_error(error) or (isinstance(error, RuntimeError) and any(
+            marker in text for marker in ("CUDA error", "Triton Error [CUDA]", "illegal memory access",
+                                          "device-side assert", "cudaError")))
 
     def custom_op(self, layer: torch.nn.Module) -> Optional[Callable[..., Any]]:
         """Mixture-of-experts layers route on the device (Triton grouped GEMMs over tokens sorted
