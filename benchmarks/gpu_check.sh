@@ -9,14 +9,14 @@
 # Stages, each under a hard cap (about 6 minutes in all), each run whatever the one before it
 # did, so a crash of one hides none of the others' results:
 #   0. install: the wheels with --no-index --no-deps, the project without its dependencies;
-#   1. the GPU suite (tests/gpu), 4 workers; meanwhile the CPUs make the 1b model (TinyLlama-
+#   1. the GPU suite (tests/gpu), 4 workers, then the tests marked gpu_alone; meanwhile the CPUs make the 1b model (TinyLlama-
 #      1.1B's shapes, random bf16 weights);
 #   2. offline throughput against HF transformers on it, 256 requests of 256 -> 128 tokens;
 #   3. batch-1 latency against HF on the same weights.
 # It prints a summary and writes at most 8 files to $OUT. Exit status: the suite's.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/gpu-check}
+export OUT=${OUT:-$PWD/gpu-check}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 summary=()
@@ -46,15 +46,23 @@ install() {
 assert torch.cuda.is_available(), 'torch sees no CUDA device'
 print('tokenmill', tokenmill.__version__, 'torch', torch.__version__, torch.cuda.get_device_name())"
 }
-stage install 45 install
+export -f install
+stage install 45 bash -c install
 export PYTHONPATH=/tmp/site
 
 model=/tmp/tokenmill-1b
 python3 -m tokenmill.cli make-model "$model" --preset 1b >"$OUT/model.log" 2>&1 &
 maker=$!
 
-stage suite 180 python3 -m pytest -q -p no:cacheprovider -n 4 -m gpu tests/gpu -o junit_family=xunit2 \
-    --junitxml "$OUT/suite.xml" -W ignore::FutureWarning
+suite() {  # 4 workers, then the tests that read the GPU's free memory, alone
+    python3 -m pytest -q -p no:cacheprovider -n 4 -m "gpu and not gpu_alone" tests/gpu -W ignore::FutureWarning \
+        --junitxml "$OUT/suite.xml"
+    local parallel=$?
+    python3 -m pytest -q -p no:cacheprovider -m gpu_alone tests/gpu -W ignore::FutureWarning || return $?
+    return $parallel
+}
+export -f suite
+stage suite 180 bash -c suite
 suite=$?
 
 wait "$maker" || summary+=("the 1b model was not made: $(tail -1 "$OUT/model.log")")
@@ -69,7 +77,7 @@ stage latency 50 python3 -m tokenmill.cli bench latency --device cuda --model "$
 {
     cat "$OUT/gpu.txt"
     printf '%s\n' "${summary[@]}"
-    echo "suite: $(tail -1 "$OUT/suite.txt")"
+    grep -E "(passed|failed|error|skipped|deselected)( |,|$)" "$OUT/suite.txt" | sed 's/^/suite: /' | tail -2
     grep -E "tok/s|x HF|TPOT|tokenmill|hf-generate" "$OUT/throughput.txt" "$OUT/latency.txt" | tail -12
     echo "total $((SECONDS - started)) s"
 } | tee "$OUT/summary.txt"

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import PROMPTS, make_llm
+from conftest import PROMPTS
+from cuda_engines import cuda_llm
 from tokenmill import SamplingParams
 
 FAMILIES = ["llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3-moe", "phi3", "gemma", "gemma2", "gpt2"]
@@ -24,11 +25,9 @@ def decode(llm, prompts, max_tokens):
 def test_cuda_graphs_on_and_off_give_identical_tokens(arch, model_dir):
     prompts = PROMPTS[:7]
     max_tokens = [24, 20, 16, 12, 8, 6, 4]  # the batch shrinks from 7 (bucket 8) through every bucket
-    graphed = make_llm(model_dir(arch), device="cuda", dtype="bfloat16", max_num_seqs=8,
-                       gpu_memory_utilization=0.3)
+    graphed = cuda_llm(model_dir(arch), dtype="bfloat16", max_num_seqs=8)
     graphs = graphed.llm_engine.runner.model_step.graphs
     assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4, 8]
-    eager = make_llm(model_dir(arch), device="cuda", dtype="bfloat16", max_num_seqs=8, enforce_eager=True,
-                     gpu_memory_utilization=0.3)
+    eager = cuda_llm(model_dir(arch), dtype="bfloat16", max_num_seqs=8, enforce_eager=True)
     assert eager.llm_engine.runner.model_step.graphs is None
     assert decode(graphed, prompts, max_tokens) == decode(eager, prompts, max_tokens)

@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from conftest import NEW_TOKENS, PROMPTS, make_llm
+from conftest import NEW_TOKENS, PROMPTS
+from cuda_engines import cuda_llm
 from tokenmill import SamplingParams
 from tokenmill.core.layers.moe import FusedMoE
 from tokenmill.plugins.attention.triton_paged.backend import TritonPagedAttention
@@ -50,7 +51,7 @@ def test_fused_moe_matches_the_loop_path_and_replays_in_a_cuda_graph(tokens):
 def test_mixtral_decodes_alike_on_the_fused_and_loop_moe_paths(model_dir):
     """Eager (no graphs, no dispatched ops), each MoE layer set to one path, then the other:
     the same greedy tokens up to a near-tie, chosen-token logprobs within bf16's 0.1."""
-    llm = make_llm(model_dir("mixtral"), device="cuda", dtype="bfloat16", enforce_eager=True)
+    llm = cuda_llm(model_dir("mixtral"), dtype="bfloat16", enforce_eager=True)
     layers = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, FusedMoE)]
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2)
     runs = []

@@ -3,16 +3,19 @@ step the scheduler can form then runs."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from structlog.testing import capture_logs
 
-from conftest import make_llm
+
+from cuda_engines import cuda_llm
 from tokenmill import SamplingParams
 
 
+@pytest.mark.gpu_alone
 def test_the_kv_budget_leaves_room_for_the_largest_step(model_dir):
     with capture_logs() as logs:
-        llm = make_llm(model_dir("llama"), device="cuda", dtype="bfloat16", max_num_batched_tokens=2048,
+        llm = cuda_llm(model_dir("llama"), dtype="bfloat16", max_num_batched_tokens=2048,
                        max_num_seqs=16)
     profiled = [entry for entry in logs if entry["event"] == "memory profiled"]
     assert len(profiled) == 1 and profiled[0]["activation_mib"] > 0

@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import NEW_TOKENS, PROMPTS, make_llm
+from conftest import NEW_TOKENS, PROMPTS
+from cuda_engines import cuda_llm
 from tokenmill import SamplingParams
 from tokenmill.testing.hf_reference import assert_matches_reference, hf_greedy
 
@@ -22,7 +23,7 @@ TOLERANCE = {"bfloat16": 0.1, "float16": 0.02}
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_cuda_matches_hf(arch, dtype, model_dir):
-    llm = make_llm(model_dir(arch), device="cuda", dtype=dtype)
+    llm = cuda_llm(model_dir(arch), dtype=dtype)
     assert llm.llm_engine.platform.name == "cuda"
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                            SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0),

@@ -1,0 +1,91 @@
+"""On a CUDA GPU: the engine's features beyond plain decoding, each against the same engine
+without it, or against HF, in fp32 (no TF32: torch's default for fp32 matmuls), so that the
+bound is fp32's up to summation order: GPTQ/AWQ through the Triton dequant-GEMM, LoRA, both
+speculative proposers, structured outputs, and preemption by swapping to host memory."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import PREEMPTING, PROMPTS, QUANT_CHECKPOINTS, assert_preempted
+from cuda_engines import cuda_llm
+from tokenmill import SamplingParams
+from tokenmill.interfaces.adapters import LoRARequest
+from tokenmill.demo_models import DEMO_DRAFT_MODEL, DEMO_MODEL
+from tokenmill.testing.hf_reference import assert_matches_reference, hf_greedy
+from tokenmill.testing.logits import prompt_logits
+from tokenmill.testing.tiny_adapters import make_lora_adapter, merge_lora
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
+GROUP_QUANTIZED = ["gptq-w4g64-sym-v1-rtn", "gptq-w4g64-asym-v2-rtn", "gptq-w8g64-sym-v1-rtn",
+                   "gptq-w4g64-sym-descact-v1-rtn", "awq-w4g64-gemm-rtn"]
+
+
+def greedy(llm, prompts, **kwargs):
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False, **kwargs)
+    return ([o.outputs[0].token_ids for o in outputs],
+            [[e[t].logprob for e, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outputs])
+
+
+@pytest.mark.skipif(not QUANT_CHECKPOINTS.is_dir(), reason=f"no checkpoints at {QUANT_CHECKPOINTS}")
+@pytest.mark.parametrize("name", GROUP_QUANTIZED)
+def test_gptq_and_awq_take_the_triton_gemm_and_match_exact_dequantization(name):
+    path = QUANT_CHECKPOINTS / name
+    reference = load_file(path / "reference.safetensors")
+    engine = cuda_llm(path, dtype="float32").llm_engine
+    layer = engine.runner.model.model.layers[0].mlp.down_proj
+    assert layer.kernel.kind == "triton" and layer.t_qweight.device.type == "cuda"
+    logits = torch.stack([prompt_logits(engine, row.tolist()).cpu() for row in reference["input_ids"]])
+    expected = reference["logits_ref"]
+    assert ((logits - expected).norm() / expected.norm()).item() < 1e-3
+
+
+def test_lora_adapters_in_one_batch_match_merged_hf(model_dir, tmp_path):
+    base = model_dir("llama")
+    adapter = make_lora_adapter(base, tmp_path / "adapter", seed=1, rank=8,
+                                targets=["q_proj", "v_proj", "gate_proj", "down_proj"])
+    merged = merge_lora(base, adapter, tmp_path / "merged")
+    llm = cuda_llm(base, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8)
+    prompts = PROMPTS[:4]
+    requests = [None, LoRARequest("a", 1, str(adapter))] * 2
+    tokens, logprobs = greedy(llm, prompts, lora_request=requests)
+    for rows, model in (([0, 2], base), ([1, 3], merged)):
+        reference = hf_greedy(model, [prompts[i] for i in rows], 16)
+        assert_matches_reference(reference, [tokens[i] for i in rows], [logprobs[i] for i in rows])
+
+
+@pytest.mark.parametrize("spec", [
+    {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+    {"model": str(DEMO_DRAFT_MODEL), "num_speculative_tokens": 4}], ids=["ngram", "draft_model"])
+def test_speculative_decoding_gives_the_plain_engines_tokens(spec):
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 12, 13, 14]]
+    plain = greedy(cuda_llm(DEMO_MODEL, dtype="float32"), prompts)
+    speculating = cuda_llm(DEMO_MODEL, dtype="float32", speculative_config=spec)
+    tokens, logprobs = greedy(speculating, prompts)
+    assert tokens == plain[0]
+    assert max(abs(a - b) for x, y in zip(logprobs, plain[1]) for a, b in zip(x, y)) < 1e-3
+    assert speculating.llm_engine.scheduler.spec_stats.num_draft_tokens > 0
+
+
+def test_structured_outputs_constrain_the_reply(model_dir):
+    schema = {"type": "object", "properties": {"id": {"type": "integer"}, "tag": {"enum": ["a", "b"]}},
+              "required": ["id", "tag"], "additionalProperties": False}
+    llm = cuda_llm(model_dir("llama"), dtype="float32")
+    params = [SamplingParams(max_tokens=60, temperature=1.0, seed=i, structured_outputs={"json": schema})
+              for i in range(4)]
+    for output in llm.generate(["Item: "] * 4, params, use_tqdm=False):
+        reply = json.loads(output.outputs[0].text)
+        assert set(reply) == {"id", "tag"} and isinstance(reply["id"], int) and reply["tag"] in ("a", "b")
+
+
+def test_preemption_by_swap_gives_the_unpressed_tokens(model_dir):
+    roomy = greedy(cuda_llm(model_dir("llama"), dtype="float32"), PROMPTS)
+    pressed = cuda_llm(model_dir("llama"), dtype="float32", preemption_mode="swap", **PREEMPTING)
+    tokens, logprobs = greedy(pressed, PROMPTS)
+    assert_preempted(pressed, "swap")
+    assert tokens == roomy[0]
+    assert max(abs(a - b) for x, y in zip(logprobs, roomy[1]) for a, b in zip(x, y)) < 1e-3
