@@ -20,10 +20,16 @@ import structlog
 from pydantic import BaseModel
 
 from tokenmill.interfaces.errors import ConfigError, TokenmillError
+from tokenmill.server.vllm_flags import add_vllm_flags, already_so, refusal
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = _parser()
+    try:
+        argv = _expand_vllm_config(list(sys.argv[1:] if argv is None else argv))
+    except TokenmillError as exc:
+        print(f"tokenmill: error: {exc}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     # logs go to stderr so stdout stays machine-readable (--json)
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
@@ -32,6 +38,41 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except TokenmillError as exc:
         print(f"tokenmill: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _expand_vllm_config(argv: list[str]) -> list[str]:
+    """``--config FILE`` holding vLLM's flat YAML of flag names (``max-model-len: 256``, as
+    ``vllm serve --config`` reads) becomes those flags, placed before the command line's own
+    so that these win (vLLM's rule). A YAML of tokenmill's config tree stays a ``--config``."""
+    from tokenmill.core.config.engine_config import EngineConfig, read_yaml
+
+    if not argv or argv[0] not in ("serve", "generate"):
+        return argv
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            path, rest = argv[i + 1], argv[:i] + argv[i + 2:]
+        elif arg.startswith("--config="):
+            path, rest = arg.split("=", 1)[1], argv[:i] + argv[i + 1:]
+        else:
+            continue
+        data = read_yaml(path)
+        if set(data) <= set(EngineConfig.model_fields):
+            return argv  # tokenmill's own tree
+        flags: list[str] = []
+        for key, value in data.items():
+            flag = "--" + str(key).replace("_", "-")
+            if value is True:
+                flags.append(flag)
+            elif value is False or value is None:
+                continue  # vLLM's flags are off unless given
+            elif isinstance(value, list):
+                flags += [flag, *(str(item) for item in value)]
+            elif isinstance(value, dict):
+                flags += [flag, json.dumps(value)]
+            else:
+                flags += [flag, str(value)]
+        return [rest[0], *flags, *rest[1:]]
+    return argv
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -57,13 +98,15 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", help="engine YAML file")
     add_server_flags(serve)
     add_engine_flags(serve)
+    add_vllm_flags(serve)
     serve.set_defaults(handler=_serve)
 
     bench = commands.add_parser("bench", help="vLLM's benchmarks: throughput, latency, serve (each: --help)",
                                 add_help=False)
-    bench.add_argument("benchmark", choices=["throughput", "latency", "serve"])
+    bench.add_argument("-h", "--help", action="store_true", help="show this help (a benchmark's own: BENCHMARK --help)")
+    bench.add_argument("benchmark", nargs="?", choices=["throughput", "latency", "serve"])
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="the benchmark's own flags")
-    bench.set_defaults(handler=_bench)
+    bench.set_defaults(handler=functools.partial(_bench, bench))
 
     config = commands.add_parser("config", help="inspect the resolved engine configuration")
     config_commands = config.add_subparsers(dest="config_command", required=True)
@@ -151,6 +194,11 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-request-body-bytes", default=None, help="e.g. 4MiB")
     group.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default=None)
     group.add_argument("--log-format", choices=["auto", "json", "console"], default=None)
+    group.add_argument("--uvicorn-log-level", choices=["critical", "error", "warning", "info", "debug", "trace"],
+                       default=None, help="uvicorn's own log level (default: --log-level)")
+    group.add_argument("--enable-log-requests", "--disable-log-requests", dest="enable_log_requests",
+                       action=_LogRequests, nargs=0, default=None,
+                       help="one log line per finished request (on by default; vLLM's spellings)")
     group.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                        help="LoRA adapters to serve; clients select one with the 'model' field")
     group.add_argument("--allowed-lora-dirs", nargs="+", default=None,
@@ -178,6 +226,21 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
                        help="echo X-Request-Id and use it in logs and response ids")
     group.add_argument("--disable-fastapi-docs", action="store_true", default=None,
                        help="no /docs, /redoc or /openapi.json")
+
+
+class _LogRequests(argparse.Action):
+    """``--enable-log-requests`` turns request lines on, ``--disable-log-requests`` off."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, option_string == "--enable-log-requests")
+
+
+def serve_flags() -> set[str]:
+    """The flags ``tokenmill serve`` implements (not those it takes only to refuse by name)."""
+    from tokenmill.server.vllm_flags import ALREADY_SO, REFUSED
+
+    serve = _parser()._subparsers._group_actions[0].choices["serve"]
+    return {option for action in serve._actions for option in action.option_strings} - set(REFUSED) - set(ALREADY_SO)
 
 
 def _text_list(value: str) -> list[str]:
@@ -232,8 +295,12 @@ def config_sources(args: argparse.Namespace) -> tuple[Optional[str], dict[str, A
     return yaml_path, overrides
 
 
-def _bench(args: argparse.Namespace) -> int:
+def _bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     import importlib
+
+    if args.benchmark is None:
+        (sys.stdout if args.help else sys.stderr).write(parser.format_help())
+        return 0 if args.help else 2
 
     importlib.import_module(f"tokenmill.bench.{args.benchmark}").main(args.bench_args)
     return 0
@@ -352,6 +419,10 @@ def _serve(args: argparse.Namespace) -> int:
     from tokenmill.server.logging import configure_logging
     from tokenmill.server.transport import uvicorn_options
 
+    refused = refusal(args)
+    if refused is not None:  # before anything loads
+        print(f"tokenmill serve: {refused}", file=sys.stderr)
+        return 2
     config = resolve_config(args)
     transport = uvicorn_options(config.server)  # unreadable TLS files fail before the model loads
     configure_logging(config.server.log_level, config.server.log_format)
@@ -364,6 +435,9 @@ def _serve(args: argparse.Namespace) -> int:
     # (compiling the CPU kernels on a machine's first start) take a while, and say so as they go
     structlog.get_logger("tokenmill.serve").info("starting: importing torch, then building the engine",
                                                  model=config.model)
+    accepted = already_so(args)
+    if accepted:
+        structlog.get_logger("tokenmill.serve").info("vLLM flags accepted, nothing to do", flags=accepted)
     import uvicorn
 
     from tokenmill.core.engine.async_llm import AsyncLLM
@@ -380,7 +454,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     app = create_app(served, config.server, on_engine_stopped=exit_server)
     server = uvicorn.Server(uvicorn.Config(
-        app, host=config.server.host, port=config.server.port, log_level=config.server.log_level,
+        app, host=config.server.host, port=config.server.port,
+        log_level=config.server.uvicorn_log_level or config.server.log_level,
         access_log=config.server.log_level == "debug",
         timeout_graceful_shutdown=int(config.server.drain_timeout) + 1, **transport))
     server.run()

@@ -91,7 +91,7 @@ def create_app(llm: AsyncLLM | EmbeddingEngine, config: Optional[ServerConfig] =
     metrics = ServerMetrics(names[0])
     embeddings = None if generating else EmbeddingService(engine, names[0])
     if generating:
-        llm.observers += [metrics.observe_step, log_finished_requests]
+        llm.observers += [metrics.observe_step] + ([log_finished_requests] if config.log_requests else [])
 
     def require(kind: str) -> None:
         if (kind == "generation") != generating:

@@ -190,6 +190,10 @@ class ServerConfig(BaseModel):
     #: no /docs, /redoc or /openapi.json
     disable_fastapi_docs: bool = False
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    #: uvicorn's own log level (vLLM: --uvicorn-log-level); None follows log_level
+    uvicorn_log_level: Optional[Literal["critical", "error", "warning", "info", "debug", "trace"]] = None
+    #: one log line per finished request (vLLM: --enable-log-requests / --disable-log-requests)
+    log_requests: bool = True
     #: "auto" = JSON lines unless stderr is a terminal
     log_format: Literal["auto", "json", "console"] = "auto"
 
@@ -289,6 +293,8 @@ SERVER_NAMES: dict[str, str] = {
     "max_request_body_bytes": "server.max_request_body_bytes",
     "log_level": "server.log_level",
     "log_format": "server.log_format",
+    "uvicorn_log_level": "server.uvicorn_log_level",
+    "enable_log_requests": "server.log_requests",
     "lora_modules": "adapters.lora_modules",
     "allowed_lora_dirs": "adapters.allowed_lora_dirs",
     "allow_runtime_lora_updating": "adapters.allow_runtime_lora_updating",

@@ -34,9 +34,11 @@ def select_platform(registry: Registry, config: EngineConfig) -> Platform:
             raise ConfigError(f"platform.{section}", f"no platform {section!r} is registered, so its options "
                               f"cannot apply; registered: {', '.join(registry.names()) or 'none'}")
     cls = _choose(config.platform.name, registry)
-    for section in sections:
-        if section != cls.name:
-            log.warning("options ignored", section=f"platform.{section}", reason=f"platform {cls.name!r} was chosen")
+    for section, options in sections.items():
+        if section != cls.name:  # vLLM's rule: a flag for another device is accepted, and said to do nothing
+            log.warning("options ignored", section=f"platform.{section}",
+                        flags=[f"--{key.replace('_', '-')}" for key in (options or {})],
+                        reason=f"they concern the {section} platform, and {cls.name!r} was chosen")
     try:
         options = cls.options_model.model_validate(sections.get(cls.name, {}))
     except ValidationError as exc:

@@ -1,0 +1,103 @@
+"""``tokenmill serve`` takes a ``vllm serve`` command line: every vLLM 0.32 flag is honoured,
+accepted because tokenmill already does what it asks, or refused by name at startup with
+the reason (exit 2, before the model loads); ``--config`` reads vLLM's flat YAML too."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from server_harness import free_port
+from test_cli import tokenmill, wait_until_healthy
+from tokenmill.cli import serve_flags
+from tokenmill.server.vllm_flags import ALREADY_SO, INERT, REFUSED, VLLM_SERVE_FLAGS, markdown_table
+
+README = Path(__file__).parents[1] / "README.md"
+
+
+def test_every_vllm_flag_is_honoured_accepted_or_refused_by_name():
+    assert len(VLLM_SERVE_FLAGS) == 317
+    honoured = serve_flags()
+    unclassified = [f for f in VLLM_SERVE_FLAGS if f not in honoured and f not in ALREADY_SO and f not in REFUSED]
+    assert not unclassified, unclassified
+    assert not (set(REFUSED) | set(ALREADY_SO)) - set(VLLM_SERVE_FLAGS)  # no stale entries
+    assert not set(REFUSED) & honoured and not set(ALREADY_SO) & honoured and not set(REFUSED) & set(ALREADY_SO)
+    assert all(flag in REFUSED for flag in INERT)
+
+
+def test_the_readme_table_is_the_tables_own():
+    assert markdown_table(serve_flags()) in README.read_text()
+
+
+@pytest.mark.parametrize("flags,named", [
+    (["--revision", "main"], "--revision"),
+    (["--enable-expert-parallel"], "--enable-expert-parallel"),
+    (["--load-format", "pt"], "--load-format"),
+    (["--data-parallel-size", "2"], "--data-parallel-size"),
+    (["--reasoning-parser", "qwen3"], "--reasoning-parser"),
+])
+def test_a_refused_flag_fails_at_startup_naming_it_and_why(flags, named):
+    result = tokenmill("serve", "/nonexistent-model", *flags)
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"tokenmill serve: {named} is refused: ") and "Traceback" not in result.stderr
+    assert REFUSED[named] in result.stderr
+
+
+def test_unknown_flags_still_fail_as_argparse_does():
+    result = tokenmill("serve", "--no-such-flag")
+    assert result.returncode == 2 and "unrecognized arguments: --no-such-flag" in result.stderr
+
+
+def test_a_vllm_deployment_line_serves_with_its_inert_and_accepted_flags(tmp_path):
+    """vLLM's flags as a deployment script passes them: honoured, inert values of refused
+    ones, already-so ones (logged), a flag for another platform (warned about), and the rest
+    from vLLM's flat YAML in --config, which the command line overrides."""
+    config = tmp_path / "vllm.yaml"
+    config.write_text("max-model-len: 128\nmax_num_seqs: 2\nenable-prefix-caching: true\n")
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tokenmill.cli", "serve", "--config", str(config), "--port", str(port),
+         "--served-model-name", "demo", "--kv-cache-memory-bytes", "16MiB", "--log-format", "json",
+         "--gpu-memory-utilization", "0.85", "--max-num-seqs", "4", "--enable-chunked-prefill",
+         "--load-format", "safetensors", "--tokenizer-mode", "auto", "--generation-config", "vllm",
+         "--disable-log-stats", "--max-log-len", "100", "--data-parallel-size", "1", "--disable-log-requests",
+         "--uvicorn-log-level", "warning"],
+        env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until_healthy(port)
+        response = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
+                              json={"model": "demo", "prompt": "Hello", "max_tokens": 3}, timeout=60)
+        assert response.status_code == 200
+    finally:
+        process.terminate()
+        _, stderr = process.communicate(timeout=30)
+    lines = [json.loads(line) for line in stderr.splitlines() if line.startswith("{")]
+    built = next(line for line in lines if line["event"] == "engine built")
+    assert built["max_model_len"] == 128  # from the YAML
+    ignored = next(line for line in lines if line["event"] == "options ignored")
+    assert ignored["flags"] == ["--gpu-memory-utilization"] and ignored["section"] == "platform.cuda"
+    accepted = next(line for line in lines if line["event"] == "vLLM flags accepted, nothing to do")
+    assert any(item.startswith("--disable-log-stats") for item in accepted["flags"])
+    assert not any(line["event"] == "request finished" for line in lines)  # --disable-log-requests
+    assert "Uvicorn running" not in stderr  # uvicorn's info lines are below --uvicorn-log-level warning
+
+
+def test_the_command_line_overrides_the_vllm_yaml(tmp_path, model_dir):
+    config = tmp_path / "vllm.yaml"
+    config.write_text("max-model-len: 128\nkv-cache-memory-bytes: 8MiB\nblock-size: 8\n")
+    generated = tokenmill("generate", "--config", str(config), "--model", str(model_dir("llama")), "--prompt", "x",
+                          "--max-tokens", "2", "--max-model-len", "64", "--json")
+    assert generated.returncode == 0, generated.stderr
+    assert "max_model_len=64" in generated.stderr
+
+
+def test_bench_help_prints_help():
+    result = tokenmill("bench", "--help")
+    assert result.returncode == 0 and "throughput,latency,serve" in result.stdout
+    assert tokenmill("bench").returncode == 2
