@@ -65,7 +65,7 @@ def test_a_vllm_deployment_line_serves_with_its_inert_and_accepted_flags(tmp_pat
         [sys.executable, "-m", "tokenmill.cli", "serve", "--config", str(config), "--port", str(port),
          "--served-model-name", "demo", "--kv-cache-memory-bytes", "16MiB", "--log-format", "json",
          "--gpu-memory-utilization", "0.85", "--max-num-seqs", "4", "--enable-chunked-prefill",
-         "--load-format", "safetensors", "--tokenizer-mode", "auto", "--generation-config", "vllm",
+         "--load-format", "safetensors", "--tokenizer-mode", "auto", "--generation-config", "auto",
          "--disable-log-stats", "--max-log-len", "100", "--data-parallel-size", "1", "--disable-log-requests",
          "--uvicorn-log-level", "warning"],
         env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -87,7 +87,8 @@ def create_app(llm: AsyncLLM | EmbeddingEngine, config: Optional[ServerConfig] =
     engine = llm.engine if generating else llm
     names = config.served_model_name or default_model_names(str(engine.config.model))
     ctx = ServingContext(llm if generating else None, names, engine.max_model_len, engine.tokenizer,
-                         config.trust_request_chat_template, tool_parser_factory(config, engine))
+                         config.trust_request_chat_template, tool_parser_factory(config, engine),
+                         engine.model_config.sampling_defaults if generating else {})
     metrics = ServerMetrics(names[0])
     embeddings = None if generating else EmbeddingService(engine, names[0])
     if generating:

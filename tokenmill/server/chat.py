@@ -75,7 +75,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     prompt = ctx.prepare_prompt(token_ids, body, requested)
     max_tokens = ctx.max_tokens_for(len(prompt["prompt_token_ids"]), requested)
     top = body.top_logprobs or 0
-    params = body.sampling_params(max_tokens, top if body.logprobs else None, body.prompt_logprobs)
+    params = body.sampling_params(max_tokens, top if body.logprobs else None, body.prompt_logprobs,
+                                  ctx.sampling_defaults)
     if tool_constraint is not None:
         params = dataclasses.replace(params, structured_outputs=tool_constraint)
     echo = _echoed(body)

@@ -88,7 +88,8 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
     for prompt in prompts:
         max_tokens = ctx.max_tokens_for(len(prompt["prompt_token_ids"]), body.max_tokens)
         echoed = body.logprobs if body.echo and body.logprobs is not None else None
-        params.append(body.sampling_params(max_tokens, body.logprobs, body.prompt_logprobs_wanted(echoed)))
+        params.append(body.sampling_params(max_tokens, body.logprobs, body.prompt_logprobs_wanted(echoed),
+                                           ctx.sampling_defaults))
     created = now()
     if body.use_beam_search:
         finals = await unless_disconnected(request, gather_beam_searches(

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable, Optional
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Optional
 
 from fastapi import Request
 
@@ -30,6 +30,8 @@ class ServingContext:
     trust_request_chat_template: bool = False
     #: a new ToolParser per choice, for tool_choice "auto" (None: the server reads no tool calls)
     tool_parser: Optional[Callable[[], Any]] = None
+    #: the model's sampling defaults for fields a request leaves unset (--generation-config)
+    sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
 
     def start(self, internal_id: str, requests: list[tuple[dict, SamplingParams]], priority: int,
               user: Optional[str], adapter: Optional[str] = None) -> list[AsyncIterator[RequestOutput]]:
@@ -82,7 +84,8 @@ class ServingContext:
         raise APIError(404, f"the model `{name}` does not exist; served: {', '.join(served)}", "model")
 
     def max_tokens_for(self, prompt_len: int, requested: Optional[int]) -> int:
-        """Check the context window; a missing max_tokens means 'the rest of it'."""
+        """Check the context window; a missing max_tokens means the rest of it. The model's
+        max_new_tokens (``sampling_defaults``) caps both (vLLM's rule: the least of the three)."""
         room = self.max_model_len - prompt_len
         if room < 1 or (requested is not None and requested > room):
             asked = prompt_len + (requested or 0)
@@ -93,7 +96,9 @@ class ServingContext:
                 "completion). Please reduce the prompt or max_tokens.",
                 "max_tokens" if room >= 1 else "prompt",
             )
-        return requested if requested is not None else room
+        tokens = requested if requested is not None else room
+        cap = self.sampling_defaults.get("max_tokens")
+        return tokens if cap is None else min(tokens, cap)
 
 
 async def merge_streams(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -11,7 +11,8 @@ import json
 import re
 import time
 import uuid
-from typing import Any, Literal, Optional, Union
+from types import MappingProxyType
+from typing import Any, Literal, Mapping, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -142,17 +143,24 @@ class SamplingFields(GenerationModel):
     length_penalty: float = Field(1.0, description="vLLM: with use_beam_search, scores are divided by "
                                                    "length ** length_penalty.")
 
-    def sampling_params(self, max_tokens: int, logprobs: Optional[int],
-                        prompt_logprobs: Optional[int] = None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: Optional[int], prompt_logprobs: Optional[int] = None,
+                        defaults: Mapping[str, Any] = MappingProxyType({})) -> SamplingParams:
+        """The engine's parameters; a sampling field the request leaves unset takes the model's
+        default (``defaults``, from --generation-config), then OpenAI's."""
+
+        def pick(name: str, fallback: Any) -> Any:
+            value = getattr(self, name)
+            return value if value is not None else defaults.get(name, fallback)
+
         return SamplingParams(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=-1 if self.top_k is None else self.top_k,
-            min_p=self.min_p or 0.0,
+            temperature=pick("temperature", 1.0),
+            top_p=pick("top_p", 1.0),
+            top_k=pick("top_k", -1),
+            min_p=pick("min_p", 0.0),
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            repetition_penalty=pick("repetition_penalty", 1.0),
             seed=self.seed,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,

@@ -169,9 +169,6 @@ REFUSED: dict[str, str] = {
     "--diffusion-config": "diffusion models are not supported",
     "--engram-config": "engram memory is not supported",
     "--profiler-config": "profiling is not configurable here: see benchmarks/profile_step.py",
-    "--generation-config": "a model's generation_config.json defaults are not applied yet: requests take OpenAI's "
-                           "defaults unless they set temperature, top_p, ...",
-    "--override-generation-config": "a model's generation_config.json defaults are not applied yet",
     "--structured-outputs-config": "structured outputs are configured with --guided-decoding-backend",
     "--tokenizer-mode": "the tokenizer is the model directory's fast (tokenizers) one",
     "--skip-tokenizer-init": "the tokenizer is always loaded (stop strings and detokenizing need it)",
@@ -222,7 +219,6 @@ INERT: dict[str, tuple[str, ...]] = {
     "--max-logprobs": ("20",),
     "--response-role": ("assistant",),
     "--chat-template-content-format": ("auto", "string"),
-    "--generation-config": ("vllm",),
     "--stream-interval": ("1",),
     "--data-parallel-size": ("1",),
     "--decode-context-parallel-size": ("1",),

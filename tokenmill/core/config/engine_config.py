@@ -9,11 +9,12 @@ instead of being silently ignored. vLLM's flat keyword names
 from __future__ import annotations
 
 import contextvars
+import json
 from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, SecretStr, ValidationError
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from tokenmill.core.config.speculative_config import SpeculativeConfig
@@ -217,6 +218,11 @@ class EngineConfig(BaseSettings):
     enforce_eager: bool = False
     #: logits processors to add to the built-ins: registered names or 'module:Class' paths (vLLM: logits_processors)
     logits_processors: list[str] = []
+    #: where requests' sampling defaults come from (vLLM's): "auto", the model's
+    #: generation_config.json; "vllm", none (OpenAI's defaults); or a directory holding one
+    generation_config: str = "auto"
+    #: sampling defaults over those (generation_config.json's names: temperature, max_new_tokens, ...)
+    override_generation_config: dict[str, Any] = {}
     platform: PlatformConfig = PlatformConfig()
     parallel: ParallelConfig = ParallelConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
@@ -227,6 +233,17 @@ class EngineConfig(BaseSettings):
     structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
     server: ServerConfig = ServerConfig()
+
+    @field_validator("override_generation_config", mode="before")
+    @classmethod
+    def _json_text(cls, value: Any) -> Any:
+        """The CLI's text, as vLLM's flag takes it: a JSON object."""
+        if isinstance(value, str):
+            try:
+                return json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"not a JSON object: {exc}") from None
+        return value
 
     @classmethod
     def settings_customise_sources(
@@ -251,6 +268,8 @@ VLLM_NAMES: dict[str, str] = {
     "trust_remote_code": "trust_remote_code",
     "enforce_eager": "enforce_eager",
     "logits_processors": "logits_processors",
+    "generation_config": "generation_config",
+    "override_generation_config": "override_generation_config",
     # the cpu platform's options (platform.cpu), by their flat names
     "num_threads": "platform.cpu.num_threads",
     "small_batch_gemv": "platform.cpu.small_batch_gemv",

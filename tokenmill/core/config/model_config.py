@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import structlog
 import torch
 
+from tokenmill.core.config.generation_defaults import sampling_defaults
 from tokenmill.interfaces.errors import ConfigError
 
 log = structlog.get_logger(__name__)
@@ -31,6 +32,9 @@ class ModelConfig:
     dtype: torch.dtype
     max_model_len: int
     eos_token_ids: tuple[int, ...]
+    #: SamplingParams fields -> the model's default for requests that leave them unset
+    #: (generation_defaults: vLLM's --generation-config)
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
     @property
     def vocab_size(self) -> int:
@@ -92,6 +96,7 @@ def normalize_hf_config(raw: dict[str, Any]) -> dict[str, Any]:
 def load_model_config(
     path: str | Path, dtype: str = "auto", max_model_len: Optional[int] = None,
     resolve_dtype: Optional[Callable[[torch.dtype], torch.dtype]] = None,
+    generation_config: str = "auto", override_generation_config: Optional[dict[str, Any]] = None,
 ) -> ModelConfig:
     """``resolve_dtype`` is the platform's say on what ``dtype: auto`` computes a checkpoint's
     stored dtype in (Platform.resolve_dtype); without one, the stored dtype itself."""
@@ -136,6 +141,7 @@ def load_model_config(
         dtype=torch_dtype,
         max_model_len=max_model_len or derived,
         eos_token_ids=_eos_token_ids(path, hf),
+        sampling_defaults=sampling_defaults(path, generation_config, override_generation_config or {}),
     )
 
 

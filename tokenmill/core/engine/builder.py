@@ -138,7 +138,8 @@ def _build_engine(config: EngineConfig, pm: PluginManager, components: Component
              kv_cache_dtype=str(built.cache_dtype).removeprefix("torch."),
              policy=config.scheduler.policy, kv_blocks=num_blocks,
              max_model_len=model_config.max_model_len, tensor_parallel_size=parallel.tp_size,
-             pipeline_parallel_size=parallel.pp_size)
+             pipeline_parallel_size=parallel.pp_size, generation_config=config.generation_config,
+             sampling_defaults=model_config.sampling_defaults)
     pm.hook.engine_started(engine=engine)
     return engine
 

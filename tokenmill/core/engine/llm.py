@@ -84,15 +84,22 @@ class LLM:
         """Generate for every prompt; outputs come back in the prompts' order.
 
         A prompt is a string, a list of token ids, or a dict with ``prompt`` or
-        ``prompt_token_ids``; ``prompts`` may be one prompt or a list of them.
+        ``prompt_token_ids``; ``prompts`` may be one prompt or a list of them. Without
+        ``sampling_params``, ``get_default_sampling_params()``.
         """
         if not isinstance(self.llm_engine, LLMEngine):
             raise InvalidRequest("model", "this is an embedding model; use embed()")
         prompt_list = _as_prompt_list(prompts)
-        params = _per_prompt(sampling_params, len(prompt_list), "sampling_params") or [SamplingParams()] * len(prompt_list)
+        params = (_per_prompt(sampling_params, len(prompt_list), "sampling_params")
+                  or [self.get_default_sampling_params()] * len(prompt_list))
         priorities = _per_prompt(priority, len(prompt_list), "priority") or [0] * len(prompt_list)
         loras = _per_prompt(lora_request, len(prompt_list), "lora_request") or [None] * len(prompt_list)
         return self._run(prompt_list, params, priorities, loras, use_tqdm)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` samples with when given no parameters: the model's defaults
+        (``generation_config``: its generation_config.json, vLLM's rule), else tokenmill's."""
+        return SamplingParams(**self.llm_engine.model_config.sampling_defaults)
 
     def beam_search(
         self,
