@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 import re
 import time
 
@@ -409,3 +410,41 @@ def test_a_schema_nested_past_the_bound_is_a_400(url):
     bad = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES,
                                                          "guided_choice": ["a"], "bad_words": ["a"]}, timeout=60)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "bad_words"
+
+
+VLLM_STRUCTURED_FIELDS = (Path(__file__).parents[1] / "tokenmill" / "server" /
+                          "vllm-0.32-structured-outputs-fields.txt").read_text().splitlines()[1].split()
+
+
+def test_every_vllm_structured_outputs_field_is_honoured_or_refused_by_name(client):
+    """vLLM 0.32's fields of structured_outputs: each one a field here; those that ask for
+    what every reply is already (compact JSON) pass, the others are 400s naming them."""
+    from tokenmill.server.protocol import StructuredOutputsField
+
+    assert {StructuredOutputsField.model_fields[n].alias or n for n in StructuredOutputsField.model_fields} \
+        == set(VLLM_STRUCTURED_FIELDS)
+    schema = {"type": "object", "properties": {"id": {"type": "boolean"}}, "required": ["id"]}
+    for extra in ({"disable_any_whitespace": True}, {"disable_additional_properties": True},
+                  {"disable_additional_properties": False}):
+        reply = client.completions.create(model=MODEL, prompt="Item: ", max_tokens=40, temperature=0,
+                                          extra_body={"structured_outputs": {"json": schema, **extra}})
+        text = reply.choices[0].text  # compact: only xgrammar's fixed separators
+        assert set(json.loads(text)) == {"id"} and text == json.dumps(json.loads(text))
+    for name, value in (("disable_any_whitespace", False), ("whitespace_pattern", r"[ ]?"),
+                        ("structural_tag", "{}")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model=MODEL, prompt="x", max_tokens=4,
+                                      extra_body={"structured_outputs": {"json": schema, name: value}})
+        assert refused.value.body["param"] == f"structured_outputs.{name}"
+
+
+def test_disable_additional_properties_closes_every_object_that_does_not_say():
+    from tokenmill.interfaces.structured_output import StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"inner": {"type": "object", "properties": {"a": {"type": "string"}}},
+                                               "open": {"type": "object", "additionalProperties": True}}}
+    closed = StructuredOutputsParams(json=schema, disable_additional_properties=True).json
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["inner"]["additionalProperties"] is False
+    assert closed["properties"]["open"]["additionalProperties"] is True  # the schema's own word stands
+    assert "additionalProperties" not in StructuredOutputsParams(json=schema).json

@@ -34,7 +34,9 @@ class StructuredOutputsParams:
 
     ``json``: a JSON schema (a dict or its text); ``json_object``: any JSON object;
     ``regex``; ``choice``: one of these strings; ``grammar``: an EBNF grammar (the backend's
-    dialect; xgrammar's is GBNF-like). ``whitespace_pattern`` is not supported.
+    dialect; xgrammar's is GBNF-like). JSON is compact (no free whitespace: vLLM's
+    ``disable_any_whitespace``) on every backend; ``disable_additional_properties`` closes
+    every object of the schema that does not say whether it takes other properties.
     """
 
     #: a schema object, or its JSON text (parsed at construction)
@@ -43,6 +45,9 @@ class StructuredOutputsParams:
     choice: Optional[tuple[str, ...]] = None
     grammar: Optional[str] = None
     json_object: bool = False
+    #: every schema object without its own ``additionalProperties`` gets ``false`` (vLLM's
+    #: field; False leaves it to the backend, which, xgrammar like vLLM's, closes them anyway)
+    disable_additional_properties: bool = False
     #: where the constraint came from on the wire, for errors (``response_format``, ``tools``...)
     param: str = "structured_outputs"
     #: (the manager that compiled it, the compiled constraint): the request carries its compiled
@@ -80,6 +85,8 @@ class StructuredOutputsParams:
             object.__setattr__(self, "json", schema)
         if isinstance(self.json, (dict, list)) and _depth(self.json) > self.MAX_SCHEMA_DEPTH:
             raise InvalidRequest(self.param, f"the JSON schema nests deeper than {self.MAX_SCHEMA_DEPTH} levels")
+        if self.disable_additional_properties and isinstance(self.json, dict):
+            object.__setattr__(self, "json", _closed(self.json))
         if len(self.spec) > self.MAX_SPEC_CHARS:
             raise InvalidRequest(self.param, f"the constraint is longer than {self.MAX_SPEC_CHARS} characters")
 
@@ -102,6 +109,18 @@ class StructuredOutputsParams:
     def key(self) -> tuple[str, str]:
         """What the compile cache is keyed by."""
         return self.kind, self.spec
+
+
+def _closed(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` on each object schema that sets none."""
+    if isinstance(schema, list):
+        return [_closed(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {key: _closed(value) for key, value in schema.items()}
+    if (schema.get("type") == "object" or "properties" in schema) and "additionalProperties" not in schema:
+        closed["additionalProperties"] = False
+    return closed
 
 
 def _depth(value: Any) -> int:

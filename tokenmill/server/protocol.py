@@ -71,6 +71,14 @@ class StructuredOutputsField(OpenAIModel):
     choice: Optional[list[str]] = None
     grammar: Optional[str] = Field(None, description="An EBNF grammar (the backend's dialect).")
     json_object: Optional[bool] = None
+    disable_any_whitespace: Optional[bool] = Field(
+        None, description="true: JSON with no free whitespace, as every reply is here; false is refused (a weak "
+                          "model could fill its budget with spaces).")
+    disable_additional_properties: Optional[bool] = Field(
+        None, description="true: schema objects that do not say otherwise take no other properties.")
+    whitespace_pattern: Optional[str] = Field(None, description="Refused: JSON is compiled with no free whitespace.")
+    structural_tag: Optional[str] = Field(None, description="Refused: structural tags are not supported; use "
+                                                            "tools, or a JSON schema.")
 
 
 TokenIds = list[int]
@@ -194,8 +202,20 @@ class SamplingFields(GenerationModel):
                 given.append(StructuredOutputsParams(json=fmt.json_schema.json_schema, param="response_format"))
         if self.structured_outputs is not None:
             so = self.structured_outputs
-            given.append(StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
-                                                 json_object=bool(so.json_object), param="structured_outputs"))
+            refusals = {"disable_any_whitespace": (so.disable_any_whitespace is False, "JSON is compiled with no free "
+                                                   "whitespace (a weak model could fill its budget with spaces): "
+                                                   "send true, or leave it out"),
+                        "whitespace_pattern": (so.whitespace_pattern is not None, "JSON is compiled with no free "
+                                               "whitespace, so there is no whitespace to pattern"),
+                        "structural_tag": (so.structural_tag is not None, "structural tags are not supported: use "
+                                           "tools with tool_choice, or a JSON schema")}
+            for name, (refused, reason) in refusals.items():
+                if refused:
+                    raise InvalidRequest(f"structured_outputs.{name}", reason)
+            given.append(StructuredOutputsParams(
+                json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
+                json_object=bool(so.json_object), param="structured_outputs",
+                disable_additional_properties=bool(so.disable_additional_properties)))
         for field, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
                             ("guided_grammar", "grammar")):
             if getattr(self, field) is not None:
