@@ -60,6 +60,8 @@ def test_a_vllm_deployment_line_serves_with_its_inert_and_accepted_flags(tmp_pat
     from vLLM's flat YAML in --config, which the command line overrides."""
     config = tmp_path / "vllm.yaml"
     config.write_text("max-model-len: 128\nmax_num_seqs: 2\nenable-prefix-caching: true\n")
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "tokenmill.cli", "serve", "--config", str(config), "--port", str(port),
@@ -67,7 +69,8 @@ def test_a_vllm_deployment_line_serves_with_its_inert_and_accepted_flags(tmp_pat
          "--gpu-memory-utilization", "0.85", "--max-num-seqs", "4", "--enable-chunked-prefill",
          "--load-format", "safetensors", "--tokenizer-mode", "auto", "--generation-config", "auto",
          "--disable-log-stats", "--max-log-len", "100", "--data-parallel-size", "1", "--disable-log-requests",
-         "--uvicorn-log-level", "warning"],
+         "--uvicorn-log-level", "warning", "--chat-template", str(template), "--quantization", "fp8",
+         "--enable-prefix-caching"],
         env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_until_healthy(port)
@@ -101,3 +104,27 @@ def test_bench_help_prints_help():
     result = tokenmill("bench", "--help")
     assert result.returncode == 0 and "throughput,latency,serve" in result.stdout
     assert tokenmill("bench").returncode == 2
+
+
+def test_chat_template_flag_renders_every_chat_request(tmp_path, model_dir):
+    """--chat-template FILE (or the template itself) replaces the tokenizer's for chat
+    requests and /tokenize; a value that is neither fails at startup, before the model loads."""
+    from transformers import AutoTokenizer
+
+    from conftest import make_llm
+    from server_harness import running_server
+
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant]")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir("llama"))
+    expected = tokenizer.encode("[user] hello there\n[assistant]", add_special_tokens=False)
+    messages = [{"role": "user", "content": "hello there"}]
+    for value in (str(template), template.read_text()):
+        engine = make_llm(model_dir("llama")).llm_engine
+        with running_server(engine, served_model_name=["m"], chat_template=value) as (base, _):
+            tokens = httpx.post(base + "/tokenize", json={"model": "m", "messages": messages}).json()["tokens"]
+            reply = httpx.post(base + "/v1/chat/completions", timeout=60,
+                               json={"model": "m", "messages": messages, "max_tokens": 2}).json()
+        assert tokens == expected and reply["usage"]["prompt_tokens"] == len(expected)
+    missing = tokenmill("serve", "/nonexistent-model", "--chat-template", str(tmp_path / "nope.jinja"))
+    assert missing.returncode == 2 and "chat_template" in missing.stderr and "Traceback" not in missing.stderr

@@ -207,6 +207,8 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
                        help="enable /v1/load_lora_adapter and /v1/unload_lora_adapter")
     group.add_argument("--trust-request-chat-template", action="store_true", default=None,
                        help="accept a chat_template in chat requests (off: a template is a program)")
+    group.add_argument("--chat-template", default=None,
+                       help="the chat template of every chat request: a Jinja file, or the template itself")
     group.add_argument("--enable-auto-tool-choice", action="store_true", default=None,
                        help='let chat requests use tool_choice "auto" (needs --tool-call-parser)')
     group.add_argument("--tool-call-parser", default=None,
@@ -443,8 +445,9 @@ def _serve(args: argparse.Namespace) -> int:
     from tokenmill.core.engine.async_llm import AsyncLLM
     from tokenmill.core.engine.builder import build_engine
     from tokenmill.core.engine.llm_engine import LLMEngine
-    from tokenmill.server.app import create_app
+    from tokenmill.server.app import create_app, server_chat_template
 
+    server_chat_template(config.server.chat_template)  # a missing file fails before the model loads
     engine = build_engine(config)
     served = AsyncLLM(engine, config.server.max_queued_requests) if isinstance(engine, LLMEngine) else engine
     server: Optional[uvicorn.Server] = None

@@ -20,6 +20,7 @@ import tokenmill
 from tokenmill.core.config.engine_config import ServerConfig
 from tokenmill.core.engine.async_llm import AsyncLLM
 from tokenmill.core.engine.embedding_engine import EmbeddingEngine
+from tokenmill.interfaces.errors import ConfigError
 from tokenmill.server.adapters import add_adapter_routes
 from tokenmill.server.chat import chat_prompt_ids, create_chat_completion
 from tokenmill.server.tool_parsers import tool_parser_factory
@@ -68,6 +69,18 @@ def default_model_names(model: str) -> list[str]:
     return [model] if short in ("", model) else [model, short]
 
 
+def server_chat_template(value: Optional[str]) -> Optional[str]:
+    """``--chat-template``: a file's text, or the value itself where it is a Jinja template."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ConfigError("chat_template", f"{value!r} is neither a readable file nor a Jinja template")
+
+
 async def _watch_engine(llm: AsyncLLM, on_stopped: Callable[[], None]) -> None:
     """Wait until the engine loop stops on an error; then /health says 503, every request in
     flight has failed with the reason, and ``on_stopped`` runs."""
@@ -88,6 +101,7 @@ def create_app(llm: AsyncLLM | EmbeddingEngine, config: Optional[ServerConfig] =
     names = config.served_model_name or default_model_names(str(engine.config.model))
     ctx = ServingContext(llm if generating else None, names, engine.max_model_len, engine.tokenizer,
                          config.trust_request_chat_template, tool_parser_factory(config, engine),
+                         server_chat_template(config.chat_template),
                          engine.model_config.sampling_defaults if generating else {})
     metrics = ServerMetrics(names[0])
     embeddings = None if generating else EmbeddingService(engine, names[0])

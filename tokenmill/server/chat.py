@@ -33,7 +33,8 @@ def chat_prompt_ids(ctx: ServingContext, messages: list[ChatMessage], add_genera
                     template_kwargs: Optional[dict[str, Any]] = None, add_special_tokens: bool = False,
                     tools: Optional[list[dict[str, Any]]] = None) -> list[int]:
     conversation = [m.for_template() for m in messages]
-    return render_chat(ctx.tokenizer, conversation, chat_template, add_generation_prompt=add_generation_prompt,
+    template = chat_template if chat_template is not None else ctx.chat_template
+    return render_chat(ctx.tokenizer, conversation, template, add_generation_prompt=add_generation_prompt,
                        continue_final_message=continue_final_message, chat_template_kwargs=template_kwargs,
                        add_special_tokens=add_special_tokens, tools=tools)
 

@@ -30,6 +30,8 @@ class ServingContext:
     trust_request_chat_template: bool = False
     #: a new ToolParser per choice, for tool_choice "auto" (None: the server reads no tool calls)
     tool_parser: Optional[Callable[[], Any]] = None
+    #: the server's chat template (--chat-template), instead of the tokenizer's
+    chat_template: Optional[str] = None
     #: the model's sampling defaults for fields a request leaves unset (--generation-config)
     sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
 

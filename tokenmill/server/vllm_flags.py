@@ -178,8 +178,6 @@ REFUSED: dict[str, str] = {
     "--return-tokens-as-token-ids": "returning tokens as 'token_id:N' strings is not supported",
     "--enable-prompt-tokens-details": "usage.prompt_tokens_details is not reported yet",
     "--enable-force-include-usage": "streams report usage when a request asks (stream_options.include_usage)",
-    "--chat-template": "a server-wide chat template is not supported yet: the model's tokenizer_config.json "
-                       "template serves (with --trust-request-chat-template a request may send its own)",
     "--chat-template-content-format": "message content is rendered as text (OpenAI's content parts are joined)",
     "--default-chat-template-kwargs": "chat_template_kwargs are per request",
     "--response-role": "replies take the role 'assistant'",

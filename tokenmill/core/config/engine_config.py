@@ -165,6 +165,9 @@ class ServerConfig(BaseModel):
     #: accept a request's own ``chat_template`` (vLLM's --trust-request-chat-template): a
     #: template is a program, and one can keep the event loop busy for as long as it likes
     trust_request_chat_template: bool = False
+    #: the chat template of every chat request, instead of the tokenizer's: a Jinja file's
+    #: path, or the template itself (vLLM's --chat-template)
+    chat_template: Optional[str] = None
     #: let the model decide when to call tools (tool_choice "auto"), read by tool_call_parser
     enable_auto_tool_choice: bool = False
     #: how tool calls are read from the model's text: a registered ToolParser ("hermes", "llama3_json")
@@ -318,6 +321,7 @@ SERVER_NAMES: dict[str, str] = {
     "allowed_lora_dirs": "adapters.allowed_lora_dirs",
     "allow_runtime_lora_updating": "adapters.allow_runtime_lora_updating",
     "trust_request_chat_template": "server.trust_request_chat_template",
+    "chat_template": "server.chat_template",
     "enable_auto_tool_choice": "server.enable_auto_tool_choice",
     "tool_call_parser": "server.tool_call_parser",
     "ssl_keyfile": "server.ssl_keyfile",
