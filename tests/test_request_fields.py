@@ -126,6 +126,8 @@ FIELD_TESTS = {
         "tools": "test_structured_outputs.py::test_a_named_tool_choice_returns_valid_arguments",
         "tool_choice": "test_structured_outputs.py::test_required_tool_choice_returns_calls_of_the_given_tools",
         "parallel_tool_calls": "test_structured_outputs.py::test_required_tool_choice_returns_calls_of_the_given_tools",
+        "include_reasoning": "test_reasoning_parsers.py::test_replies_carry_reasoning_content_whole_and_streamed",
+        "reasoning_effort": "test_reasoning_parsers.py::test_reasoning_effort_reaches_the_chat_template",
     },
 }
 

@@ -40,7 +40,7 @@ def test_the_readme_table_is_the_tables_own():
     (["--enable-expert-parallel"], "--enable-expert-parallel"),
     (["--load-format", "pt"], "--load-format"),
     (["--data-parallel-size", "2"], "--data-parallel-size"),
-    (["--reasoning-parser", "qwen3"], "--reasoning-parser"),
+    (["--reasoning-parser-plugin", "my_parser.py"], "--reasoning-parser-plugin"),
 ])
 def test_a_refused_flag_fails_at_startup_naming_it_and_why(flags, named):
     result = tokenmill("serve", "/nonexistent-model", *flags)

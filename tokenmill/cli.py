@@ -213,6 +213,8 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
                        help='let chat requests use tool_choice "auto" (needs --tool-call-parser)')
     group.add_argument("--tool-call-parser", default=None,
                        help="how tool calls are read from replies: hermes, llama3_json, or a plugin's")
+    group.add_argument("--reasoning-parser", default=None,
+                       help="read a reasoning model's thinking into reasoning_content: deepseek_r1, qwen3, a plugin's")
     group.add_argument("--ssl-keyfile", default=None, help="serve https with this private key (PEM)")
     group.add_argument("--ssl-certfile", default=None, help="... and this certificate chain (PEM)")
     group.add_argument("--ssl-ca-certs", default=None, help="CA bundle client certificates are checked against")

@@ -19,8 +19,8 @@ from typing import Any, Callable, Protocol
 import pluggy
 
 PROJECT_NAME = "tokenmill"
-HOOKSPEC_VERSION = 6  # 2: register_platforms; 3: register_logits_processors; 4: structured outputs, tool parsers;
-#                      5: register_executors; 6: register_speculative_proposers
+HOOKSPEC_VERSION = 7  # 2: register_platforms; 3: register_logits_processors; 4: structured outputs, tool parsers;
+#                      5: register_executors; 6: register_speculative_proposers; 7: register_reasoning_parsers
 ENTRY_POINT_GROUP = "tokenmill.plugins"
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
@@ -104,6 +104,12 @@ def register_structured_output_backends(register: Register) -> None:
 def register_tool_parsers(register: Register) -> None:
     """Register ToolParser classes (``tokenmill.interfaces.tool_parser``) by name;
     ``--tool-call-parser name`` selects one for ``tool_choice: "auto"``. Built as ``cls(tokenizer)``."""
+
+
+@hookspec
+def register_reasoning_parsers(register: Register) -> None:
+    """Register ReasoningParser classes (``tokenmill.interfaces.reasoning_parser``) by name;
+    ``--reasoning-parser name`` selects one. Built as ``cls(tokenizer)``."""
 
 
 @hookspec

@@ -29,6 +29,7 @@ from tokenmill.server.embeddings import EmbeddingService
 from tokenmill.server.errors import APIError, install_error_handlers
 from tokenmill.server.generation import ServingContext
 from tokenmill.server.logging import log_finished_requests
+from tokenmill.server.reasoning import reasoning_parser
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.middleware import APIKeyAuth, BodySizeLimit, JSONBodyCheck, RequestIdHeaders
 from tokenmill.server.openapi import ERROR_RESPONSES, install_openapi, streamed
@@ -102,6 +103,7 @@ def create_app(llm: AsyncLLM | EmbeddingEngine, config: Optional[ServerConfig] =
     ctx = ServingContext(llm if generating else None, names, engine.max_model_len, engine.tokenizer,
                          config.trust_request_chat_template, tool_parser_factory(config, engine),
                          server_chat_template(config.chat_template),
+                         reasoning_parser(config, engine) if generating else None,
                          engine.model_config.sampling_defaults if generating else {})
     metrics = ServerMetrics(names[0])
     embeddings = None if generating else EmbeddingService(engine, names[0])

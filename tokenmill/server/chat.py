@@ -9,6 +9,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from tokenmill.core.engine.chat_template import render_chat
+from tokenmill.interfaces.reasoning_parser import ReasoningParser
 from tokenmill.interfaces.types import CompletionOutput, PositionLogprobs, RequestOutput, SamplingParams
 from tokenmill.server.beam_search import beam_search_stream, check_beam_fields, gather_beam_searches
 from tokenmill.server.errors import APIError, sse_error
@@ -25,6 +26,7 @@ from tokenmill.server.generation import (
 )
 from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage, now, request_ids
 from tokenmill.server.request_fields import check_extra_fields
+from tokenmill.server.reasoning import ReasoningStream
 from tokenmill.server.tools import ToolReply, plan_tools
 
 
@@ -68,9 +70,16 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         raise APIError(400, "top_logprobs requires logprobs=true", "top_logprobs")
     check_beam_fields(body)
     tool_constraint, template_tools, make_reply = plan_tools(body, ctx.tool_parser)
+    if ctx.reasoning_parser is not None and (tool_constraint is not None or _constrained(body)):
+        raise APIError(400, "a constrained reply (structured outputs, a required or named tool choice) with a "
+                            "reasoning parser is not supported yet: the constraint would apply to the thinking too",
+                       "structured_outputs" if _constrained(body) else "tool_choice")
+    template_kwargs = body.chat_template_kwargs
+    if body.reasoning_effort is not None:
+        template_kwargs = {"reasoning_effort": body.reasoning_effort, **(template_kwargs or {})}
     token_ids = chat_prompt_ids(ctx, body.messages, body.add_generation_prompt, body.chat_template,
                                 continue_final_message=body.continue_final_message,
-                                template_kwargs=body.chat_template_kwargs,
+                                template_kwargs=template_kwargs,
                                 add_special_tokens=body.add_special_tokens, tools=template_tools)
     requested = body.max_completion_tokens or body.max_tokens
     prompt = ctx.prepare_prompt(token_ids, body, requested)
@@ -85,17 +94,24 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     if body.use_beam_search:
         [final] = await unless_disconnected(request, gather_beam_searches(
             ctx, internal_id, [prompt], [params], body, adapter))
-        response = _response(body, request_id, model, created, final, echo, make_reply)
+        response = _response(body, request_id, model, created, final, echo, make_reply, ctx.reasoning_parser)
         return beam_search_stream(response, "chat.completion.chunk", body) if body.stream \
             else response
     await ctx.llm.compile_constraint(params)
     [stream] = ctx.start(internal_id, [(prompt, params)], priority=body.priority, user=body.user,
                          adapter=adapter)
     if body.stream:
-        return StreamingResponse(_stream(body, request_id, model, created, stream, params, echo, make_reply),
-                                 media_type="text/event-stream")
+        return StreamingResponse(_stream(body, request_id, model, created, stream, params, echo, make_reply,
+                                         ctx.reasoning_parser), media_type="text/event-stream")
     final = await unless_disconnected(request, _last(stream))
-    return _response(body, request_id, model, created, final, echo, make_reply)
+    return _response(body, request_id, model, created, final, echo, make_reply, ctx.reasoning_parser)
+
+
+def _constrained(body: ChatCompletionRequest) -> bool:
+    try:
+        return body.constraint() is not None
+    except Exception:  # an invalid constraint is refused where it is read
+        return False
 
 
 def _echoed(body: ChatCompletionRequest) -> str:
@@ -106,9 +122,10 @@ def _echoed(body: ChatCompletionRequest) -> str:
 
 
 def _response(body: ChatCompletionRequest, request_id: str, model: str, created: int, final: RequestOutput,
-              echo: str, make_reply: Callable[[], ToolReply]) -> dict[str, Any]:
+              echo: str, make_reply: Callable[[], ToolReply],
+              reasoning: Optional[ReasoningParser] = None) -> dict[str, Any]:
     top = body.top_logprobs or 0
-    choices = [_choice(c, body, top, echo, make_reply()) for c in final.outputs]
+    choices = [_choice(c, body, top, echo, make_reply(), reasoning) for c in final.outputs]
     completion_tokens = sum(len(c.token_ids) for c in final.outputs)
     return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
             "choices": choices, "usage": usage(len(final.prompt_token_ids), completion_tokens),
@@ -123,8 +140,14 @@ async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
 
 
 def _choice(completion: CompletionOutput, body: ChatCompletionRequest, top: int, echo: str,
-            reply: ToolReply) -> dict[str, Any]:
-    message, finish_reason = reply.message(completion.text, completion.finish_reason)
+            reply: ToolReply, reasoning: Optional[ReasoningParser] = None) -> dict[str, Any]:
+    thinking, text = (None, completion.text) if reasoning is None else reasoning.split(completion.text, True)
+    message, finish_reason = reply.message(text or "", completion.finish_reason)
+    if reasoning is not None:  # the answer alone, with the thinking beside it
+        if text is None and "tool_calls" not in message:
+            message["content"] = None
+        if body.include_reasoning:
+            message["reasoning_content"] = thinking
     if message["content"] is not None:
         message["content"] = echo + message["content"]
     choice = {
@@ -143,7 +166,8 @@ def _choice(completion: CompletionOutput, body: ChatCompletionRequest, top: int,
 
 async def _stream(body: ChatCompletionRequest, request_id: str, model: str, created: int,
                   stream: AsyncIterator[RequestOutput], params: SamplingParams, echo: str,
-                  make_reply: Callable[[], ToolReply]) -> AsyncIterator[str]:
+                  make_reply: Callable[[], ToolReply],
+                  reasoning: Optional[ReasoningParser] = None) -> AsyncIterator[str]:
     def chunk(choices: list[dict], **extra: Any) -> str:
         return sse({"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
                     "choices": choices, **extra})
@@ -155,6 +179,7 @@ async def _stream(body: ChatCompletionRequest, request_id: str, model: str, crea
     options = body.stream_options
     continuous = bool(options and options.include_usage and options.continuous_usage_stats)
     replies = [make_reply() for _ in range(params.n)]
+    splits = [ReasoningStream(reasoning) for _ in range(params.n)] if reasoning is not None else None
     sent_prompt = False
     try:
         # the first chunk opens each choice, with the echoed text; its usage counts no tokens yet
@@ -170,7 +195,16 @@ async def _stream(body: ChatCompletionRequest, request_id: str, model: str, crea
                     continue
                 sent_text[i], sent_tokens[i] = len(completion.text), len(completion.token_ids)
                 completion_tokens += len(new_tokens)
-                message, finish_reason = replies[i].delta(completion.text, text_from, delta, completion.finish_reason)
+                if splits is None:
+                    message, finish_reason = replies[i].delta(completion.text, text_from, delta,
+                                                              completion.finish_reason)
+                else:  # tool calls are read from the answer alone; the thinking streams beside it
+                    thinking, answer = splits[i].feed(completion.text, completion.finish_reason is not None)
+                    content = splits[i].content
+                    message, finish_reason = replies[i].delta(content, len(content) - len(answer), answer,
+                                                              completion.finish_reason)
+                    if thinking and body.include_reasoning:
+                        message = {"reasoning_content": thinking, **(message or {})}
                 if message is None:
                     continue
                 logprobs = None

@@ -32,6 +32,8 @@ class ServingContext:
     tool_parser: Optional[Callable[[], Any]] = None
     #: the server's chat template (--chat-template), instead of the tokenizer's
     chat_template: Optional[str] = None
+    #: tells a reasoning model's thinking from its answer (--reasoning-parser); None: all content
+    reasoning_parser: Optional[Any] = None
     #: the model's sampling defaults for fields a request leaves unset (--generation-config)
     sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
 

@@ -349,6 +349,11 @@ class ChatCompletionRequest(SamplingFields):
         None, description="none; auto (the server's --tool-call-parser reads calls from the text); required or "
                           "a named function (the reply is constrained to the arguments' schema).")
     parallel_tool_calls: bool = Field(True, description="With tool_choice required: more than one call allowed.")
+    include_reasoning: bool = Field(True, description="vLLM: with --reasoning-parser, return the model's thinking "
+                                                      "as reasoning_content (false drops it).")
+    reasoning_effort: Optional[Literal["low", "medium", "high"]] = Field(
+        None, description="OpenAI's: handed to the chat template as the variable reasoning_effort (templates "
+                          "that know it use it).")
 
 
 class TokenizeRequest(OpenAIModel):

@@ -31,7 +31,7 @@ class Refused:
 
 _MULTIMODAL = "multimodal inputs are not supported (the served models are text-only)"
 _DISAGGREGATED = "disaggregated serving (KV and encoder-cache transfer) is not supported"
-_REASONING = "reasoning parsers are not supported"
+_REASONING = "a thinking-token budget is not supported"
 _FUNCTIONS = "functions and function_call are OpenAI's deprecated spelling: use tools and tool_choice"
 
 #: refused on both endpoints
@@ -61,8 +61,6 @@ REFUSED_FIELDS: dict[str, dict[str, Refused]] = {
         "functions": Refused(_FUNCTIONS, (None, [])),
         "function_call": Refused(_FUNCTIONS, (None, "none")),
         "documents": Refused("documents for retrieval-augmented chat templates are not supported"),
-        "include_reasoning": Refused(_REASONING, (None, True)),
-        "reasoning_effort": Refused(_REASONING),
         "media_io_kwargs": Refused(_MULTIMODAL),
         "mm_processor_kwargs": Refused(_MULTIMODAL),
         "modalities": Refused("only text output is supported", (None, ["text"])),

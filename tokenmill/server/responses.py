@@ -101,6 +101,8 @@ class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = Field(description="null when the reply is tool calls only.")
     tool_calls: Optional[list[ToolCall]] = None
+    reasoning_content: Optional[str] = Field(None, description="vLLM: with --reasoning-parser, the model's "
+                                                               "thinking (null when it did not think).")
 
 
 class ChatChoice(BaseModel):
@@ -141,6 +143,7 @@ class DeltaMessage(BaseModel):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
     tool_calls: Optional[list[DeltaToolCall]] = None
+    reasoning_content: Optional[str] = Field(None, description="vLLM: with --reasoning-parser, new thinking.")
 
 
 class ChatChunkChoice(BaseModel):

@@ -50,7 +50,7 @@ _SCHEDULER = "this scheduler knob is not supported: see --max-num-batched-tokens
 _SERVER = "this server option is not supported"
 _KERNELS = "kernels are the platform's and the attention backend's: see --attention-backend and `tokenmill plugins`"
 _ROLLOUT = "the training-loop API (sleep mode, weight transfer, worker extensions) is not supported yet"
-_REASONING = "reasoning parsers are not supported yet: replies keep the model's thinking in `content`"
+_REASONING = "reasoning parsers are plugins registered through entry points: --reasoning-parser NAME"
 
 #: flags tokenmill accepts because it always does what they ask
 ALREADY_SO: dict[str, str] = {
@@ -158,7 +158,8 @@ REFUSED: dict[str, str] = {
     **{flag: _ROLLOUT for flag in (
         "--worker-extension-cls", "--weight-transfer-config", "--enable-sleep-mode", "--sleep-mode-offload-cudagraph",
         "--sleep-preserve-parameter-names", "--logprobs-mode")},
-    **{flag: _REASONING for flag in ("--reasoning-parser", "--reasoning-parser-plugin", "--reasoning-config")},
+    "--reasoning-parser-plugin": _REASONING,
+    "--reasoning-config": "reasoning parsers are not configurable: --reasoning-parser NAME",
     "--hf-overrides": "config.json is read as it is: edit a copy of the model directory",
     "--model-impl": "models are tokenmill's own implementations (model plugins), checked against transformers",
     "--model-class-overrides": "architectures are model plugins: see `tokenmill plugins`",

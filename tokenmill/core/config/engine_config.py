@@ -172,6 +172,9 @@ class ServerConfig(BaseModel):
     enable_auto_tool_choice: bool = False
     #: how tool calls are read from the model's text: a registered ToolParser ("hermes", "llama3_json")
     tool_call_parser: Optional[str] = None
+    #: how a reasoning model's thinking is told from its answer: a registered ReasoningParser
+    #: ("deepseek_r1", "qwen3"); replies then carry it as reasoning_content
+    reasoning_parser: Optional[str] = None
     #: seconds in-flight requests may take to finish on shutdown
     drain_timeout: float = Field(10.0, ge=0)
     #: TLS (vLLM's flags): the private key and certificate chain files serve https
@@ -324,6 +327,7 @@ SERVER_NAMES: dict[str, str] = {
     "chat_template": "server.chat_template",
     "enable_auto_tool_choice": "server.enable_auto_tool_choice",
     "tool_call_parser": "server.tool_call_parser",
+    "reasoning_parser": "server.reasoning_parser",
     "ssl_keyfile": "server.ssl_keyfile",
     "ssl_certfile": "server.ssl_certfile",
     "ssl_ca_certs": "server.ssl_ca_certs",

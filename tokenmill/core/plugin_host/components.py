@@ -22,6 +22,7 @@ class Components:
     logits_processors: Registry
     structured_output_backends: Registry
     tool_parsers: Registry
+    reasoning_parsers: Registry
     executors: Registry
     speculative_proposers: Registry
 
@@ -36,6 +37,7 @@ class Components:
             "logits_processors": self.logits_processors,
             "structured_output_backends": self.structured_output_backends,
             "tool_parsers": self.tool_parsers,
+            "reasoning_parsers": self.reasoning_parsers,
             "executors": self.executors,
             "speculative_proposers": self.speculative_proposers,
         }
@@ -57,6 +59,7 @@ _REGISTRATION_HOOKS = {
     "logits_processors": ("register_logits_processors", "logits processor"),
     "structured_output_backends": ("register_structured_output_backends", "structured output backend"),
     "tool_parsers": ("register_tool_parsers", "tool parser"),
+    "reasoning_parsers": ("register_reasoning_parsers", "reasoning parser"),
     "executors": ("register_executors", "executor"),
     "speculative_proposers": ("register_speculative_proposers", "speculative proposer"),
 }
