@@ -1,12 +1,17 @@
-"""A real uvicorn server on 127.0.0.1 in a background thread, for tests."""
+"""A real uvicorn server on 127.0.0.1 in a background thread, or a real ``tokenmill serve``
+process, for tests."""
 
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import threading
 import time
 from contextlib import contextmanager
 from typing import Iterator
+
+import httpx
 
 import uvicorn
 
@@ -45,3 +50,30 @@ def running_server(engine: LLMEngine | EmbeddingEngine, **server_config) -> Iter
     finally:
         server.should_exit = True
         thread.join(15)
+
+
+def wait_until_healthy(port: int, timeout: float = 120) -> None:
+    """Poll a starting server's /health until it answers 200 (or ``timeout`` passes)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.2)
+
+
+@contextmanager
+def serve_process(*flags: str, timeout: float = 120) -> Iterator[tuple[subprocess.Popen, str]]:
+    """Yield (the process, base_url) of ``tokenmill serve FLAGS`` on a free port, once healthy;
+    stopped (if still running) on the way out, its stderr in ``process.stderr_text``."""
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(port), *flags],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until_healthy(port, timeout)
+        yield process, f"http://127.0.0.1:{port}"
+    finally:
+        if process.poll() is None:
+            process.terminate()
+        _, process.stderr_text = process.communicate(timeout=60)

@@ -9,6 +9,8 @@ import sys
 import pytest
 import yaml
 
+from server_harness import wait_until_healthy
+
 
 def tokenmill(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "tokenmill.cli", *args], capture_output=True, text=True,
@@ -51,21 +53,6 @@ def test_config_errors_exit_2_with_a_message(tmp_path):
     result = tokenmill("generate", "--config", str(config), "--prompt", "x")
     assert result.returncode == 2
     assert "scheduler.bogus" in result.stderr and "Traceback" not in result.stderr
-
-
-def wait_until_healthy(port: int, timeout: float = 120) -> None:
-    """Poll a starting server's /health until it answers 200 (or ``timeout`` passes)."""
-    import time
-
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                return
-        except httpx.TransportError:
-            time.sleep(0.2)
 
 
 def test_serve_runs_the_demo_model_with_vllm_flags(tmp_path):

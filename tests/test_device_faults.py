@@ -1,24 +1,21 @@
 """What the engine and server do when the device breaks, on the CPU's stand-ins for the
-GPU's errors (tokenmill.testing.device_faults; tests/gpu/test_cuda_faults.py raises the
-real ones): a poisoned device stops the engine, fails every request in flight with the
-reason, turns /health to 503 and ends ``tokenmill serve`` with a non-zero status, so that a
-supervisor starts a fresh process; running out of memory fails that step's requests and
-the engine goes on."""
+GPU's errors (tokenmill.testing.device_faults; tests/gpu/test_cuda_serve.py raises the real
+ones through the same checks): a poisoned device stops the engine, fails every request in
+flight with the reason, turns /health to 503 and ends ``tokenmill serve`` with a non-zero
+status, so that a supervisor starts a fresh process; running out of memory fails that
+step's requests and the engine goes on."""
 
 from __future__ import annotations
 
 import subprocess
-import sys
 import threading
-import time
 
 import httpx
 import openai
 import pytest
 
 from conftest import make_llm
-from server_harness import free_port
-from test_cli import wait_until_healthy
+from server_harness import serve_process
 from tokenmill import SamplingParams
 from tokenmill.interfaces.errors import DeviceFailed
 
@@ -36,58 +33,52 @@ def test_a_device_error_stops_the_engine_and_an_oom_fails_only_its_step(model_di
         llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 2, [fatal, params], use_tqdm=False)
 
 
-def test_serve_exits_on_a_poisoned_device_after_failing_its_requests(tmp_path):
-    port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(port), "--served-model-name", "demo",
-         "--kv-cache-memory-bytes", "16MiB", "--logits-processors", FAULTS],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        wait_until_healthy(port)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
-        bystander: dict = {}
+def assert_a_device_fault_ends_the_server(process: subprocess.Popen, base: str, model: str) -> None:
+    """A request in flight and the one that breaks the device both fail, and the process
+    ends with status 1."""
+    client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+    bystander: dict = {}
+    streaming = threading.Event()
 
-        def stream() -> None:  # a long request in flight when the device breaks
-            try:
-                for _ in client.completions.create(model="demo", prompt="Once", max_tokens=2000, stream=True,
-                                                   extra_body={"ignore_eos": True}):
-                    pass
-            except Exception as exc:  # noqa: BLE001 - the error is the result
-                bystander["error"] = exc
+    def stream() -> None:  # the rest of the context window: still going when the device breaks
+        try:
+            for _ in client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Once"}],
+                                                    stream=True, extra_body={"ignore_eos": True}):
+                streaming.set()
+        except Exception as exc:  # noqa: BLE001 - the error is the result
+            bystander["error"] = exc
+        streaming.set()
 
-        thread = threading.Thread(target=stream)
-        thread.start()
-        time.sleep(1.0)
-        with pytest.raises(openai.APIStatusError) as refused:
-            client.completions.create(model="demo", prompt="Hi", max_tokens=3,
-                                      extra_body={"vllm_xargs": {"device_fault": "illegal_address"}})
-        assert refused.value.status_code in (500, 503)
-        thread.join(30)
-        assert "device failed" in str(bystander.get("error", "")), bystander
-        assert process.wait(timeout=30) == 1
-    finally:
-        if process.poll() is None:
-            process.kill()
-        _, stderr = process.communicate(timeout=30)
-    assert "the server exits so that a supervisor can restart it" in stderr
+    thread = threading.Thread(target=stream)
+    thread.start()
+    assert streaming.wait(60) and "error" not in bystander
+    with pytest.raises(openai.APIStatusError):
+        client.completions.create(model=model, prompt="Hi", max_tokens=3,
+                                  extra_body={"vllm_xargs": {"device_fault": "illegal_address"}})
+    thread.join(60)
+    assert "device failed" in str(bystander.get("error", "")), bystander
+    assert process.wait(timeout=60) == 1
 
 
-def test_an_oom_fails_its_request_and_the_server_goes_on(tmp_path):
-    port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(port), "--served-model-name", "demo",
-         "--kv-cache-memory-bytes", "16MiB", "--logits-processors", FAULTS],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        wait_until_healthy(port)
-        base = f"http://127.0.0.1:{port}"
-        failed = httpx.post(base + "/v1/completions", timeout=60, json={
-            "model": "demo", "prompt": "Hi", "max_tokens": 3, "vllm_xargs": {"device_fault": "oom"}})
-        assert failed.status_code == 500 and "out of memory" in failed.json()["error"]["message"]
-        assert httpx.get(base + "/health").status_code == 200
-        served = httpx.post(base + "/v1/completions", json={"model": "demo", "prompt": "Hi", "max_tokens": 3},
-                            timeout=60)
-        assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 3
-    finally:
-        process.terminate()
-        process.communicate(timeout=30)
+def assert_an_oom_fails_its_request_alone(base: str, model: str) -> None:
+    failed = httpx.post(base + "/v1/completions", timeout=60, json={
+        "model": model, "prompt": "Hi", "max_tokens": 3, "vllm_xargs": {"device_fault": "oom"}})
+    assert failed.status_code == 500 and "out of memory" in failed.json()["error"]["message"]
+    assert httpx.get(base + "/health").status_code == 200
+    served = httpx.post(base + "/v1/completions", json={"model": model, "prompt": "Hi", "max_tokens": 3},
+                        timeout=60)
+    assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 3
+
+
+SERVE = ("--served-model-name", "demo", "--kv-cache-memory-bytes", "16MiB", "--logits-processors", FAULTS)
+
+
+def test_serve_exits_on_a_poisoned_device_after_failing_its_requests():
+    with serve_process(*SERVE) as (process, base):
+        assert_a_device_fault_ends_the_server(process, base, "demo")
+    assert "the server exits so that a supervisor can restart it" in process.stderr_text
+
+
+def test_an_oom_fails_its_request_and_the_server_goes_on():
+    with serve_process(*SERVE) as (_, base):
+        assert_an_oom_fails_its_request_alone(base, "demo")

@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server_harness import free_port
-from test_cli import tokenmill, wait_until_healthy
+from server_harness import free_port, wait_until_healthy
+from test_cli import tokenmill
 from tokenmill.cli import serve_flags
 from tokenmill.server.vllm_flags import ALREADY_SO, INERT, REFUSED, VLLM_SERVE_FLAGS, markdown_table
 

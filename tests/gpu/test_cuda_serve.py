@@ -5,38 +5,17 @@ restarts it); a real out-of-memory error fails its request and the server goes o
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import threading
-import time
-from contextlib import contextmanager
-
-import httpx
 import openai
-import pytest
 
 from cuda_engines import GPU_SHARE, cuda_llm
-from server_harness import free_port
-from test_cli import wait_until_healthy
+from server_harness import serve_process
+from test_device_faults import FAULTS, assert_a_device_fault_ends_the_server, assert_an_oom_fails_its_request_alone
 from tokenmill import SamplingParams
 
-FAULTS = "tokenmill.testing.device_faults:DeviceFault"
 
-
-@contextmanager
 def serving(model, *flags: str):
-    port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "tokenmill.cli", "serve", str(model), "--port", str(port), "--device", "cuda",
-         "--dtype", "bfloat16", "--gpu-memory-utilization", str(GPU_SHARE), "--served-model-name", "m", *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        wait_until_healthy(port, timeout=180)
-        yield process, f"http://127.0.0.1:{port}"
-    finally:
-        if process.poll() is None:
-            process.terminate()
-        process.communicate(timeout=60)
+    return serve_process(str(model), "--device", "cuda", "--dtype", "bfloat16", "--gpu-memory-utilization",
+                         str(GPU_SHARE), "--served-model-name", "m", *flags, timeout=180)
 
 
 def test_serve_on_cuda_answers_the_openai_client_streamed_and_not(model_dir):
@@ -57,34 +36,9 @@ def test_serve_on_cuda_answers_the_openai_client_streamed_and_not(model_dir):
 
 def test_an_illegal_address_ends_the_server_after_failing_its_requests(model_dir):
     with serving(model_dir("llama"), "--logits-processors", FAULTS) as (process, base):
-        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
-        bystander: dict = {}
-
-        def stream() -> None:
-            try:
-                for _ in client.completions.create(model="m", prompt="Once", max_tokens=4000, stream=True,
-                                                   extra_body={"ignore_eos": True}):
-                    pass
-            except Exception as exc:  # noqa: BLE001 - the error is the result
-                bystander["error"] = exc
-
-        thread = threading.Thread(target=stream)
-        thread.start()
-        time.sleep(1.0)
-        with pytest.raises(openai.APIStatusError):
-            client.completions.create(model="m", prompt="Hi", max_tokens=3,
-                                      extra_body={"vllm_xargs": {"device_fault": "illegal_address"}})
-        thread.join(60)
-        assert "device failed" in str(bystander.get("error", "")), bystander
-        assert process.wait(timeout=60) == 1
+        assert_a_device_fault_ends_the_server(process, base, "m")
 
 
 def test_an_out_of_memory_step_fails_its_request_and_the_server_goes_on(model_dir):
     with serving(model_dir("llama"), "--logits-processors", FAULTS) as (_, base):
-        failed = httpx.post(base + "/v1/completions", timeout=60, json={
-            "model": "m", "prompt": "Hi", "max_tokens": 3, "vllm_xargs": {"device_fault": "oom"}})
-        assert failed.status_code == 500 and "out of memory" in failed.json()["error"]["message"]
-        assert httpx.get(base + "/health").status_code == 200
-        served = httpx.post(base + "/v1/completions", json={"model": "m", "prompt": "Hi", "max_tokens": 3},
-                            timeout=60)
-        assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 3
+        assert_an_oom_fails_its_request_alone(base, "m")
