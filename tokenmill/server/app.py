@@ -30,6 +30,13 @@ from tokenmill.server.errors import APIError, install_error_handlers
 from tokenmill.server.generation import ServingContext
 from tokenmill.server.logging import log_finished_requests
 from tokenmill.server.reasoning import reasoning_parser
+from tokenmill.server.responses_api import (
+    ResponseObject,
+    ResponsesRequest,
+    ResponseStore,
+    ResponseStreamEvent,
+    create_response,
+)
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.middleware import APIKeyAuth, BodySizeLimit, JSONBodyCheck, RequestIdHeaders
 from tokenmill.server.openapi import ERROR_RESPONSES, install_openapi, streamed
@@ -47,6 +54,7 @@ from tokenmill.server.responses import (
     CompletionResponse,
     CompletionStreamResponse,
     DetokenizeResponse,
+    ErrorResponse,
     EmbeddingResponse,
     HealthResponse,
     ModelList,
@@ -153,6 +161,27 @@ def create_app(llm: AsyncLLM | EmbeddingEngine, config: Optional[ServerConfig] =
         require("generation")
         return await create_chat_completion(body, request, ctx)
 
+    stored = ResponseStore()
+
+    @app.post("/v1/responses", response_model=ResponseObject, responses=streamed(ResponseStreamEvent, "The response"))
+    async def responses_create(body: ResponsesRequest, request: Request):
+        """OpenAI's Responses API over the chat completion path (text, instructions, function tools,
+        text.format, usage), streamed as its semantic events or not."""
+        require("generation")
+        return await create_response(body, request, ctx, stored)
+
+    @app.get("/v1/responses/{response_id}", response_model=ResponseObject, responses={404: {"model": ErrorResponse}})
+    async def responses_retrieve(response_id: str):
+        """A stored response (the last 1,024 created with store true)."""
+        return stored.get(response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel", response_model=ResponseObject,
+              responses={400: {"model": ErrorResponse}, 404: {"model": ErrorResponse}})
+    async def responses_cancel(response_id: str):
+        """OpenAI's answer for a response that is not a background one: it cannot be cancelled."""
+        stored.get(response_id)
+        raise APIError(400, "Cannot cancel a synchronous response.", "response_id")
+
     @app.post("/v1/embeddings", response_model=EmbeddingResponse)
     async def create_embeddings(body: EmbeddingRequest):
         """Embeddings from an encoder model (the server must serve one)."""
@@ -214,7 +243,7 @@ def create_app(llm: AsyncLLM | EmbeddingEngine, config: Optional[ServerConfig] =
     if generating and engine.config.adapters.allow_runtime_lora_updating:
         add_adapter_routes(app, llm, engine.config.adapters.allowed_lora_dirs, names)
     engine.plugin_manager.hook.extend_server(app=app)
-    install_openapi(app, [CompletionStreamResponse, ChatCompletionChunk])
+    install_openapi(app, [CompletionStreamResponse, ChatCompletionChunk, ResponseStreamEvent])
     # added innermost first, so a request meets: CORS (a preflight is answered there, and
     # every response, a 401 too, gets its headers), request id, size limit, auth, JSON check
     app.add_middleware(JSONBodyCheck)

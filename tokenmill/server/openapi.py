@@ -29,15 +29,20 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 
 def streamed(chunk: type[BaseModel], what: str) -> dict[int | str, dict[str, Any]]:
-    """The 200 response of a route that streams ``chunk`` models when ``stream`` is true."""
+    """The 200 response of a route that streams ``chunk`` models when ``stream`` is true: each
+    server-sent event (the schema describes one event, as OpenAPI before 3.2 reads it) carries a
+    ``chunk`` as JSON in its ``data`` (``contentSchema``: an annotation, since the last event's
+    data, ``[DONE]``, is no JSON)."""
     return {200: {"description": f"{what}; with `stream: true`, server-sent events instead",
                   "content": {"text/event-stream": {"schema": {
-                      "type": "string",
+                      "type": "object",
                       "description": f"Each event is `data: <{chunk.__name__} JSON>`; an error after the "
                                      "stream started is an `event: error` with an ErrorResponse; the last "
                                      "event is `data: [DONE]`.",
-                      "contentMediaType": "text/event-stream",
-                      "contentSchema": {"$ref": _REF.format(model=chunk.__name__)},
+                      "properties": {"data": {"type": "string",
+                                              "contentSchema": {"$ref": _REF.format(model=chunk.__name__)}},
+                                     "event": {"type": "string"}},
+                      "required": ["data"],
                   }}}}}
 
 
