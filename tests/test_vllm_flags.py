@@ -128,3 +128,17 @@ def test_chat_template_flag_renders_every_chat_request(tmp_path, model_dir):
         assert tokens == expected and reply["usage"]["prompt_tokens"] == len(expected)
     missing = tokenmill("serve", "/nonexistent-model", "--chat-template", str(tmp_path / "nope.jinja"))
     assert missing.returncode == 2 and "chat_template" in missing.stderr and "Traceback" not in missing.stderr
+
+
+def test_return_tokens_as_token_ids_flag_names_every_requests_logprob_tokens(model_dir):
+    from conftest import make_llm
+    from server_harness import running_server
+
+    engine = make_llm(model_dir("llama")).llm_engine
+    with running_server(engine, served_model_name=["m"], return_tokens_as_token_ids=True) as (base, _):
+        completion = httpx.post(base + "/v1/completions", timeout=60,
+                                json={"model": "m", "prompt": "Hi", "max_tokens": 3, "logprobs": 1}).json()
+        chat = httpx.post(base + "/v1/chat/completions", timeout=60, json={
+            "model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "logprobs": True}).json()
+    assert all(token.startswith("token_id:") for token in completion["choices"][0]["logprobs"]["tokens"])
+    assert all(entry["token"].startswith("token_id:") for entry in chat["choices"][0]["logprobs"]["content"])

@@ -110,9 +110,10 @@ def create_app(llm: AsyncLLM | EmbeddingEngine, config: Optional[ServerConfig] =
     names = config.served_model_name or default_model_names(str(engine.config.model))
     ctx = ServingContext(llm if generating else None, names, engine.max_model_len, engine.tokenizer,
                          config.trust_request_chat_template, tool_parser_factory(config, engine),
-                         server_chat_template(config.chat_template),
-                         reasoning_parser(config, engine) if generating else None,
-                         engine.model_config.sampling_defaults if generating else {})
+                         chat_template=server_chat_template(config.chat_template),
+                         reasoning_parser=reasoning_parser(config, engine) if generating else None,
+                         return_tokens_as_token_ids=config.return_tokens_as_token_ids,
+                         sampling_defaults=engine.model_config.sampling_defaults if generating else {})
     metrics = ServerMetrics(names[0])
     embeddings = None if generating else EmbeddingService(engine, names[0])
     if generating:

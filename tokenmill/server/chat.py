@@ -58,6 +58,8 @@ def _logprobs_content(token_ids: list[int], entries: list[PositionLogprobs], top
 
 
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, ctx: ServingContext):
+    if ctx.return_tokens_as_token_ids:  # the server's default (--return-tokens-as-token-ids)
+        body = body.model_copy(update={"return_tokens_as_token_ids": True})
     model, adapter = ctx.resolve_model(body.model)
     internal_id, request_id = request_ids("chatcmpl", request, body.request_id)
     check_extra_fields("chat", body.model_extra or {}, internal_id)

@@ -72,6 +72,8 @@ class _LogprobsBuilder:
 
 
 async def create_completion(body: CompletionRequest, request: Request, ctx: ServingContext):
+    if ctx.return_tokens_as_token_ids:  # the server's default (--return-tokens-as-token-ids)
+        body = body.model_copy(update={"return_tokens_as_token_ids": True})
     model, adapter = ctx.resolve_model(body.model)
     internal_id, request_id = request_ids("cmpl", request, body.request_id)
     check_extra_fields("completions", body.model_extra or {}, internal_id)

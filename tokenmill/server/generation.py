@@ -34,6 +34,8 @@ class ServingContext:
     chat_template: Optional[str] = None
     #: tells a reasoning model's thinking from its answer (--reasoning-parser); None: all content
     reasoning_parser: Optional[Any] = None
+    #: every request's logprobs name tokens 'token_id:{id}' (--return-tokens-as-token-ids)
+    return_tokens_as_token_ids: bool = False
     #: the model's sampling defaults for fields a request leaves unset (--generation-config)
     sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
 

@@ -176,7 +176,6 @@ REFUSED: dict[str, str] = {
     "--tokens-only": "replies always carry text beside token ids",
     "--return-sampling-mask": "sampling masks are not returned",
     "--max-logprobs": "at most 20 logprobs a token (OpenAI's limit) are served; a larger value is not supported",
-    "--return-tokens-as-token-ids": "returning tokens as 'token_id:N' strings is not supported",
     "--enable-prompt-tokens-details": "usage.prompt_tokens_details is not reported yet",
     "--enable-force-include-usage": "streams report usage when a request asks (stream_options.include_usage)",
     "--chat-template-content-format": "message content is rendered as text (OpenAI's content parts are joined)",

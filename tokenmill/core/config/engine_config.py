@@ -172,6 +172,8 @@ class ServerConfig(BaseModel):
     enable_auto_tool_choice: bool = False
     #: how tool calls are read from the model's text: a registered ToolParser ("hermes", "llama3_json")
     tool_call_parser: Optional[str] = None
+    #: name tokens in logprobs as 'token_id:{id}' for every request (vLLM: --return-tokens-as-token-ids)
+    return_tokens_as_token_ids: bool = False
     #: how a reasoning model's thinking is told from its answer: a registered ReasoningParser
     #: ("deepseek_r1", "qwen3"); replies then carry it as reasoning_content
     reasoning_parser: Optional[str] = None
@@ -328,6 +330,7 @@ SERVER_NAMES: dict[str, str] = {
     "enable_auto_tool_choice": "server.enable_auto_tool_choice",
     "tool_call_parser": "server.tool_call_parser",
     "reasoning_parser": "server.reasoning_parser",
+    "return_tokens_as_token_ids": "server.return_tokens_as_token_ids",
     "ssl_keyfile": "server.ssl_keyfile",
     "ssl_certfile": "server.ssl_certfile",
     "ssl_ca_certs": "server.ssl_ca_certs",
