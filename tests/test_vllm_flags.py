@@ -142,3 +142,25 @@ def test_return_tokens_as_token_ids_flag_names_every_requests_logprob_tokens(mod
             "model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "logprobs": True}).json()
     assert all(token.startswith("token_id:") for token in completion["choices"][0]["logprobs"]["tokens"])
     assert all(entry["token"].startswith("token_id:") for entry in chat["choices"][0]["logprobs"]["content"])
+
+
+def test_max_logprobs_flag_limits_every_request(model_dir, tmp_path):
+    from conftest import make_llm
+    from server_harness import running_server
+
+    engine = make_llm(model_dir("llama")).llm_engine
+    with running_server(engine, served_model_name=["m"], max_logprobs=2) as (base, _):
+        allowed = httpx.post(base + "/v1/completions", timeout=60,
+                             json={"model": "m", "prompt": "Hi", "max_tokens": 2, "logprobs": 2})
+        refused = httpx.post(base + "/v1/completions", timeout=60,
+                             json={"model": "m", "prompt": "Hi", "max_tokens": 2, "logprobs": 3})
+        chat = httpx.post(base + "/v1/chat/completions", timeout=60, json={
+            "model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "logprobs": True,
+            "top_logprobs": 5})
+        prompt = httpx.post(base + "/v1/completions", timeout=60,
+                            json={"model": "m", "prompt": "Hi", "max_tokens": 2, "prompt_logprobs": 4})
+    assert allowed.status_code == 200
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "logprobs"
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "top_logprobs"
+    assert prompt.status_code == 400 and prompt.json()["error"]["param"] == "prompt_logprobs"
+    assert tokenmill("serve", "/nonexistent-model", "--max-logprobs", "50").returncode == 2

@@ -113,6 +113,7 @@ def create_app(llm: AsyncLLM | EmbeddingEngine, config: Optional[ServerConfig] =
                          chat_template=server_chat_template(config.chat_template),
                          reasoning_parser=reasoning_parser(config, engine) if generating else None,
                          return_tokens_as_token_ids=config.return_tokens_as_token_ids,
+                         max_logprobs=config.max_logprobs,
                          sampling_defaults=engine.model_config.sampling_defaults if generating else {})
     metrics = ServerMetrics(names[0])
     embeddings = None if generating else EmbeddingService(engine, names[0])

@@ -89,6 +89,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     top = body.top_logprobs or 0
     params = body.sampling_params(max_tokens, top if body.logprobs else None, body.prompt_logprobs,
                                   ctx.sampling_defaults)
+    ctx.check_logprobs(params, "top_logprobs")
     if tool_constraint is not None:
         params = dataclasses.replace(params, structured_outputs=tool_constraint)
     echo = _echoed(body)

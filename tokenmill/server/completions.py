@@ -92,6 +92,7 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
         echoed = body.logprobs if body.echo and body.logprobs is not None else None
         params.append(body.sampling_params(max_tokens, body.logprobs, body.prompt_logprobs_wanted(echoed),
                                            ctx.sampling_defaults))
+        ctx.check_logprobs(params[-1], "logprobs")
     created = now()
     if body.use_beam_search:
         finals = await unless_disconnected(request, gather_beam_searches(

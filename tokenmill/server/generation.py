@@ -36,6 +36,8 @@ class ServingContext:
     reasoning_parser: Optional[Any] = None
     #: every request's logprobs name tokens 'token_id:{id}' (--return-tokens-as-token-ids)
     return_tokens_as_token_ids: bool = False
+    #: the most logprobs a request may ask for per token (--max-logprobs)
+    max_logprobs: int = SamplingParams.MAX_LOGPROBS
     #: the model's sampling defaults for fields a request leaves unset (--generation-config)
     sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
 
@@ -88,6 +90,13 @@ class ServingContext:
             return name, name
         served = self.served_model_names + sorted(self.adapters())
         raise APIError(404, f"the model `{name}` does not exist; served: {', '.join(served)}", "model")
+
+    def check_logprobs(self, params: SamplingParams, param: str) -> None:
+        """A 400 where ``params`` ask for more logprobs per token than --max-logprobs allows."""
+        for asked, name in ((params.logprobs, param), (params.prompt_logprobs, "prompt_logprobs")):
+            if asked is not None and asked > self.max_logprobs:
+                raise APIError(400, f"Requested {name} of {asked}, which is greater than max allowed: "
+                                    f"{self.max_logprobs}", name)
 
     def max_tokens_for(self, prompt_len: int, requested: Optional[int]) -> int:
         """Check the context window; a missing max_tokens means the rest of it. The model's

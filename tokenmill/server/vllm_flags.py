@@ -175,7 +175,6 @@ REFUSED: dict[str, str] = {
     "--skip-tokenizer-init": "the tokenizer is always loaded (stop strings and detokenizing need it)",
     "--tokens-only": "replies always carry text beside token ids",
     "--return-sampling-mask": "sampling masks are not returned",
-    "--max-logprobs": "at most 20 logprobs a token (OpenAI's limit) are served; a larger value is not supported",
     "--enable-prompt-tokens-details": "usage.prompt_tokens_details is not reported yet",
     "--enable-force-include-usage": "streams report usage when a request asks (stream_options.include_usage)",
     "--chat-template-content-format": "message content is rendered as text (OpenAI's content parts are joined)",
@@ -214,7 +213,6 @@ REFUSED: dict[str, str] = {
 INERT: dict[str, tuple[str, ...]] = {
     "--load-format": ("auto", "safetensors"),
     "--tokenizer-mode": ("auto", "hf"),
-    "--max-logprobs": ("20",),
     "--response-role": ("assistant",),
     "--chat-template-content-format": ("auto", "string"),
     "--stream-interval": ("1",),

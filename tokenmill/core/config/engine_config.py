@@ -172,6 +172,9 @@ class ServerConfig(BaseModel):
     enable_auto_tool_choice: bool = False
     #: how tool calls are read from the model's text: a registered ToolParser ("hermes", "llama3_json")
     tool_call_parser: Optional[str] = None
+    #: the most logprobs a request may ask for per token, sampled or prompt (vLLM: --max-logprobs);
+    #: OpenAI's and the engine's limit is 20
+    max_logprobs: int = Field(20, ge=0, le=20)
     #: name tokens in logprobs as 'token_id:{id}' for every request (vLLM: --return-tokens-as-token-ids)
     return_tokens_as_token_ids: bool = False
     #: how a reasoning model's thinking is told from its answer: a registered ReasoningParser
@@ -331,6 +334,7 @@ SERVER_NAMES: dict[str, str] = {
     "tool_call_parser": "server.tool_call_parser",
     "reasoning_parser": "server.reasoning_parser",
     "return_tokens_as_token_ids": "server.return_tokens_as_token_ids",
+    "max_logprobs": "server.max_logprobs",
     "ssl_keyfile": "server.ssl_keyfile",
     "ssl_certfile": "server.ssl_certfile",
     "ssl_ca_certs": "server.ssl_ca_certs",
