@@ -20,13 +20,13 @@ import structlog
 from pydantic import BaseModel
 
 from tokenmill.interfaces.errors import ConfigError, TokenmillError
-from tokenmill.server.vllm_flags import add_vllm_flags, already_so, refusal
+from tokenmill.server.vllm_flags import add_vllm_flags, already_so, expand_vllm_config, refusal
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = _parser()
     try:
-        argv = _expand_vllm_config(list(sys.argv[1:] if argv is None else argv))
+        argv = expand_vllm_config(list(sys.argv[1:] if argv is None else argv))
     except TokenmillError as exc:
         print(f"tokenmill: error: {exc}", file=sys.stderr)
         return 2
@@ -38,41 +38,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except TokenmillError as exc:
         print(f"tokenmill: error: {exc}", file=sys.stderr)
         return 2
-
-
-def _expand_vllm_config(argv: list[str]) -> list[str]:
-    """``--config FILE`` holding vLLM's flat YAML of flag names (``max-model-len: 256``, as
-    ``vllm serve --config`` reads) becomes those flags, placed before the command line's own
-    so that these win (vLLM's rule). A YAML of tokenmill's config tree stays a ``--config``."""
-    from tokenmill.core.config.engine_config import EngineConfig, read_yaml
-
-    if not argv or argv[0] not in ("serve", "generate"):
-        return argv
-    for i, arg in enumerate(argv):
-        if arg == "--config" and i + 1 < len(argv):
-            path, rest = argv[i + 1], argv[:i] + argv[i + 2:]
-        elif arg.startswith("--config="):
-            path, rest = arg.split("=", 1)[1], argv[:i] + argv[i + 1:]
-        else:
-            continue
-        data = read_yaml(path)
-        if set(data) <= set(EngineConfig.model_fields):
-            return argv  # tokenmill's own tree
-        flags: list[str] = []
-        for key, value in data.items():
-            flag = "--" + str(key).replace("_", "-")
-            if value is True:
-                flags.append(flag)
-            elif value is False or value is None:
-                continue  # vLLM's flags are off unless given
-            elif isinstance(value, list):
-                flags += [flag, *(str(item) for item in value)]
-            elif isinstance(value, dict):
-                flags += [flag, json.dumps(value)]
-            else:
-                flags += [flag, str(value)]
-        return [rest[0], *flags, *rest[1:]]
-    return argv
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -72,10 +72,6 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         raise APIError(400, "top_logprobs requires logprobs=true", "top_logprobs")
     check_beam_fields(body)
     tool_constraint, template_tools, make_reply = plan_tools(body, ctx.tool_parser)
-    if ctx.reasoning_parser is not None and (tool_constraint is not None or _constrained(body)):
-        raise APIError(400, "a constrained reply (structured outputs, a required or named tool choice) with a "
-                            "reasoning parser is not supported yet: the constraint would apply to the thinking too",
-                       "structured_outputs" if _constrained(body) else "tool_choice")
     template_kwargs = body.chat_template_kwargs
     if body.reasoning_effort is not None:
         template_kwargs = {"reasoning_effort": body.reasoning_effort, **(template_kwargs or {})}
@@ -90,6 +86,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     params = body.sampling_params(max_tokens, top if body.logprobs else None, body.prompt_logprobs,
                                   ctx.sampling_defaults)
     ctx.check_logprobs(params, "top_logprobs")
+    if ctx.reasoning_parser is not None and (tool_constraint is not None or params.structured_outputs is not None):
+        raise APIError(400, "a constrained reply (structured outputs, a required or named tool choice) with a "
+                            "reasoning parser is not supported yet: the constraint would apply to the thinking too",
+                       params.structured_outputs.param if params.structured_outputs else "tool_choice")
     if tool_constraint is not None:
         params = dataclasses.replace(params, structured_outputs=tool_constraint)
     echo = _echoed(body)
@@ -108,13 +108,6 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
                                          ctx.reasoning_parser), media_type="text/event-stream")
     final = await unless_disconnected(request, _last(stream))
     return _response(body, request_id, model, created, final, echo, make_reply, ctx.reasoning_parser)
-
-
-def _constrained(body: ChatCompletionRequest) -> bool:
-    try:
-        return body.constraint() is not None
-    except Exception:  # an invalid constraint is refused where it is read
-        return False
 
 
 def _echoed(body: ChatCompletionRequest) -> str:

@@ -16,12 +16,14 @@ Every name in ``vllm-0.32-serve-flags.txt`` (beside this file: read from vLLM 0.
 A flag that only concerns another platform's options (``--gpu-memory-utilization`` on a
 CPU) is honoured and logged as ignored there, as vLLM does. ``tests/test_vllm_flags.py``
 fails when a listed flag is in none of the three; ``python -m tokenmill.server.vllm_flags``
-prints the README's table from the same data.
+prints the README's table from the same data. ``--config`` also takes vLLM's flat YAML of
+flag names (``expand_vllm_config``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 from importlib.resources import files
 from typing import Optional
 
@@ -222,6 +224,41 @@ INERT: dict[str, tuple[str, ...]] = {
     "--api-server-count": ("1",),
     "--cpu-offload-gb": ("0",),
 }
+
+
+def expand_vllm_config(argv: list[str]) -> list[str]:
+    """``--config FILE`` holding vLLM's flat YAML of flag names (``max-model-len: 256``, as
+    ``vllm serve --config`` reads) becomes those flags, placed before the command line's own
+    so that these win (vLLM's rule). A YAML of tokenmill's config tree stays a ``--config``."""
+    from tokenmill.core.config.engine_config import EngineConfig, read_yaml
+
+    if not argv or argv[0] not in ("serve", "generate"):
+        return argv
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            path, rest = argv[i + 1], argv[:i] + argv[i + 2:]
+        elif arg.startswith("--config="):
+            path, rest = arg.split("=", 1)[1], argv[:i] + argv[i + 1:]
+        else:
+            continue
+        data = read_yaml(path)
+        if set(data) <= set(EngineConfig.model_fields):
+            return argv  # tokenmill's own tree
+        flags: list[str] = []
+        for key, value in data.items():
+            flag = "--" + str(key).replace("_", "-")
+            if value is True:
+                flags.append(flag)
+            elif value is False or value is None:
+                continue  # vLLM's flags are off unless given
+            elif isinstance(value, list):
+                flags += [flag, *(str(item) for item in value)]
+            elif isinstance(value, dict):
+                flags += [flag, json.dumps(value)]
+            else:
+                flags += [flag, str(value)]
+        return [rest[0], *flags, *rest[1:]]
+    return argv
 
 
 def add_vllm_flags(parser: argparse.ArgumentParser) -> None:

@@ -252,19 +252,25 @@ def record(run: Callable[[], None]) -> RecordedGraph:
     return RecordedGraph(recorder.launches, recorder.pool)
 
 
-class RecordingPlatform(Platform):
+class RecordsGraphs:
+    """A platform's ``capture_graph`` through ``record`` (a mixin, before the platform class):
+    a warm-up run, as on CUDA, then the recording; every graph kept in ``graphs``, in order."""
+
+    graphs: list[RecordedGraph]
+
+    def __init__(self, config, options=None) -> None:
+        super().__init__(config, options)
+        self.graphs = []
+
+    def capture_graph(self, run: Callable[[], None]) -> Optional[DeviceGraph]:
+        run()
+        graph = record(run)
+        self.graphs.append(graph)
+        return graph
+
+
+class RecordingPlatform(RecordsGraphs, Platform):
     """Plain PyTorch on the CPU, with decode graphs recorded by ``record``."""
 
     name = "cpu-graphs"
     priority = -1  # chosen only by name
-
-    def __init__(self, config, options=None) -> None:
-        super().__init__(config, options)
-        #: every graph captured, in order
-        self.graphs: list[RecordedGraph] = []
-
-    def capture_graph(self, run: Callable[[], None]) -> Optional[DeviceGraph]:
-        run()  # the warm-up, as on CUDA
-        graph = record(run)
-        self.graphs.append(graph)
-        return graph

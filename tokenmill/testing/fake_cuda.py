@@ -147,10 +147,6 @@ def _to(func: Any, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Ten
     return func(tensor, *args, **kwargs)
 
 
-def _index(index: Any) -> Any:
-    return tree_map(host_value, index)
-
-
 class _Placement(TorchFunctionMode):
     """The Python-level calls CPU-only torch refuses for ``cuda`` before any operation runs:
     factories and conversions that name the device, pinning, indexing a device tensor."""
@@ -189,13 +185,13 @@ class _Placement(TorchFunctionMode):
     def _getitem(tensor: DeviceTensor, index: Any) -> torch.Tensor:
         flat = [x for x in tree_flatten(index)[0] if isinstance(x, torch.Tensor)]
         check_devices(aten.index.Tensor, (tensor, flat), {})
-        return DeviceTensor(tensor.elem[_index(index)])
+        return DeviceTensor(tensor.elem[tree_map(host_value, index)])
 
     @staticmethod
     def _setitem(tensor: DeviceTensor, index: Any, value: Any) -> None:
         if isinstance(value, torch.Tensor):
             check_devices(aten.index_put_.default, (tensor, [], value), {})
-        tensor.elem[_index(index)] = host_value(value)
+        tensor.elem[tree_map(host_value, index)] = host_value(value)
 
 
 def _triton_launch(kernel: Any, grid: Any, args: tuple, kwargs: dict, launch: Callable[[tuple, dict], Any]) -> Any:

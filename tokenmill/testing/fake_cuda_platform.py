@@ -11,21 +11,19 @@ in the interpreter.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable
 
-from tokenmill.interfaces.platform import Detection, DeviceGraph
+from tokenmill.interfaces.platform import Detection
 from tokenmill.plugins.platforms.cuda.platform import CudaPlatform
-from tokenmill.testing.device_graphs import RecordedGraph, record
+from tokenmill.testing.device_graphs import RecordsGraphs
 
 
-class FakeCudaPlatform(CudaPlatform):
+class FakeCudaPlatform(RecordsGraphs, CudaPlatform):
     name = "fake-cuda"
     priority = -1  # chosen only by name
 
     def __init__(self, config, options=None) -> None:
         super().__init__(config, options)
-        #: every graph recorded, in order
-        self.graphs: list[RecordedGraph] = []
         #: how many profiling forward passes ran
         self.profiled = 0
 
@@ -43,12 +41,6 @@ class FakeCudaPlatform(CudaPlatform):
         run()
         self.profiled += 1
         return 0
-
-    def capture_graph(self, run: Callable[[], None]) -> Optional[DeviceGraph]:
-        run()  # the warm-up, as on CUDA (outside the recording)
-        graph = record(run)
-        self.graphs.append(graph)
-        return graph
 
     def describe(self) -> dict:
         return {"platform": self.name, "device": self.device_type}
