@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from conftest import QUANT_CHECKPOINTS, make_llm
 from tokenmill import LLM, SamplingParams, load_config
@@ -246,6 +246,70 @@ def test_block_fp8_with_partial_blocks_equals_the_dequantized_weights(arch, size
     assert relative_error(got, expected) < 1e-5
     assert (got.log_softmax(-1) - expected.log_softmax(-1)).abs().max().item() < 1e-4
 
+
+
+def transformers_fp8_reference(quantized: Path, dense: Path, prompt: list[int],
+                               quantize_activations: bool) -> torch.Tensor:
+    """Prompt logits of transformers running the block-FP8 checkpoint as its ``FP8Linear``
+    does: each weight widened by ``_dequantize_fp8_weight`` with the config's
+    ``weight_block_size``, activations rounded through FP8 per token when asked. (Its
+    load-time dequantizer, the CPU default, takes the block from the scale grid instead:
+    192 rows over 2 scale rows read as 96-row blocks, not DeepSeek's 128 and a partial 64.)"""
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+
+    config = json.loads((quantized / "config.json").read_text())
+    block = config["quantization_config"]["weight_block_size"]
+    tensors = load_file(quantized / "model.safetensors")
+    widened = {name: (_dequantize_fp8_weight(w, tensors[name + "_scale_inv"], block, torch.float32)
+                      if w.dtype == torch.float8_e4m3fn else w)
+               for name, w in tensors.items() if not name.endswith("_scale_inv")}
+    shutil.copytree(quantized, dense)
+    del config["quantization_config"]
+    (dense / "config.json").write_text(json.dumps(config))
+    save_file(widened, dense / "model.safetensors", metadata={"format": "pt"})
+    model = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32)
+    if quantize_activations:
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear) and name != "lm_head":
+                module.register_forward_pre_hook(lambda _, args: (fake_quantize_per_token(args[0]),))
+    with torch.no_grad():
+        return model(torch.tensor([prompt])).logits[0]
+
+
+def fake_quantize_per_token(x: torch.Tensor) -> torch.Tensor:
+    scale = (x.abs().amax(dim=-1, keepdim=True) / 448.0).clamp(min=1e-12)
+    return (x / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).to(x.dtype) * scale
+
+
+@pytest.mark.parametrize("quantize_activations", [False, True], ids=["weight-only", "w8a8"])
+@pytest.mark.parametrize("arch", ["llama", "phi3"], ids=["load-fused", "checkpoint-fused"])
+def test_block_fp8_with_a_192_hidden_size_matches_transformers(arch, quantize_activations, tmp_path):
+    """A block-FP8 model whose K and N are no multiples of 128: hidden 192 (3 heads of 64, one
+    KV head: q and down have a block and a half of rows, k and v half a block, every K a
+    partial block), intermediate 512. Its prompt logprobs equal transformers' FP8Linear
+    arithmetic within fp32 rounding, weight-only and with per-token activation rounding, for
+    a family fused at load (Llama's q/k/v) and one fused on disk (Phi-3's qkv_proj). With
+    activations rounded, an input within an fp32 ulp of an e4m3 midpoint may round either
+    way (a step of 1/16 of itself), so W8A8 is held to the shared checkpoints' bound, 1e-3
+    relative in the logits, and the same greedy tokens."""
+    from tokenmill.testing.quantize import quantize_model
+    from tokenmill.testing.tiny_models import make_tiny_model
+
+    base = make_tiny_model(arch, tmp_path / "base", hidden_size=192, intermediate_size=512,
+                           num_attention_heads=3, num_key_value_heads=1)
+    quantized = quantize_model(base, tmp_path / "q", "fp8", weight_block_size=(128, 128))
+    prompt = list(range(6, 60))
+    config = load_config(model=str(quantized), dtype="float32", kv_cache_memory_bytes=2**24)
+    config.quantization.quantize_activations = quantize_activations
+    got = prompt_logits(LLM(config=config).llm_engine, prompt).log_softmax(-1)
+    expected = transformers_fp8_reference(quantized, tmp_path / "dense", prompt,
+                                          quantize_activations).log_softmax(-1)
+    if quantize_activations:
+        assert relative_error(got, expected) < 1e-3
+        assert torch.equal(got.argmax(-1), expected.argmax(-1))
+    else:
+        assert (got - expected).abs().max().item() < 1e-4
 
 @needs_checkpoints
 @pytest.mark.parametrize("name", [n for n in NAMES if "fp8" in n and "block" not in n])
