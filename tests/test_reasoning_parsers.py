@@ -1,17 +1,22 @@
 """Reasoning parsers (``--reasoning-parser``): a reasoning model's thinking comes back as
 ``reasoning_content`` beside the answer, whole or streamed, and a stream cut at any point
-gives the whole reply's parts; through a real server with the ``openai`` client."""
+gives the whole reply's parts; a constrained reply is constrained in its answer only (after
+the thinking, as in vLLM); through a real server with the ``openai`` client. Replies that
+think are scripted (tests/scripted_reply.py): the tiny model's own never hold the markers."""
 
 from __future__ import annotations
 
 import itertools
+import json
 
+import jsonschema
 import openai
 import pytest
 
-from conftest import make_llm
+from conftest import PREEMPTING, assert_preempted, make_llm
 from server_harness import running_server
 from tokenmill import SamplingParams
+from tokenmill.interfaces.structured_output import StructuredOutputsParams
 from tokenmill.plugins.reasoning_parsers.think_tags import DeepSeekR1ReasoningParser, Qwen3ReasoningParser
 from tokenmill.server.reasoning import ReasoningStream
 
@@ -67,18 +72,23 @@ def test_a_partial_marker_is_held_back_until_it_is_decided():
     assert stream.feed("think </thx</think>ok", True) == ("", "ok")
 
 
+SCRIPTED = ["scripted_reply:ScriptedReply"]
+#: a template that writes reasoning_effort into the prompt, and closes the thinking in it when
+#: thinking is off (as Qwen3's does with enable_thinking=False)
+TEMPLATE = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+            "{% if reasoning_effort == 'high' %} think very hard about it{% endif %}"
+            "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}")
+
+
 @pytest.fixture(scope="module")
 def served(model_dir):
-    """A server per parser over the tiny Llama (whose replies never hold the markers: the
-    deepseek_r1 parser reads each as thinking cut short, qwen3 as an answer), with a chat
-    template that writes reasoning_effort into the prompt."""
-    template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
-                "{% if reasoning_effort == 'high' %} think very hard about it{% endif %}")
+    """A server per parser over the tiny Llama (whose own replies never hold the markers: the
+    deepseek_r1 parser reads each as thinking cut short, qwen3 as an answer)."""
     servers = {}
-    with running_server(make_llm(model_dir("llama")).llm_engine, served_model_name=["m"],
-                        reasoning_parser="deepseek_r1", chat_template=template) as (r1, _), \
-            running_server(make_llm(model_dir("llama")).llm_engine, served_model_name=["m"],
-                           reasoning_parser="qwen3") as (qwen, _):
+    with running_server(make_llm(model_dir("llama"), logits_processors=SCRIPTED).llm_engine,
+                        served_model_name=["m"], reasoning_parser="deepseek_r1", chat_template=TEMPLATE) as (r1, _), \
+            running_server(make_llm(model_dir("llama"), logits_processors=SCRIPTED).llm_engine,
+                           served_model_name=["m"], reasoning_parser="qwen3", chat_template=TEMPLATE) as (qwen, _):
         servers["deepseek_r1"], servers["qwen3"] = r1, qwen
         yield servers
 
@@ -117,12 +127,96 @@ def test_reasoning_effort_reaches_the_chat_template(served):
     assert usage["high"].prompt_tokens > usage["low"].prompt_tokens
 
 
-def test_a_constraint_with_a_reasoning_parser_is_refused_by_name(served):
-    with pytest.raises(openai.BadRequestError) as refused:
-        _client(served["qwen3"]).chat.completions.create(
-            model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
-            extra_body={"structured_outputs": {"choice": ["a", "b"]}})
-    assert refused.value.body["param"] == "structured_outputs"
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "boolean"}}, "required": ["answer"],
+          "additionalProperties": False}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
+    "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("name", ["deepseek_r1", "qwen3"])
+def test_a_constraint_holds_in_the_answer_after_the_thinking(served, name):
+    """The reply thinks freely (the scripted thinking is no JSON), then answers under the
+    constraint: structured outputs, and a required tool call read from the answer alone."""
+    client = _client(served[name])
+    args = dict(model="m", messages=[{"role": "user", "content": "What is 2 + 2?"}], max_tokens=40, temperature=0,
+                extra_body={"vllm_xargs": {"scripted_reply": "<think>Two and two: four.</think>"},
+                            "structured_outputs": {"json": SCHEMA}})
+    whole = client.chat.completions.create(**args).choices[0]
+    assert whole.message.reasoning_content == "Two and two: four."
+    jsonschema.validate(json.loads(whole.message.content), SCHEMA)
+    assert whole.finish_reason == "stop"
+    reasoning = content = ""
+    for chunk in client.chat.completions.create(**args, stream=True):
+        delta = chunk.choices[0].delta if chunk.choices else None
+        reasoning += (getattr(delta, "reasoning_content", None) or "") if delta else ""
+        content += (delta.content or "") if delta else ""
+    assert (reasoning, content) == (whole.message.reasoning_content, whole.message.content)
+
+    called = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Weather in Oslo?"}], max_tokens=200, temperature=0,
+        tools=[WEATHER], tool_choice="required",
+        extra_body={"vllm_xargs": {"scripted_reply": "<think>Ask the tool.</think>"}}).choices[0].message
+    assert called.reasoning_content == "Ask the tool."
+    [call] = called.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+
+
+def test_a_prompt_that_closed_the_thinking_is_constrained_from_the_first_token(served):
+    """Thinking off (the template closes an empty block in the prompt): no </think> to wait
+    for, so the whole reply is the constrained answer."""
+    reply = _client(served["qwen3"]).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "2 + 2?"}], max_tokens=40, temperature=0,
+        extra_body={"structured_outputs": {"json": SCHEMA}, "chat_template_kwargs": {"enable_thinking": False}})
+    message = reply.choices[0].message
+    assert message.reasoning_content is None
+    jsonschema.validate(json.loads(message.content), SCHEMA)
+
+
+def test_a_reply_that_never_ends_its_thinking_stays_free(served):
+    """Until the marker, the constraint holds back nothing: the tiny model's own words (no
+    JSON) fill the thinking, as vLLM leaves a reply that thinks to its length limit."""
+    reply = _client(served["deepseek_r1"]).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=12, temperature=0,
+        extra_body={"structured_outputs": {"choice": ["yes", "no"]}}).choices[0]
+    assert reply.finish_reason == "length" and reply.message.content is None
+    assert len(reply.message.reasoning_content) > 3
+
+
+def test_a_constraint_that_starts_after_a_marker_survives_preemption(model_dir):
+    """Offline (StructuredOutputsParams.starts_after): rows preempted and resumed replay their
+    history, marker included, and still answer under the constraint."""
+    llm = make_llm(model_dir("llama"), logits_processors=SCRIPTED, **PREEMPTING)
+    marker = llm.get_tokenizer().encode("</think>", add_special_tokens=False)
+    params = [SamplingParams(temperature=0, max_tokens=60, extra_args={"scripted_reply": f"step {i} " * 3 + "</think>"},
+                             structured_outputs=StructuredOutputsParams(json=SCHEMA, starts_after=marker))
+              for i in range(8)]
+    outputs = llm.generate(["count to ten " * (4 + i) for i in range(8)], params, use_tqdm=False)
+    assert_preempted(llm, "recompute")
+    for i, output in enumerate(outputs):
+        thinking, answer = output.outputs[0].text.split("</think>")
+        assert thinking == f"step {i} " * 3
+        jsonschema.validate(json.loads(answer), SCHEMA)
+
+
+def test_a_parser_that_cannot_place_the_answer_refuses_constraints(model_dir):
+    """A third-party parser without constraint_starts_after: a constrained request gets a 400
+    naming the request's field."""
+    from transformers import AutoTokenizer
+
+    from tokenmill.interfaces.reasoning_parser import ReasoningParser
+    from tokenmill.server.reasoning import constraint_after_thinking
+    from tokenmill.server.errors import APIError
+
+    class SplitsOnly(ReasoningParser):
+        def split(self, text, final):
+            return None, text
+
+    with pytest.raises(APIError, match="SplitsOnly reasoning parser cannot say where") as refused:
+        constraint_after_thinking(SplitsOnly(None), AutoTokenizer.from_pretrained(model_dir("llama")),
+                                  StructuredOutputsParams(choice=("a",), param="tool_choice"), [1, 2])
+    assert refused.value.param == "tool_choice"
 
 
 def test_an_unknown_parser_fails_at_startup(model_dir):

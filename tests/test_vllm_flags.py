@@ -70,7 +70,7 @@ def test_a_vllm_deployment_line_serves_with_its_inert_and_accepted_flags(tmp_pat
          "--load-format", "safetensors", "--tokenizer-mode", "auto", "--generation-config", "auto",
          "--disable-log-stats", "--max-log-len", "100", "--data-parallel-size", "1", "--disable-log-requests",
          "--uvicorn-log-level", "warning", "--chat-template", str(template), "--quantization", "fp8",
-         "--enable-prefix-caching"],
+         "--enable-prefix-caching", "--max-num-seqs", "512", "--reasoning-parser", "qwen3"],
         env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_until_healthy(port)
@@ -164,3 +164,114 @@ def test_max_logprobs_flag_limits_every_request(model_dir, tmp_path):
     assert chat.status_code == 400 and chat.json()["error"]["param"] == "top_logprobs"
     assert prompt.status_code == 400 and prompt.json()["error"]["param"] == "prompt_logprobs"
     assert tokenmill("serve", "/nonexistent-model", "--max-logprobs", "50").returncode == 2
+
+
+def _served(model_dir, **server_config):
+    from conftest import make_llm
+    from server_harness import running_server
+
+    return running_server(make_llm(model_dir("llama"), **server_config.pop("engine", {})).llm_engine,
+                          served_model_name=["m"], **server_config)
+
+
+def test_response_role_flag_names_the_role_of_replies_to_a_generation_prompt(model_dir):
+    """vLLM's rule: the server's role for a reply to the generation prompt, whole and streamed;
+    a reply that continues the last message (add_generation_prompt false) takes its role."""
+    messages = [{"role": "user", "content": "Hi"}]
+    with _served(model_dir, response_role="narrator") as (base, _):
+        whole = httpx.post(base + "/v1/chat/completions", timeout=60,
+                           json={"model": "m", "messages": messages, "max_tokens": 2}).json()
+        streamed = httpx.post(base + "/v1/chat/completions", timeout=60,
+                              json={"model": "m", "messages": messages, "max_tokens": 2, "stream": True}).text
+        continued = httpx.post(base + "/v1/chat/completions", timeout=60, json={
+            "model": "m", "messages": messages, "max_tokens": 2, "add_generation_prompt": False}).json()
+    assert whole["choices"][0]["message"]["role"] == "narrator"
+    first = json.loads(streamed.split("\n\n")[0].removeprefix("data: "))
+    assert first["choices"][0]["delta"]["role"] == "narrator"
+    assert continued["choices"][0]["message"]["role"] == "user"
+
+
+def test_chat_template_content_format_openai_passes_content_parts_to_the_template(model_dir):
+    """"openai": the template reads each message's content as OpenAI's list of parts (a plain
+    string becomes one text part); "string" (the default) joins them into one text."""
+    from transformers import AutoTokenizer
+
+    template = ("{% for m in messages %}{% if m.content is string %}<{{ m.content }}>{% else %}"
+                "{% for part in m.content %}[{{ part.text }}]{% endfor %}{% endif %}{% endfor %}")
+    messages = [{"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir("llama"))
+    for fmt, rendered in (("openai", "[be brief][a][b]"), ("string", "<be brief><ab>")):
+        with _served(model_dir, chat_template=template, chat_template_content_format=fmt) as (base, _):
+            tokens = httpx.post(base + "/tokenize", json={"model": "m", "messages": messages}).json()["tokens"]
+        assert tokens == tokenizer.encode(rendered, add_special_tokens=False), fmt
+
+
+def test_prompt_tokens_details_flag_reports_the_prefix_caches_tokens(model_dir):
+    """The second of two requests with one long prompt is served from the prefix cache, and
+    says how much; without the flag usage has no details."""
+    prompt = "the same long prompt " * 12
+    request = {"model": "m", "prompt": prompt, "max_tokens": 2}
+    chat = {"model": "m", "messages": [{"role": "user", "content": prompt}], "max_tokens": 2,
+            "stream": True, "stream_options": {"include_usage": True}}
+    with _served(model_dir, enable_prompt_tokens_details=True, engine={"enable_prefix_caching": True}) as (base, _):
+        first = httpx.post(base + "/v1/completions", json=request, timeout=60).json()["usage"]
+        second = httpx.post(base + "/v1/completions", json=request, timeout=60).json()["usage"]
+        httpx.post(base + "/v1/chat/completions", json=chat, timeout=60)
+        events = httpx.post(base + "/v1/chat/completions", json=chat, timeout=60).text.split("\n\n")
+    streamed = json.loads(events[-3].removeprefix("data: "))["usage"]
+    assert first["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert 0 < second["prompt_tokens_details"]["cached_tokens"] < second["prompt_tokens"]
+    assert 0 < streamed["prompt_tokens_details"]["cached_tokens"] < streamed["prompt_tokens"]
+    with _served(model_dir, engine={"enable_prefix_caching": True}) as (base, _):
+        plain = httpx.post(base + "/v1/completions", json=request, timeout=60).json()["usage"]
+    assert plain.get("prompt_tokens_details") is None
+
+
+def test_middleware_flag_adds_classes_and_functions(model_dir):
+    """--middleware IMPORT.PATH (repeatable): a class as ASGI middleware, an async function as
+    an HTTP middleware, both around every route; anything else fails at startup by name."""
+    from tokenmill.interfaces.errors import ConfigError
+
+    paths = ["vllm_middleware.TagResponses", "vllm_middleware:count_requests"]
+    with _served(model_dir, middleware=paths) as (base, _):
+        response = httpx.get(base + "/v1/models")
+    assert response.headers["x-tagged-by"] == "class" and response.headers["x-seen"] == "yes"
+    for bad in ("vllm_middleware.NOT_MIDDLEWARE", "vllm_middleware.nowhere"):
+        with pytest.raises(ConfigError, match="server.middleware"):
+            with _served(model_dir, middleware=[bad]):
+                pass
+    refused = tokenmill("serve", "/nonexistent-model", "--middleware", "no_such_module.f")
+    assert refused.returncode == 2 and "server.middleware" in refused.stderr and "Traceback" not in refused.stderr
+
+
+def test_structured_outputs_config_flag(model_dir):
+    """vLLM's --structured-outputs-config JSON: its backend, its reasoning parser (used when
+    --reasoning-parser is not given), enable_in_reasoning (the constraint holds in the thinking
+    too), disable_additional_properties (every open schema object closed); a whitespace-free
+    JSON is the only JSON (disable_any_whitespace false is refused by name)."""
+    from tokenmill.core.config.engine_config import load_config
+    from tokenmill.interfaces.errors import ConfigError
+    from tokenmill.interfaces.structured_output import StructuredOutputsParams
+
+    config = load_config(model=str(model_dir("llama")), structured_outputs_config=json.dumps(
+        {"backend": "guidance", "reasoning_parser": "qwen3", "enable_in_reasoning": True,
+         "disable_additional_properties": True, "disable_fallback": True, "reasoning_parser_plugin": ""}))
+    assert config.structured_outputs.backend == "guidance"
+    schema = {"type": "object", "properties": {"answer": {"type": "boolean"}}}
+    with _served(model_dir, engine={"structured_outputs_config": config.structured_outputs.model_dump_json()}) \
+            as (base, llm):
+        reply = httpx.post(base + "/v1/chat/completions", timeout=60, json={
+            "model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 30,
+            "structured_outputs": {"json": {"type": "object", "properties": {"a": {"type": "boolean"}},
+                                            "required": ["a"], "additionalProperties": False}}}).json()
+        closed = llm.engine.structured_outputs.compiled(StructuredOutputsParams(json=schema)).new_matcher()
+    # qwen3 (from the config) read the reply as an answer, and the constraint held from its
+    # first token: without enable_in_reasoning it would wait for a </think> that never comes
+    assert json.loads(reply["choices"][0]["message"]["content"]) in ({"a": True}, {"a": False})
+    tokenizer = llm.engine.tokenizer
+    assert not all(closed.accept_token(t) for t in tokenizer.encode('{"other"', add_special_tokens=False))
+    with pytest.raises(ConfigError, match="disable_any_whitespace"):
+        load_config(model="x", structured_outputs_config='{"disable_any_whitespace": false}')
+    with pytest.raises(ConfigError, match="reasoning_parser_plugin"):
+        load_config(model="x", structured_outputs_config='{"reasoning_parser_plugin": "p.py"}')

@@ -184,6 +184,14 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
                        help="name tokens in logprobs 'token_id:{id}' for every request (as a request can ask)")
     group.add_argument("--reasoning-parser", default=None,
                        help="read a reasoning model's thinking into reasoning_content: deepseek_r1, qwen3, a plugin's")
+    group.add_argument("--response-role", default=None,
+                       help="the role of chat replies to a generation prompt (default assistant)")
+    group.add_argument("--chat-template-content-format", choices=["auto", "string", "openai"], default=None,
+                       help="message content as one text (string; auto) or OpenAI's list of parts (openai)")
+    group.add_argument("--enable-prompt-tokens-details", action="store_true", default=None,
+                       help="report usage.prompt_tokens_details.cached_tokens (prompt tokens from the prefix cache)")
+    group.add_argument("--middleware", action="append", default=None, metavar="IMPORT.PATH",
+                       help="ASGI middleware to add (repeatable): a class, or an HTTP middleware function")
     group.add_argument("--ssl-keyfile", default=None, help="serve https with this private key (PEM)")
     group.add_argument("--ssl-certfile", default=None, help="... and this certificate chain (PEM)")
     group.add_argument("--ssl-ca-certs", default=None, help="CA bundle client certificates are checked against")
@@ -416,9 +424,11 @@ def _serve(args: argparse.Namespace) -> int:
     from tokenmill.core.engine.async_llm import AsyncLLM
     from tokenmill.core.engine.builder import build_engine
     from tokenmill.core.engine.llm_engine import LLMEngine
-    from tokenmill.server.app import create_app, server_chat_template
+    from tokenmill.server.app import create_app, server_chat_template, user_middleware
 
     server_chat_template(config.server.chat_template)  # a missing file fails before the model loads
+    for path in config.server.middleware:
+        user_middleware(path)
     engine = build_engine(config)
     served = AsyncLLM(engine, config.server.max_queued_requests) if isinstance(engine, LLMEngine) else engine
     server: Optional[uvicorn.Server] = None

@@ -50,6 +50,10 @@ class StructuredOutputsParams:
     disable_additional_properties: bool = False
     #: where the constraint came from on the wire, for errors (``response_format``, ``tools``...)
     param: str = "structured_outputs"
+    #: the tokens after which the constraint begins (a reasoning model's end of thinking, as the
+    #: server's reasoning parser names it): the reply is free until it has written them, and the
+    #: constraint holds from the next token on; None: it holds from the reply's first token
+    starts_after: Optional[tuple[int, ...]] = None
     #: (the manager that compiled it, the compiled constraint): the request carries its compiled
     #: constraint, so no later step compiles it again, whatever the cache has dropped since
     compiled: Any = field(default=None, init=False, repr=False, compare=False)
@@ -57,12 +61,18 @@ class StructuredOutputsParams:
     #: a constraint's text is compiled and kept in a cache: bounded like every request field
     MAX_SPEC_CHARS = 64 * 1024
     MAX_CHOICES = 256
+    MAX_START_TOKENS = 64
     #: a JSON schema's nesting (the request body's own bound): grammar size grows fast with it
     MAX_SCHEMA_DEPTH = 64
 
     def __post_init__(self) -> None:
         if isinstance(self.choice, list):
             object.__setattr__(self, "choice", tuple(self.choice))
+        if self.starts_after is not None:
+            object.__setattr__(self, "starts_after", tuple(self.starts_after))
+            if not (0 < len(self.starts_after) <= self.MAX_START_TOKENS
+                    and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.starts_after)):
+                raise InvalidRequest(self.param, f"starts_after must be 1 to {self.MAX_START_TOKENS} token ids")
         given = [kind for kind in CONSTRAINT_KINDS if getattr(self, kind) not in (None, False)]
         if len(given) != 1:
             raise InvalidRequest(self.param, f"give exactly one of {', '.join(CONSTRAINT_KINDS)}; got "

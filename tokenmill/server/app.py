@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import structlog
 
@@ -20,6 +21,7 @@ import tokenmill
 from tokenmill.core.config.engine_config import ServerConfig
 from tokenmill.core.engine.async_llm import AsyncLLM
 from tokenmill.core.engine.embedding_engine import EmbeddingEngine
+from tokenmill.core.plugin_host.registry import import_class_path
 from tokenmill.interfaces.errors import ConfigError
 from tokenmill.server.adapters import add_adapter_routes
 from tokenmill.server.chat import chat_prompt_ids, create_chat_completion
@@ -114,7 +116,11 @@ def create_app(llm: AsyncLLM | EmbeddingEngine, config: Optional[ServerConfig] =
                          reasoning_parser=reasoning_parser(config, engine) if generating else None,
                          return_tokens_as_token_ids=config.return_tokens_as_token_ids,
                          max_logprobs=config.max_logprobs,
-                         sampling_defaults=engine.model_config.sampling_defaults if generating else {})
+                         sampling_defaults=engine.model_config.sampling_defaults if generating else {},
+                         response_role=config.response_role,
+                         content_parts=config.chat_template_content_format == "openai",
+                         prompt_tokens_details=config.enable_prompt_tokens_details,
+                         constrain_reasoning=engine.config.structured_outputs.enable_in_reasoning)
     metrics = ServerMetrics(names[0])
     embeddings = None if generating else EmbeddingService(engine, names[0])
     if generating:
@@ -257,4 +263,20 @@ def create_app(llm: AsyncLLM | EmbeddingEngine, config: Optional[ServerConfig] =
         app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=config.allowed_methods,
                            allow_headers=config.allowed_headers, allow_credentials=config.allow_credentials,
                            expose_headers=["X-Request-Id"] if config.enable_request_id_headers else [])
+    for path in config.middleware:  # outermost, as vLLM adds them
+        middleware = user_middleware(path)
+        if isinstance(middleware, type):
+            app.add_middleware(middleware)
+        else:
+            app.middleware("http")(middleware)
     return app
+
+
+def user_middleware(path: str) -> Any:
+    """``--middleware PATH``: a class is ASGI middleware (``app.add_middleware``), an async
+    function an HTTP middleware (``async def f(request, call_next)``), as vLLM takes them."""
+    middleware = import_class_path(path, "server.middleware", [])
+    if not (isinstance(middleware, type) or inspect.iscoroutinefunction(middleware)):
+        raise ConfigError("server.middleware", f"{path!r} is neither an ASGI middleware class nor an async "
+                                               "function (request, call_next)")
+    return middleware

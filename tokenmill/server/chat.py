@@ -26,7 +26,7 @@ from tokenmill.server.generation import (
 )
 from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage, now, request_ids
 from tokenmill.server.request_fields import check_extra_fields
-from tokenmill.server.reasoning import ReasoningStream
+from tokenmill.server.reasoning import ReasoningStream, constraint_after_thinking
 from tokenmill.server.tools import ToolReply, plan_tools
 
 
@@ -34,7 +34,7 @@ def chat_prompt_ids(ctx: ServingContext, messages: list[ChatMessage], add_genera
                     chat_template: Optional[str] = None, *, continue_final_message: bool = False,
                     template_kwargs: Optional[dict[str, Any]] = None, add_special_tokens: bool = False,
                     tools: Optional[list[dict[str, Any]]] = None) -> list[int]:
-    conversation = [m.for_template() for m in messages]
+    conversation = [m.for_template(ctx.content_parts) for m in messages]
     template = chat_template if chat_template is not None else ctx.chat_template
     return render_chat(ctx.tokenizer, conversation, template, add_generation_prompt=add_generation_prompt,
                        continue_final_message=continue_final_message, chat_template_kwargs=template_kwargs,
@@ -86,18 +86,21 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     params = body.sampling_params(max_tokens, top if body.logprobs else None, body.prompt_logprobs,
                                   ctx.sampling_defaults)
     ctx.check_logprobs(params, "top_logprobs")
-    if ctx.reasoning_parser is not None and (tool_constraint is not None or params.structured_outputs is not None):
-        raise APIError(400, "a constrained reply (structured outputs, a required or named tool choice) with a "
-                            "reasoning parser is not supported yet: the constraint would apply to the thinking too",
-                       params.structured_outputs.param if params.structured_outputs else "tool_choice")
-    if tool_constraint is not None:
-        params = dataclasses.replace(params, structured_outputs=tool_constraint)
+    constraint = tool_constraint or params.structured_outputs
+    if constraint is not None and ctx.reasoning_parser is not None and not ctx.constrain_reasoning:
+        constraint = constraint_after_thinking(ctx.reasoning_parser, ctx.tokenizer, constraint,
+                                               prompt["prompt_token_ids"])
+    if constraint is not params.structured_outputs:
+        params = dataclasses.replace(params, structured_outputs=constraint)
     echo = _echoed(body)
     created = now()
+    # vLLM's rule: a reply to the generation prompt takes the server's role, one that continues
+    # the last message takes that message's
+    role = ctx.response_role if body.add_generation_prompt else body.messages[-1].role
     if body.use_beam_search:
         [final] = await unless_disconnected(request, gather_beam_searches(
             ctx, internal_id, [prompt], [params], body, adapter))
-        response = _response(body, request_id, model, created, final, echo, make_reply, ctx.reasoning_parser)
+        response = _response(body, request_id, model, created, final, echo, make_reply, ctx, role)
         return beam_search_stream(response, "chat.completion.chunk", body) if body.stream \
             else response
     await ctx.llm.compile_constraint(params)
@@ -105,9 +108,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
                          adapter=adapter)
     if body.stream:
         return StreamingResponse(_stream(body, request_id, model, created, stream, params, echo, make_reply,
-                                         ctx.reasoning_parser), media_type="text/event-stream")
+                                         ctx, role), media_type="text/event-stream")
     final = await unless_disconnected(request, _last(stream))
-    return _response(body, request_id, model, created, final, echo, make_reply, ctx.reasoning_parser)
+    return _response(body, request_id, model, created, final, echo, make_reply, ctx, role)
 
 
 def _echoed(body: ChatCompletionRequest) -> str:
@@ -118,13 +121,12 @@ def _echoed(body: ChatCompletionRequest) -> str:
 
 
 def _response(body: ChatCompletionRequest, request_id: str, model: str, created: int, final: RequestOutput,
-              echo: str, make_reply: Callable[[], ToolReply],
-              reasoning: Optional[ReasoningParser] = None) -> dict[str, Any]:
+              echo: str, make_reply: Callable[[], ToolReply], ctx: ServingContext, role: str) -> dict[str, Any]:
     top = body.top_logprobs or 0
-    choices = [_choice(c, body, top, echo, make_reply(), reasoning) for c in final.outputs]
+    choices = [_choice(c, body, top, echo, make_reply(), ctx.reasoning_parser, role) for c in final.outputs]
     completion_tokens = sum(len(c.token_ids) for c in final.outputs)
-    return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": choices, "usage": usage(len(final.prompt_token_ids), completion_tokens),
+    return {"id": request_id, "object": "chat.completion", "created": created, "model": model, "choices": choices,
+            "usage": usage(len(final.prompt_token_ids), completion_tokens, ctx.cached_tokens([final])),
             **prompt_extras(body, final)}
 
 
@@ -136,14 +138,15 @@ async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
 
 
 def _choice(completion: CompletionOutput, body: ChatCompletionRequest, top: int, echo: str,
-            reply: ToolReply, reasoning: Optional[ReasoningParser] = None) -> dict[str, Any]:
+            reply: ToolReply, reasoning: Optional[ReasoningParser], role: str) -> dict[str, Any]:
     thinking, text = (None, completion.text) if reasoning is None else reasoning.split(completion.text, True)
     message, finish_reason = reply.message(text or "", completion.finish_reason)
+    message["role"] = role
     if reasoning is not None:  # the answer alone, with the thinking beside it
         if text is None and "tool_calls" not in message:
             message["content"] = None
         if body.include_reasoning:
-            message["reasoning_content"] = thinking
+            message.update(_thinking(thinking))
     if message["content"] is not None:
         message["content"] = echo + message["content"]
     choice = {
@@ -160,10 +163,15 @@ def _choice(completion: CompletionOutput, body: ChatCompletionRequest, top: int,
     return choice
 
 
+def _thinking(text: Optional[str]) -> dict[str, Optional[str]]:
+    """The thinking under vLLM's two names: ``reasoning``, and ``reasoning_content`` (older)."""
+    return {"reasoning": text, "reasoning_content": text}
+
+
 async def _stream(body: ChatCompletionRequest, request_id: str, model: str, created: int,
                   stream: AsyncIterator[RequestOutput], params: SamplingParams, echo: str,
-                  make_reply: Callable[[], ToolReply],
-                  reasoning: Optional[ReasoningParser] = None) -> AsyncIterator[str]:
+                  make_reply: Callable[[], ToolReply], ctx: ServingContext, role: str) -> AsyncIterator[str]:
+    reasoning = ctx.reasoning_parser
     def chunk(choices: list[dict], **extra: Any) -> str:
         return sse({"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
                     "choices": choices, **extra})
@@ -171,6 +179,7 @@ async def _stream(body: ChatCompletionRequest, request_id: str, model: str, crea
     sent_text: dict[int, int] = {}
     sent_tokens: dict[int, int] = {}
     prompt_tokens = completion_tokens = 0
+    cached_tokens = None
     top = body.top_logprobs or 0
     options = body.stream_options
     continuous = bool(options and options.include_usage and options.continuous_usage_stats)
@@ -179,10 +188,10 @@ async def _stream(body: ChatCompletionRequest, request_id: str, model: str, crea
     sent_prompt = False
     try:
         # the first chunk opens each choice, with the echoed text; its usage counts no tokens yet
-        yield chunk([{"index": i, "delta": {"role": "assistant", "content": echo}, "logprobs": None,
+        yield chunk([{"index": i, "delta": {"role": role, "content": echo}, "logprobs": None,
                       "finish_reason": None} for i in range(params.n)])
         async for output in stream:
-            prompt_tokens = len(output.prompt_token_ids)
+            prompt_tokens, cached_tokens = len(output.prompt_token_ids), ctx.cached_tokens([output])
             for completion in output.outputs:
                 i = completion.index
                 text_from, token_from = sent_text.get(i, 0), sent_tokens.get(i, 0)
@@ -200,7 +209,7 @@ async def _stream(body: ChatCompletionRequest, request_id: str, model: str, crea
                     message, finish_reason = replies[i].delta(content, len(content) - len(answer), answer,
                                                               completion.finish_reason)
                     if thinking and body.include_reasoning:
-                        message = {"reasoning_content": thinking, **(message or {})}
+                        message = {**_thinking(thinking), **(message or {})}
                 if message is None:
                     continue
                 logprobs = None
@@ -211,13 +220,13 @@ async def _stream(body: ChatCompletionRequest, request_id: str, model: str, crea
                           "finish_reason": finish_reason, "stop_reason": completion.stop_reason}
                 if body.return_token_ids:
                     choice["token_ids"] = list(new_tokens)
-                extra = {"usage": usage(prompt_tokens, completion_tokens)} if continuous else {}
+                extra = {"usage": usage(prompt_tokens, completion_tokens, cached_tokens)} if continuous else {}
                 if not sent_prompt:  # the prompt's figures come once, with the first tokens
                     sent_prompt = True
                     extra.update(prompt_extras(body, output))
                 yield chunk([choice], **extra)
         if options and options.include_usage:
-            yield chunk([], usage=usage(prompt_tokens, completion_tokens))
+            yield chunk([], usage=usage(prompt_tokens, completion_tokens, cached_tokens))
     except Exception as exc:
         yield sse_error(exc)
     yield SSE_DONE

@@ -142,7 +142,7 @@ def _response(body, ctx, request_id, model, created, prompts, finals) -> dict:
                             "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,
                             **prompt_extras(body, output), **_token_ids(body, completion.token_ids)})
     return {"id": request_id, "object": "text_completion", "created": created, "model": model,
-            "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+            "choices": choices, "usage": usage(prompt_tokens, completion_tokens, ctx.cached_tokens(finals))}
 
 
 def _token_ids(body: Any, token_ids: list[int]) -> dict[str, Any]:
@@ -153,6 +153,7 @@ async def _stream(body, ctx, request_id, model, created, prompts, streams) -> As
     sent_text: dict[tuple[int, int], int] = {}
     sent_tokens: dict[tuple[int, int], int] = {}
     counted_prompts: set[int] = set()
+    latest: dict[int, RequestOutput] = {}  # each prompt's last output, for its cached tokens
     prompt_tokens = completion_tokens = 0
     options = body.stream_options
     continuous = bool(options and options.include_usage and options.continuous_usage_stats)
@@ -162,6 +163,7 @@ async def _stream(body, ctx, request_id, model, created, prompts, streams) -> As
             if first:
                 counted_prompts.add(p_index)
                 prompt_tokens += len(output.prompt_token_ids)
+            latest[p_index] = output
             for completion in output.outputs:
                 key = (p_index, completion.index)
                 text_from, token_from = sent_text.get(key, 0), sent_tokens.get(key, 0)
@@ -184,10 +186,12 @@ async def _stream(body, ctx, request_id, model, created, prompts, streams) -> As
                           **(prompt_extras(body, output) if opening else {}), **_token_ids(body, new_tokens)}
                 yield sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
                            "choices": [choice],
-                           **({"usage": usage(prompt_tokens, completion_tokens)} if continuous else {})})
+                           **({"usage": usage(prompt_tokens, completion_tokens, ctx.cached_tokens(list(latest.values())))}
+                              if continuous else {})})
         if options and options.include_usage:
             yield sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
-                       "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+                       "choices": [], "usage": usage(prompt_tokens, completion_tokens,
+                                                     ctx.cached_tokens(list(latest.values())))})
     except Exception as exc:
         yield sse_error(exc)
     yield SSE_DONE

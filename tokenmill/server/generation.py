@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Optional
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Optional, Sequence
 
 from fastapi import Request
 
@@ -40,6 +40,19 @@ class ServingContext:
     max_logprobs: int = SamplingParams.MAX_LOGPROBS
     #: the model's sampling defaults for fields a request leaves unset (--generation-config)
     sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
+    #: the role of chat replies to a generation prompt (--response-role)
+    response_role: str = "assistant"
+    #: messages reach the chat template with OpenAI's list of content parts, not one text
+    #: (--chat-template-content-format openai)
+    content_parts: bool = False
+    #: usage carries prompt_tokens_details.cached_tokens (--enable-prompt-tokens-details)
+    prompt_tokens_details: bool = False
+    #: a constraint holds in a reasoning reply's thinking too (structured outputs' enable_in_reasoning)
+    constrain_reasoning: bool = False
+
+    def cached_tokens(self, outputs: Sequence[RequestOutput]) -> Optional[int]:
+        """The prompt tokens the prefix cache served, where replies report them."""
+        return sum(output.num_cached_tokens for output in outputs) if self.prompt_tokens_details else None
 
     def start(self, internal_id: str, requests: list[tuple[dict, SamplingParams]], priority: int,
               user: Optional[str], adapter: Optional[str] = None) -> list[AsyncIterator[RequestOutput]]:
@@ -208,9 +221,12 @@ def prompt_extras(body: Any, output: RequestOutput) -> dict[str, Any]:
     return extras
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: Optional[int] = None) -> dict[str, Any]:
+    figures: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                               "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        figures["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return figures
 
 
 def safe_logprob(value: float) -> float:

@@ -276,8 +276,15 @@ class ChatMessage(OpenAIModel):
     tool_calls: Optional[list[MessageToolCall]] = None
     tool_call_id: Optional[str] = None
 
-    def for_template(self) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+    def for_template(self, content_parts: bool = False) -> dict[str, Any]:
+        """The message as chat templates read it: its content as one text, or (``content_parts``,
+        vLLM's "openai" content format) as a list of ``{"type": "text", "text": ...}`` parts."""
+        content: Any = self.text()
+        if content_parts:
+            texts = [] if self.content is None else [self.content] if isinstance(self.content, str) \
+                else [part.text for part in self.content]
+            content = [{"type": "text", "text": text} for text in texts]
+        message: dict[str, Any] = {"role": self.role, "content": content}
         if self.name is not None:
             message["name"] = self.name
         if self.tool_calls:

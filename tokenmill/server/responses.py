@@ -14,10 +14,16 @@ from pydantic import BaseModel, Field
 LOGPROB_FLOOR = -9999.0
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="Prompt tokens served by the prefix cache.")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int = 0
     total_tokens: int
+    prompt_tokens_details: Optional[PromptTokensDetails] = Field(
+        None, description="With --enable-prompt-tokens-details.")
 
 
 class CompletionLogprobs(BaseModel):
@@ -98,11 +104,13 @@ class ToolCall(BaseModel):
 
 
 class ChatResponseMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
+    role: str = Field("assistant", description="assistant, or the server's --response-role; a reply that "
+                                               "continues the last message (no generation prompt) takes its role.")
     content: Optional[str] = Field(description="null when the reply is tool calls only.")
     tool_calls: Optional[list[ToolCall]] = None
-    reasoning_content: Optional[str] = Field(None, description="vLLM: with --reasoning-parser, the model's "
-                                                               "thinking (null when it did not think).")
+    reasoning: Optional[str] = Field(None, description="vLLM: with --reasoning-parser, the model's thinking (null "
+                                                       "when it did not think).")
+    reasoning_content: Optional[str] = Field(None, description="vLLM's older name of reasoning, the same text.")
 
 
 class ChatChoice(BaseModel):
@@ -140,10 +148,11 @@ class DeltaToolCall(BaseModel):
 
 
 class DeltaMessage(BaseModel):
-    role: Optional[Literal["assistant"]] = None
+    role: Optional[str] = None
     content: Optional[str] = None
     tool_calls: Optional[list[DeltaToolCall]] = None
-    reasoning_content: Optional[str] = Field(None, description="vLLM: with --reasoning-parser, new thinking.")
+    reasoning: Optional[str] = Field(None, description="vLLM: with --reasoning-parser, new thinking.")
+    reasoning_content: Optional[str] = Field(None, description="vLLM's older name of reasoning, the same text.")
 
 
 class ChatChunkChoice(BaseModel):

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from tokenmill.core.config.speculative_config import SpeculativeConfig
@@ -82,11 +82,52 @@ class QuantizationConfig(BaseModel):
 
 
 class StructuredOutputsConfig(BaseModel):
+    """vLLM's ``StructuredOutputsConfig`` (``--structured-outputs-config JSON``)."""
+
     model_config = _STRICT
 
     #: the backend that compiles constraints: a registered name ("xgrammar", "guidance", a
     #: plugin's), or "auto" (xgrammar where installed, else guidance)
     backend: str = "auto"
+    #: JSON is compiled with no free whitespace on every backend (False is refused: a weak
+    #: model could fill its budget with spaces)
+    disable_any_whitespace: bool = True
+    #: every JSON schema object that does not say whether it takes other properties gets
+    #: ``additionalProperties: false``, as a request's own field of that name asks
+    disable_additional_properties: bool = False
+    #: with a reasoning parser, the constraint holds in the thinking too (vLLM's field); by
+    #: default it holds in the answer only, from the parser's end of thinking on
+    enable_in_reasoning: bool = False
+    #: vLLM's place for ``--reasoning-parser``: the server's parser where that flag is not given
+    reasoning_parser: Optional[str] = None
+    #: tokenmill never switches backends for a request ("auto" picks one at startup), so
+    #: there is no fallback to disable: accepted either way
+    disable_fallback: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _json_text(cls, value: Any) -> Any:
+        """The CLI's text, as vLLM's flag takes it: a JSON object; vLLM's empty strings unset."""
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"not a JSON object: {exc}") from None
+        if isinstance(value, dict):
+            if value.get("reasoning_parser_plugin"):
+                raise ValueError("reasoning_parser_plugin: reasoning parsers are plugins registered through "
+                                 "entry points (the register_reasoning_parsers hook)")
+            value = {k: v for k, v in value.items() if not (k in ("reasoning_parser", "reasoning_parser_plugin")
+                                                           and v in ("", None))}
+        return value
+
+    @field_validator("disable_any_whitespace")
+    @classmethod
+    def _compact(cls, value: bool) -> bool:
+        if not value:
+            raise ValueError("JSON is compiled with no free whitespace (a weak model could fill its budget with "
+                             "spaces); leave disable_any_whitespace true")
+        return value
 
 
 class AdaptersConfig(BaseModel):
@@ -180,6 +221,19 @@ class ServerConfig(BaseModel):
     #: how a reasoning model's thinking is told from its answer: a registered ReasoningParser
     #: ("deepseek_r1", "qwen3"); replies then carry it as reasoning_content
     reasoning_parser: Optional[str] = None
+    #: the role a chat reply takes when the request adds the generation prompt (vLLM:
+    #: --response-role); without it, the reply continues the last message and takes its role
+    response_role: str = Field("assistant", min_length=1, max_length=64)
+    #: how a message's content reaches the chat template (vLLM: --chat-template-content-format):
+    #: "string" joins OpenAI's content parts into one text, "openai" passes the list of parts
+    #: ({"type": "text", "text": ...}); "auto" is "string"
+    chat_template_content_format: Literal["auto", "string", "openai"] = "auto"
+    #: usage.prompt_tokens_details.cached_tokens in replies: the prompt tokens the prefix cache
+    #: served (vLLM: --enable-prompt-tokens-details)
+    enable_prompt_tokens_details: bool = False
+    #: ASGI middleware to add to the app, as import paths (vLLM: --middleware): a class is
+    #: added with app.add_middleware, a function as an HTTP middleware (@app.middleware("http"))
+    middleware: list[str] = []
     #: seconds in-flight requests may take to finish on shutdown
     drain_timeout: float = Field(10.0, ge=0)
     #: TLS (vLLM's flags): the private key and certificate chain files serve https
@@ -310,6 +364,7 @@ VLLM_NAMES: dict[str, str] = {
     "max_lora_rank": "adapters.max_lora_rank",
     "max_cpu_loras": "adapters.max_cpu_loras",
     "guided_decoding_backend": "structured_outputs.backend",
+    "structured_outputs_config": "structured_outputs",
     "speculative_config": "speculative",
 }
 
@@ -335,6 +390,10 @@ SERVER_NAMES: dict[str, str] = {
     "reasoning_parser": "server.reasoning_parser",
     "return_tokens_as_token_ids": "server.return_tokens_as_token_ids",
     "max_logprobs": "server.max_logprobs",
+    "response_role": "server.response_role",
+    "chat_template_content_format": "server.chat_template_content_format",
+    "enable_prompt_tokens_details": "server.enable_prompt_tokens_details",
+    "middleware": "server.middleware",
     "ssl_keyfile": "server.ssl_keyfile",
     "ssl_certfile": "server.ssl_certfile",
     "ssl_ca_certs": "server.ssl_ca_certs",

@@ -237,7 +237,8 @@ def _structured_outputs(config: EngineConfig, components: Components,
     else:
         _backend_class(components, name)
     backend_context = StructuredOutputContext(context.tokenizer, context.vocab_size, context.eos_token_ids)
-    return StructuredOutputManager(name, lambda: _backend_class(components, name)(backend_context))
+    return StructuredOutputManager(name, lambda: _backend_class(components, name)(backend_context),
+                                   config.structured_outputs.disable_additional_properties)
 
 
 def _backend_class(components: Components, name: str) -> type[StructuredOutputBackend]:

@@ -3,6 +3,7 @@ the threads that compile them off the step loop."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -37,8 +38,11 @@ class StructuredOutputManager:
     #: a compile that takes longer fails its request (the thread finishes it in the background)
     COMPILE_TIMEOUT_S = 60.0
 
-    def __init__(self, name: str, make_backend: Callable[[], StructuredOutputBackend]) -> None:
+    def __init__(self, name: str, make_backend: Callable[[], StructuredOutputBackend],
+                 disable_additional_properties: bool = False) -> None:
         self.name = name
+        #: close every JSON schema's open objects (the server-wide form of the request's field)
+        self.disable_additional_properties = disable_additional_properties
         self._make_backend = make_backend
         self._backend: Optional[StructuredOutputBackend] = None
         self._cache: OrderedDict[tuple[str, str], CompiledConstraint] = OrderedDict()
@@ -59,7 +63,10 @@ class StructuredOutputManager:
         InvalidRequest naming the field it came from."""
         if params.compiled is not None and params.compiled[0] is self:
             return params.compiled[1]
-        key = params.key
+        source = params
+        if self.disable_additional_properties and params.kind == "json" and not params.disable_additional_properties:
+            source = dataclasses.replace(params, disable_additional_properties=True)
+        key = source.key
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
@@ -71,7 +78,7 @@ class StructuredOutputManager:
             raise InvalidRequest(params.param, f"the {self.name} structured output backend does not support "
                                                f"{params.kind} constraints")
         try:
-            compiled = backend.compile(params)
+            compiled = backend.compile(source)
         except InvalidConstraint as exc:
             raise InvalidRequest(params.param, f"invalid {params.kind} constraint: {exc}") from None
         with self._lock:

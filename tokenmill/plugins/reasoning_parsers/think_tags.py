@@ -5,6 +5,9 @@
   again is dropped), the rest is content; a reply with no ``</think>`` is all reasoning.
 - ``qwen3``: a reply that starts with ``<think>`` thinks until ``</think>``; any other reply is
   all content (thinking turned off: Qwen3's template then closes an empty block in the prompt).
+
+Both constrain a reply after its ``</think>``, or from its start when the prompt's last marker
+is a ``</think>`` (the template closed the thinking: Qwen3's ``enable_thinking=False``).
 """
 
 from __future__ import annotations
@@ -37,7 +40,14 @@ def _after_start(text: str, final: bool) -> tuple[Optional[str], Optional[str]]:
     return _or_none(text[:keep]), None
 
 
-class DeepSeekR1ReasoningParser(ReasoningParser):
+class ThinkTagsParser(ReasoningParser):
+    """What both parsers share: the constraint waits for ``</think>``."""
+
+    def constraint_starts_after(self, prompt: str) -> Optional[str]:
+        return None if prompt.rfind(END) > prompt.rfind(START) else END
+
+
+class DeepSeekR1ReasoningParser(ThinkTagsParser):
     def split(self, text: str, final: bool) -> tuple[Optional[str], Optional[str]]:
         if text.startswith(START):
             text = text[len(START):]
@@ -46,7 +56,7 @@ class DeepSeekR1ReasoningParser(ReasoningParser):
         return _after_start(text, final)
 
 
-class Qwen3ReasoningParser(ReasoningParser):
+class Qwen3ReasoningParser(ThinkTagsParser):
     def split(self, text: str, final: bool) -> tuple[Optional[str], Optional[str]]:
         if text.startswith(START):
             return _after_start(text[len(START):], final)

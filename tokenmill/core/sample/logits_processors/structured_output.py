@@ -1,5 +1,7 @@
 """Structured outputs as a logits processor: each constrained row keeps its own matcher,
-which advances with the row's new tokens; the batch's bitmask is applied in one operation."""
+which advances with the row's new tokens; the batch's bitmask is applied in one operation.
+A constraint that ``starts_after`` some tokens (the end of a reasoning model's thinking)
+leaves its row free until the row has written them; its matcher takes the tokens after."""
 
 from __future__ import annotations
 
@@ -20,6 +22,22 @@ class _Row:
     #: the request's live output tokens, and how many of them the matcher has taken
     output: Sequence[int]
     consumed: int = 0
+    #: the tokens the constraint waits for, while the row has not written them yet
+    waits_for: Optional[tuple[int, ...]] = None
+
+    def opened(self) -> bool:
+        """Whether the constraint holds now: past its ``starts_after`` tokens, whose end
+        becomes where the matcher starts. Looks only at what was written since the last look
+        (less the marker's length, for a marker split over steps)."""
+        if self.waits_for is None:
+            return True
+        marker, output = self.waits_for, self.output
+        for start in range(max(0, self.consumed - len(marker) + 1), len(output) - len(marker) + 1):
+            if tuple(output[start:start + len(marker)]) == marker:
+                self.waits_for, self.consumed = None, start + len(marker)
+                return True
+        self.consumed = len(output)
+        return False
 
 
 class StructuredOutput(LogitsProcessor):
@@ -43,7 +61,8 @@ class StructuredOutput(LogitsProcessor):
         if constraint is None:
             return None
         # a request resumed after preemption has a history: the matcher replays it
-        return _Row(self.manager.compiled(constraint).new_matcher(), row.output_token_ids)
+        return _Row(self.manager.compiled(constraint).new_matcher(), row.output_token_ids,
+                    waits_for=constraint.starts_after)
 
     def is_active(self) -> bool:
         return bool(self._rows)
@@ -53,6 +72,8 @@ class StructuredOutput(LogitsProcessor):
         bitmask = allocate_bitmask(len(indices), logits.shape[1])
         for position, index in enumerate(indices):
             row = self._rows[index]
+            if not row.opened():  # its row of the bitmask allows every token
+                continue
             for token in row.output[row.consumed:]:
                 if not row.matcher.accept_token(token):
                     raise RuntimeError(f"token {token} breaks the structured output constraint (another "
