@@ -275,3 +275,55 @@ def test_structured_outputs_config_flag(model_dir):
         load_config(model="x", structured_outputs_config='{"disable_any_whitespace": false}')
     with pytest.raises(ConfigError, match="reasoning_parser_plugin"):
         load_config(model="x", structured_outputs_config='{"reasoning_parser_plugin": "p.py"}')
+
+
+def test_hf_overrides_flag_changes_the_config_the_model_is_built_from(model_dir):
+    """--hf-overrides JSON: the model is built from config.json with those keys replaced, and
+    its logprobs equal transformers' built from the same overrides (max_position_embeddings
+    bounds max_model_len; rms_norm_eps changes every layer's output)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tokenmill import LLM, load_config
+    from tokenmill.testing.logits import prompt_logits
+
+    path, prompt = model_dir("llama"), list(range(5, 30))
+    overrides = {"rms_norm_eps": 0.25, "max_position_embeddings": 96}
+    config = load_config(model=str(path), dtype="float32", kv_cache_memory_bytes=2**24,
+                         hf_overrides=json.dumps(overrides))
+    engine = LLM(config=config).llm_engine
+    assert engine.max_model_len == 96
+    got = prompt_logits(engine, prompt).log_softmax(-1)
+    with torch.no_grad():
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **overrides)
+        expected = hf(torch.tensor([prompt])).logits[0].log_softmax(-1)
+        plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)(torch.tensor([prompt])).logits[0]
+    assert (got - expected).abs().max().item() < 1e-4
+    assert (plain.log_softmax(-1) - expected).abs().max().item() > 1e-2  # the override mattered
+
+
+def test_long_prefill_token_threshold_caps_each_steps_prefill_chunk(model_dir):
+    """--long-prefill-token-threshold 8: a 40-token prompt prefills in 8-token chunks over five
+    steps (one without it), beside a short prompt that starts at once, with the same tokens."""
+    from conftest import make_llm
+    from tokenmill import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    long_prompt, short_prompt = list(range(3, 43)), list(range(50, 54))
+    results = {}
+    for threshold in (0, 8):
+        engine = make_llm(model_dir("llama"), long_prefill_token_threshold=threshold).llm_engine
+        engine.add_request("long", {"prompt_token_ids": long_prompt}, params)
+        engine.add_request("short", {"prompt_token_ids": short_prompt}, params)
+        first_token_step, done, step = {}, {}, 0
+        while engine.has_unfinished_requests():
+            step += 1
+            for output in engine.step():
+                if output.outputs[0].token_ids:
+                    first_token_step.setdefault(output.request_id, step)
+                if output.finished:
+                    done[output.request_id] = output.outputs[0].token_ids
+        results[threshold] = first_token_step, done
+    assert results[0][0] == {"long": 1, "short": 1}
+    assert results[8][0] == {"long": 5, "short": 1}
+    assert results[8][1] == results[0][1]

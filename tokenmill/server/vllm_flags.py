@@ -136,11 +136,12 @@ REFUSED: dict[str, str] = {
         "--lora-dtype", "--lora-target-modules", "--fully-sharded-loras", "--enable-mixed-moe-lora-format",
         "--enable-moe-shared-loras", "--specialize-active-lora")},
     **{flag: _SCHEDULER for flag in (
-        "--long-prefill-token-threshold", "--long-prefill-token-threshold-adaptive", "--max-num-scheduled-tokens",
+        "--long-prefill-token-threshold-adaptive", "--max-num-scheduled-tokens",
         "--max-num-active-seqs", "--max-num-queued-tokens", "--prefill-schedule-interval",
         "--scheduler-reserve-full-isl", "--prefix-cache-retention-interval", "--prefix-caching-hash-algo",
-        "--prefix-match-unit", "--kv-sharing-fast-prefill", "--disable-cascade-attn", "--kv-cache-dtype-skip-layers",
-        "--async-scheduling")},
+        "--prefix-match-unit", "--kv-sharing-fast-prefill", "--disable-cascade-attn", "--kv-cache-dtype-skip-layers")},
+    "--async-scheduling": "the engine schedules each step once the last one's outputs are processed; overlapping "
+                          "the two is not supported",
     "--max-num-queued-reqs": "use --max-queued-requests (requests beyond it get 503)",
     "--scheduler-cls": "scheduling policies are plugins: --scheduling-policy NAME (see `tokenmill plugins`)",
     "--stream-interval": "streams send every step's tokens",
@@ -162,7 +163,6 @@ REFUSED: dict[str, str] = {
         "--sleep-preserve-parameter-names", "--logprobs-mode")},
     "--reasoning-parser-plugin": _REASONING,
     "--reasoning-config": "reasoning parsers are not configurable: --reasoning-parser NAME",
-    "--hf-overrides": "config.json is read as it is: edit a copy of the model directory",
     "--model-impl": "models are tokenmill's own implementations (model plugins), checked against transformers",
     "--model-class-overrides": "architectures are model plugins: see `tokenmill plugins`",
     "--quantization-config": "quantization is read from the checkpoint's config (--quantization names the method)",

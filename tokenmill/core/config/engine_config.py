@@ -30,6 +30,10 @@ class SchedulerConfig(BaseModel):
     max_num_seqs: int = Field(256, ge=1)
     max_num_batched_tokens: int = Field(4096, ge=1)
     chunked_prefill: bool = True
+    #: with chunked prefill, the most prompt tokens one request computes in a step (0: up to
+    #: the step's budget), so that a long prompt shares each step with others' prefills
+    #: instead of filling it (vLLM: long_prefill_token_threshold)
+    long_prefill_token_threshold: int = Field(0, ge=0)
     #: recompute: a victim's KV is dropped and recomputed later; swap: it is copied to
     #: the host swap space (cache.swap_space) and back, falling back to recompute when full
     preemption_mode: Literal["recompute", "swap"] = "recompute"
@@ -288,6 +292,9 @@ class EngineConfig(BaseSettings):
     generation_config: str = "auto"
     #: sampling defaults over those (generation_config.json's names: temperature, max_new_tokens, ...)
     override_generation_config: dict[str, Any] = {}
+    #: keys of the model's config.json replaced before anything reads it (vLLM: hf_overrides);
+    #: an object value merges into the file's object of that name (rope_scaling's keys)
+    hf_overrides: dict[str, Any] = {}
     platform: PlatformConfig = PlatformConfig()
     parallel: ParallelConfig = ParallelConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
@@ -299,7 +306,7 @@ class EngineConfig(BaseSettings):
     speculative: SpeculativeConfig = SpeculativeConfig()
     server: ServerConfig = ServerConfig()
 
-    @field_validator("override_generation_config", mode="before")
+    @field_validator("override_generation_config", "hf_overrides", mode="before")
     @classmethod
     def _json_text(cls, value: Any) -> Any:
         """The CLI's text, as vLLM's flag takes it: a JSON object."""
@@ -335,6 +342,7 @@ VLLM_NAMES: dict[str, str] = {
     "logits_processors": "logits_processors",
     "generation_config": "generation_config",
     "override_generation_config": "override_generation_config",
+    "hf_overrides": "hf_overrides",
     # the cpu platform's options (platform.cpu), by their flat names
     "num_threads": "platform.cpu.num_threads",
     "small_batch_gemv": "platform.cpu.small_batch_gemv",
@@ -355,6 +363,7 @@ VLLM_NAMES: dict[str, str] = {
     "max_num_seqs": "scheduler.max_num_seqs",
     "max_num_batched_tokens": "scheduler.max_num_batched_tokens",
     "enable_chunked_prefill": "scheduler.chunked_prefill",
+    "long_prefill_token_threshold": "scheduler.long_prefill_token_threshold",
     "scheduling_policy": "scheduler.policy",
     "preemption_mode": "scheduler.preemption_mode",
     "attention_backend": "attention.backend",

@@ -93,10 +93,19 @@ def normalize_hf_config(raw: dict[str, Any]) -> dict[str, Any]:
     return cfg
 
 
+def merged(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``overrides``' keys: an object over an object merges, key by key."""
+    out = dict(base)
+    for key, value in overrides.items():
+        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
 def load_model_config(
     path: str | Path, dtype: str = "auto", max_model_len: Optional[int] = None,
     resolve_dtype: Optional[Callable[[torch.dtype], torch.dtype]] = None,
     generation_config: str = "auto", override_generation_config: Optional[dict[str, Any]] = None,
+    hf_overrides: Optional[dict[str, Any]] = None,
 ) -> ModelConfig:
     """``resolve_dtype`` is the platform's say on what ``dtype: auto`` computes a checkpoint's
     stored dtype in (Platform.resolve_dtype); without one, the stored dtype itself."""
@@ -108,6 +117,9 @@ def load_model_config(
         raw = json.loads(config_file.read_text())
     except json.JSONDecodeError as exc:
         raise ConfigError("model", f"{config_file} is not valid JSON: {exc}") from None
+    if hf_overrides:
+        raw = merged(raw, hf_overrides)
+        log.info("config.json overridden", model=str(path), hf_overrides=hf_overrides)
     hf = normalize_hf_config(raw)
     legacy_quant = path / "quantize_config.json"  # AutoGPTQ's separate file
     if not hf.get("quantization_config") and legacy_quant.is_file():

@@ -161,7 +161,7 @@ class Scheduler:
             if request.request_id in self.in_flight:
                 index += 1
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, step.budget)
+            num_new = self._chunk(request.num_tokens - request.num_computed_tokens, step.budget)
             drafts: tuple[int, ...] = ()
             if request.spec_token_ids and request.num_computed_tokens + num_new == request.num_tokens:
                 drafts = tuple(request.spec_token_ids[:step.budget - num_new])
@@ -197,7 +197,7 @@ class Scheduler:
             num_new = request.num_tokens - num_computed
             if num_new > step.budget and not self.config.chunked_prefill:
                 return
-            num_new = min(num_new, step.budget)
+            num_new = self._chunk(num_new, step.budget)
             # a waiting request that is not swapped has computed nothing yet: the hits
             # become its first computed tokens once the allocation succeeds
             if not self.kv_cache.allocate_slots(request, num_new + self._lookahead(request, num_new, num_computed),
@@ -216,6 +216,12 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             self._emit(request, num_new, step)
+
+    def _chunk(self, num_new: int, budget: int) -> int:
+        """The tokens of ``num_new`` a request computes this step: what the budget leaves, and
+        with chunked prefill at most ``long_prefill_token_threshold``."""
+        threshold = self.config.long_prefill_token_threshold if self.config.chunked_prefill else 0
+        return min(num_new, budget, threshold or num_new)
 
     def _adapter_fits(self, adapter: str) -> bool:
         running = {r.adapter_name for r in self.running if r.adapter_name is not None}

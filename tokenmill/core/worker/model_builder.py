@@ -92,7 +92,7 @@ class BuiltModel:
 def build_model(config: EngineConfig, components: Components, pm: PluginManager, platform: Platform,
                 parallel: ParallelContext) -> BuiltModel:
     model_config = load_model_config(config.model, config.dtype, config.max_model_len, platform.resolve_dtype,
-                                     config.generation_config, config.override_generation_config)
+                                     config.generation_config, config.override_generation_config, config.hf_overrides)
     model_cls = components.model_architectures.get(model_config.architecture)
     _check_parallel(model_cls, model_config, parallel)
     backend = _attention_backend(config, model_config, components, pm, platform)
