@@ -160,7 +160,7 @@ REFUSED: dict[str, str] = {
     "--worker-cls": "workers are tokenmill's; executors are plugins (--distributed-executor-backend)",
     **{flag: _ROLLOUT for flag in (
         "--worker-extension-cls", "--weight-transfer-config", "--enable-sleep-mode", "--sleep-mode-offload-cudagraph",
-        "--sleep-preserve-parameter-names", "--logprobs-mode")},
+        "--sleep-preserve-parameter-names")},
     "--reasoning-parser-plugin": _REASONING,
     "--reasoning-config": "reasoning parsers are not configurable: --reasoning-parser NAME",
     "--model-impl": "models are tokenmill's own implementations (model plugins), checked against transformers",

@@ -292,6 +292,10 @@ class EngineConfig(BaseSettings):
     generation_config: str = "auto"
     #: sampling defaults over those (generation_config.json's names: temperature, max_new_tokens, ...)
     override_generation_config: dict[str, Any] = {}
+    #: what sampled tokens' logprobs are (vLLM's logprobs_mode): the raw distribution's
+    #: logprobs or logits, or those of the distribution the token was drawn from, after the
+    #: processors, penalties, temperature and truncation ("processed_logprobs": RL's ratios)
+    logprobs_mode: Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"] = "raw_logprobs"
     #: keys of the model's config.json replaced before anything reads it (vLLM: hf_overrides);
     #: an object value merges into the file's object of that name (rope_scaling's keys)
     hf_overrides: dict[str, Any] = {}
@@ -343,6 +347,7 @@ VLLM_NAMES: dict[str, str] = {
     "generation_config": "generation_config",
     "override_generation_config": "override_generation_config",
     "hf_overrides": "hf_overrides",
+    "logprobs_mode": "logprobs_mode",
     # the cpu platform's options (platform.cpu), by their flat names
     "num_threads": "platform.cpu.num_threads",
     "small_batch_gemv": "platform.cpu.small_batch_gemv",

@@ -129,7 +129,7 @@ def _build_engine(config: EngineConfig, pm: PluginManager, components: Component
     structured = _structured_outputs(config, components, context)
     processors = ((StructuredOutput(context, structured),) if structured else ()) + _logits_processors(
         config, components, context)
-    runner = ModelRunner(model_step, config.seed, processors)
+    runner = ModelRunner(model_step, config.seed, processors, config.logprobs_mode)
     engine = LLMEngine(config, model_config, tokenizer, scheduler, runner, pm, adapters, platform, structured, group,
                        speculator)
     log.info("engine built", **platform.describe(), model=str(model_config.path),

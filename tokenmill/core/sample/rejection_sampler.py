@@ -54,8 +54,8 @@ def verify(sampler: Sampler, logits: torch.Tensor, rows: Sequence[SamplingRow],
     ``draft_probs[i]``: [len(drafts[i]), vocab], the distribution each draft was drawn
     from (None: one-hot at the draft)."""
     want_logprobs = any(row.params.logprobs is not None for row in rows)
-    raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
     processed, greedy = sampler.process(logits, rows)
+    reported = sampler.reported(logits, processed) if want_logprobs else None
     starts = row_starts(drafts)
     tokens: list[list[int]] = [[] for _ in drafts]
     sampled = [i for i in range(len(drafts)) if not greedy[starts[i]]]
@@ -70,8 +70,8 @@ def verify(sampler: Sampler, logits: torch.Tensor, rows: Sequence[SamplingRow],
     for i, request_tokens in enumerate(tokens):
         k = rows[starts[i]].params.logprobs
         logprobs: list[Optional[PositionLogprobs]] = [None] * len(request_tokens)
-        if raw_logprobs is not None and k is not None:
-            logprobs = gather_logprobs(raw_logprobs[starts[i]:starts[i] + len(request_tokens)],
+        if reported is not None and k is not None:
+            logprobs = gather_logprobs(reported[starts[i]:starts[i] + len(request_tokens)],
                                        torch.tensor(request_tokens, dtype=torch.long, device=logits.device),
                                        [k] * len(request_tokens))
         verified.append(Verified(request_tokens, logprobs))

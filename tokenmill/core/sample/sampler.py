@@ -3,7 +3,10 @@
 Order follows vLLM: the logits processors that can move the argmax (allowed_token_ids,
 bad_words, min_tokens, logit_bias, a plugin's), then penalties, then greedy argmax
 or temperature -> the argmax-invariant processors -> min-p -> top-k/top-p -> a draw.
-Reported logprobs are those of the raw distribution. A seeded row draws only from
+Reported logprobs are those of the raw distribution, or (``logprobs_mode``, vLLM's
+engine option) the raw logits, or the logprobs or logits of the distribution the token was
+drawn from: after the processors, penalties, temperature, min-p, top-k and top-p
+(``processed_*``: the ratios GRPO's importance weights need). A seeded row draws only from
 its own generator, so its samples do not depend on what else is in the batch.
 """
 
@@ -29,7 +32,9 @@ class SamplingRow:
 
 
 class Sampler:
-    def __init__(self, seed: int, processors: Sequence[LogitsProcessor] = ()) -> None:
+    def __init__(self, seed: int, processors: Sequence[LogitsProcessor] = (),
+                 logprobs_mode: str = "raw_logprobs") -> None:
+        self.logprobs_mode = logprobs_mode
         #: draws for unseeded rows; seeded from the engine seed for reproducible runs
         self.generator = torch.Generator().manual_seed(seed)
         self.processors = tuple(processors)
@@ -46,7 +51,6 @@ class Sampler:
     ) -> tuple[list[int], list[Optional[PositionLogprobs]]]:
         """``logits`` [num_rows, vocab] float32 -> (token ids, per-row logprobs or None)."""
         want_logprobs = any(row.params.logprobs is not None for row in rows)
-        raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
         processed, greedy = self.process(logits, rows)
         tokens = processed.argmax(dim=-1)  # the greedy rows' tokens; the sampling rows' are drawn
         random_index = [i for i, g in enumerate(greedy) if not g]
@@ -54,10 +58,15 @@ class Sampler:
             tokens[random_index] = self.draw(processed[random_index].softmax(dim=-1),
                                              [rows[i].generator for i in random_index])
         token_list = tokens.tolist()
-        if raw_logprobs is None:
+        if not want_logprobs:
             return token_list, [None] * len(rows)
         ks = [row.params.logprobs for row in rows]
-        return token_list, gather_logprobs(raw_logprobs, tokens, ks)
+        return token_list, gather_logprobs(self.reported(logits, processed), tokens, ks)
+
+    def reported(self, raw: torch.Tensor, processed: torch.Tensor) -> torch.Tensor:
+        """The values logprobs report, per ``logprobs_mode`` (ranks follow them too)."""
+        source = raw if self.logprobs_mode.startswith("raw") else processed
+        return source.log_softmax(dim=-1) if self.logprobs_mode.endswith("logprobs") else source
 
     def process(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> tuple[torch.Tensor, list[bool]]:
         """Each row's final logits and whether it is greedy: a greedy row's token is their

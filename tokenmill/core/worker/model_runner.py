@@ -62,10 +62,10 @@ class LaunchedStep:
 
 class ModelRunner:
     def __init__(self, model_step: ModelStep, seed: int,
-                 logits_processors: tuple[LogitsProcessor, ...] = ()) -> None:
+                 logits_processors: tuple[LogitsProcessor, ...] = (), logprobs_mode: str = "raw_logprobs") -> None:
         #: runs the forward pass: here, or broadcast to every rank first (DistributedModelStep)
         self.model_step = model_step
-        self.sampler = Sampler(seed, logits_processors)
+        self.sampler = Sampler(seed, logits_processors, logprobs_mode)
         self._batch = PersistentBatch()
         self._states: dict[str, _RequestState] = {}
         #: the launched step whose rows the logits processors hold
