@@ -56,3 +56,12 @@ class DeviceFailed(WorkerFailed):
     """The device raised an error that leaves it unusable (a CUDA illegal address poisons the
     process's context: every later CUDA call fails). The engine stops as for a dead worker,
     and ``tokenmill serve`` exits so that a supervisor can start a fresh process."""
+
+
+class RankCallFailed(TokenmillError):
+    """A control call (collective_rpc, a weight update, sleep) raised on one rank: the
+    message names the rank and its error. The engine serves on."""
+
+    def __init__(self, rank: int, error: str) -> None:
+        super().__init__(f"rank {rank}: {error}")
+        self.rank, self.error = rank, error

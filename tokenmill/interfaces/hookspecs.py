@@ -19,8 +19,9 @@ from typing import Any, Callable, Protocol
 import pluggy
 
 PROJECT_NAME = "tokenmill"
-HOOKSPEC_VERSION = 7  # 2: register_platforms; 3: register_logits_processors; 4: structured outputs, tool parsers;
-#                      5: register_executors; 6: register_speculative_proposers; 7: register_reasoning_parsers
+HOOKSPEC_VERSION = 8  # 2: register_platforms; 3: register_logits_processors; 4: structured outputs, tool parsers;
+#                      5: register_executors; 6: register_speculative_proposers; 7: register_reasoning_parsers;
+#                      8: register_worker_extensions, register_weight_transfer_backends
 ENTRY_POINT_GROUP = "tokenmill.plugins"
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
@@ -124,6 +125,20 @@ def register_executors(register: Register) -> None:
 def register_speculative_proposers(register: Register) -> None:
     """Register SpeculativeProposer classes (``tokenmill.interfaces.speculative``) by name;
     ``speculative: {method: name}`` (vLLM's ``speculative_config``) selects one. Built as
+    ``cls(context)``."""
+
+
+@hookspec
+def register_worker_extensions(register: Register) -> None:
+    """Register WorkerExtension classes (``tokenmill.interfaces.worker_extension``) by name:
+    their public methods are what ``collective_rpc`` calls on every rank. Built once per rank
+    as ``cls(context)``; install the plugin as a package, as every rank needs it."""
+
+
+@hookspec
+def register_weight_transfer_backends(register: Register) -> None:
+    """Register WeightTransferBackend classes (``tokenmill.interfaces.weight_transfer``) by
+    name; ``weight_transfer_config: {backend: name}`` selects one. Built on every rank as
     ``cls(context)``."""
 
 

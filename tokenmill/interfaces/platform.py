@@ -132,6 +132,14 @@ class Platform:
     def place_model(self, model: torch.nn.Module) -> None:
         """Where the loaded (and optimised) weights live: a device, huge pages, ..."""
 
+    def refresh_weights(self, model: torch.nn.Module) -> None:
+        """The weights changed in place (a trainer's update, a wake from sleep) or were
+        released (empty parameters: sleep level 2): rebuild, or drop, every copy
+        ``optimize_model`` derived from them. It is only called on a model built with
+        ``keeps_plain_weights`` set, which ``optimize_model`` must honour: each layer keeps
+        its parameters (the same objects, dtypes and shapes) as the loader wrote them, for
+        updates to write into again."""
+
     def greedy_head(self, model: torch.nn.Module) -> Optional[GreedyArgmax]:
         """An argmax head for steps whose rows are all greedy without logprobs, or None."""
         return None

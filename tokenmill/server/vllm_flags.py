@@ -51,7 +51,8 @@ _LORA = "this LoRA variant is not supported: --enable-lora serves rank-<= --max-
 _SCHEDULER = "this scheduler knob is not supported: see --max-num-batched-tokens, --max-num-seqs, --scheduling-policy"
 _SERVER = "this server option is not supported"
 _KERNELS = "kernels are the platform's and the attention backend's: see --attention-backend and `tokenmill plugins`"
-_ROLLOUT = "the training-loop API (sleep mode, weight transfer, worker extensions) is not supported yet"
+_ROLLOUT = ("this sleep-mode detail is not supported: --enable-sleep-mode frees the KV cache (level 1) and the "
+            "weights (level 2) on the platform's own allocator")
 _REASONING = "reasoning parsers are plugins registered through entry points: --reasoning-parser NAME"
 
 #: flags tokenmill accepts because it always does what they ask
@@ -158,9 +159,10 @@ REFUSED: dict[str, str] = {
     "--cpu-distributed-timeout-seconds": "use --distributed-timeout-seconds",
     "--ray-workers-use-nsight": "Nsight profiling of Ray workers is not supported",
     "--worker-cls": "workers are tokenmill's; executors are plugins (--distributed-executor-backend)",
-    **{flag: _ROLLOUT for flag in (
-        "--worker-extension-cls", "--weight-transfer-config", "--enable-sleep-mode", "--sleep-mode-offload-cudagraph",
-        "--sleep-preserve-parameter-names")},
+    **{flag: _ROLLOUT for flag in ("--sleep-mode-offload-cudagraph", "--sleep-preserve-parameter-names")},
+    "--worker-extension-cls": "worker extensions are plugins registered through entry points "
+                              "(register_worker_extensions), so that every rank has them: collective_rpc calls "
+                              "their methods by name",
     "--reasoning-parser-plugin": _REASONING,
     "--reasoning-config": "reasoning parsers are not configurable: --reasoning-parser NAME",
     "--model-impl": "models are tokenmill's own implementations (model plugins), checked against transformers",
@@ -171,7 +173,6 @@ REFUSED: dict[str, str] = {
     "--aux-output-config": "auxiliary outputs are not supported",
     "--diffusion-config": "diffusion models are not supported",
     "--engram-config": "engram memory is not supported",
-    "--profiler-config": "profiling is not configurable here: see benchmarks/profile_step.py",
     "--tokenizer-mode": "the tokenizer is the model directory's fast (tokenizers) one",
     "--skip-tokenizer-init": "the tokenizer is always loaded (stop strings and detokenizing need it)",
     "--tokens-only": "replies always carry text beside token ids",

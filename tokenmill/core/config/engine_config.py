@@ -110,13 +110,8 @@ class StructuredOutputsConfig(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _json_text(cls, value: Any) -> Any:
-        """The CLI's text, as vLLM's flag takes it: a JSON object; vLLM's empty strings unset."""
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"not a JSON object: {exc}") from None
+    def _vllm_values(cls, value: Any) -> Any:
+        """vLLM's empty strings unset a field; a reasoning-parser plugin file is refused."""
         if isinstance(value, dict):
             if value.get("reasoning_parser_plugin"):
                 raise ValueError("reasoning_parser_plugin: reasoning parsers are plugins registered through "
@@ -132,6 +127,26 @@ class StructuredOutputsConfig(BaseModel):
             raise ValueError("JSON is compiled with no free whitespace (a weak model could fill its budget with "
                              "spaces); leave disable_any_whitespace true")
         return value
+
+
+class WeightTransferConfig(BaseModel):
+    """vLLM's ``WeightTransferConfig``: how a trainer's weights reach the engine."""
+
+    model_config = _STRICT
+
+    #: a registered weight-transfer backend: "in_process" (the trainer holds the LLM),
+    #: "gloo" (a trainer process over torch.distributed, CPU), "nccl" (the same on CUDA)
+    backend: str = "in_process"
+
+
+class ProfilerConfig(BaseModel):
+    """vLLM's ``ProfilerConfig``: where ``start_profile`` / ``stop_profile`` write traces."""
+
+    model_config = _STRICT
+
+    profiler: Literal["torch"] = "torch"
+    #: the directory each rank's Chrome trace is written to
+    torch_profiler_dir: str
 
 
 class AdaptersConfig(BaseModel):
@@ -296,6 +311,13 @@ class EngineConfig(BaseSettings):
     #: logprobs or logits, or those of the distribution the token was drawn from, after the
     #: processors, penalties, temperature and truncation ("processed_logprobs": RL's ratios)
     logprobs_mode: Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"] = "raw_logprobs"
+    #: accept a trainer's weights (vLLM's weight_transfer_config): init_weight_transfer_engine,
+    #: then update_weights; the model keeps its plain weights beside the platform's packed copies
+    weight_transfer_config: Optional[WeightTransferConfig] = None
+    #: allow sleep() / wake_up() (vLLM's enable_sleep_mode); the model keeps its plain weights
+    enable_sleep_mode: bool = False
+    #: where start_profile() / stop_profile() write torch profiler traces (vLLM's profiler_config)
+    profiler_config: Optional[ProfilerConfig] = None
     #: keys of the model's config.json replaced before anything reads it (vLLM: hf_overrides);
     #: an object value merges into the file's object of that name (rope_scaling's keys)
     hf_overrides: dict[str, Any] = {}
@@ -310,7 +332,8 @@ class EngineConfig(BaseSettings):
     speculative: SpeculativeConfig = SpeculativeConfig()
     server: ServerConfig = ServerConfig()
 
-    @field_validator("override_generation_config", "hf_overrides", mode="before")
+    @field_validator("override_generation_config", "hf_overrides", "structured_outputs", "weight_transfer_config",
+                     "profiler_config", mode="before")
     @classmethod
     def _json_text(cls, value: Any) -> Any:
         """The CLI's text, as vLLM's flag takes it: a JSON object."""
@@ -348,6 +371,9 @@ VLLM_NAMES: dict[str, str] = {
     "override_generation_config": "override_generation_config",
     "hf_overrides": "hf_overrides",
     "logprobs_mode": "logprobs_mode",
+    "weight_transfer_config": "weight_transfer_config",
+    "enable_sleep_mode": "enable_sleep_mode",
+    "profiler_config": "profiler_config",
     # the cpu platform's options (platform.cpu), by their flat names
     "num_threads": "platform.cpu.num_threads",
     "small_batch_gemv": "platform.cpu.small_batch_gemv",

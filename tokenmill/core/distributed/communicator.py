@@ -20,8 +20,10 @@ import torch.distributed as dist
 from tokenmill.interfaces.errors import WorkerFailed
 
 
-def _new_group(store: dist.Store, prefix: str, rank: int, size: int, backend: str,
-               timeout: timedelta) -> dist.ProcessGroup:
+def new_group(store: dist.Store, prefix: str, rank: int, size: int, backend: str,
+              timeout: timedelta) -> dist.ProcessGroup:
+    """A process group of ``size`` ranks over ``store`` (under ``prefix``), without
+    ``init_process_group``; it waits for every rank to join."""
     store = dist.PrefixStore(prefix, store)
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, size, timeout)
@@ -53,8 +55,8 @@ class Communicator:
         self.device = device
         self.rank, self.tp_size, self.pp_size = rank, tp_size, pp_size
         self.tp_rank, self.stage = rank % tp_size, rank // tp_size
-        self.world = _new_group(store, "world", rank, tp_size * pp_size, backend, timeout)
-        self.tp = (_new_group(store, f"tp{self.stage}", self.tp_rank, tp_size, backend, timeout)
+        self.world = new_group(store, "world", rank, tp_size * pp_size, backend, timeout)
+        self.tp = (new_group(store, f"tp{self.stage}", self.tp_rank, tp_size, backend, timeout)
                    if tp_size > 1 else None)
         self.stats = CollectiveStats()
         #: sends started without waiting, with their tensors (kept alive until they complete)
@@ -112,6 +114,10 @@ class Communicator:
         # the first shard with the maximum wins a tie, as argmax over the whole row would
         best = stacked[..., 0].argmax(dim=0)
         return stacked[..., 1].gather(0, best[None])[0].long()
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> None:
+        """``x`` from rank ``src`` into every rank's ``x``, across the whole world."""
+        self._run(f"broadcast from rank {src}", lambda: self.world.broadcast(x, src), x)
 
     # --- pipeline parallelism ---------------------------------------------------
     def send_next(self, x: torch.Tensor) -> None:

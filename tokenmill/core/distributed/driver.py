@@ -28,6 +28,7 @@ from tokenmill.core.distributed.messages import (
     LoadAdapter,
     Ready,
     Reply,
+    Result,
     Shutdown,
     Step,
     Swap,
@@ -64,6 +65,8 @@ class WorkerGroup:
         self.world_size = tp * pp
         self.timeout_s = timeout_s
         self._closed = False
+        #: why the ranks are out of step (a control call that timed out), or None
+        self.broken: Optional[str] = None
         self.connections: dict[int, Connection] = {}
         self.hellos: dict[int, Hello] = {}
         self._authkey = secrets.token_bytes(32)
@@ -171,6 +174,22 @@ class WorkerGroup:
             errors.append(reply.error if isinstance(reply, Reply) else f"unexpected {type(reply).__name__}")
         return errors
 
+    def results(self, what: str, timeout_s: float) -> list[Result]:
+        """Every worker's Result to the Control just sent, in rank order. A rank that does
+        not answer in time leaves the group broken: its reply would come out of turn, and a
+        rank busy elsewhere cannot step, so the engine stops."""
+        results = []
+        for rank, connection in sorted(self.connections.items()):
+            try:
+                reply = self._receive(rank, connection, timeout_s)
+            except WorkerFailed as exc:
+                if "did not answer" in str(exc):
+                    self.broken = f"rank {rank} did not finish {what} within {timeout_s:g} s"
+                    raise TimeoutError(self.broken + "; the engine stops, as that rank cannot step") from None
+                raise
+            results.append(reply if isinstance(reply, Result) else Result(error=f"unexpected {type(reply).__name__}"))
+        return results
+
     def _receive(self, rank: int, connection: Connection, timeout_s: float):
         deadline = time.monotonic() + timeout_s
         while not connection.poll(0.5):
@@ -183,6 +202,8 @@ class WorkerGroup:
             raise WorkerFailed(f"rank {rank} closed its control connection: {exc!r}") from exc
 
     def _check_alive(self, when: str) -> None:
+        if self.broken is not None:
+            raise WorkerFailed(self.broken)
         failed = self.executor.failed_workers()
         if failed:
             raise WorkerFailed("worker stopped" + (f" {when}" if when else "") + ": " + "; ".join(failed))
@@ -230,6 +251,8 @@ class DistributedModelStep:
         return self.local.parallel
 
     def run(self, step: Step, wait: bool = True) -> Optional[StepResult]:
+        if self.group.broken is not None:
+            raise WorkerFailed(self.group.broken)
         self.group.send(step)
         self.steps += 1
         try:

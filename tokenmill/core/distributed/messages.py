@@ -3,8 +3,10 @@
 A worker says ``Hello`` (the protocol version it speaks, its registries' fingerprint) as
 soon as it has read its plugins, and ``Ready`` (its KV capacity) once its shard is built; the
 driver answers ``Setup`` (the KV blocks every rank allocates), then sends one message per
-step. Only ``LoadAdapter`` / ``UnloadAdapter`` are answered (``Reply``); a step needs no
-answer, because its result reaches the driver through the model's own collectives.
+step. ``LoadAdapter`` / ``UnloadAdapter`` are answered (``Reply``), and a ``Control``
+(collective_rpc, weight updates, sleep, profiling: core/worker/worker_control.py) with its
+``Result``; a step needs no answer, because its result reaches the driver through the
+model's own collectives.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Optional, Union
 import msgspec
 
 #: bumped on any change to the messages below; a worker of another version is refused
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class WorkerSpec(msgspec.Struct, frozen=True):
@@ -94,6 +96,20 @@ class UnloadAdapter(msgspec.Struct, tag="unload_adapter", frozen=True):
     name: str
 
 
+class Control(msgspec.Struct, tag="control", frozen=True):
+    """One of WorkerControl's operations, with its keyword arguments as JSON."""
+
+    op: str
+    payload: bytes
+
+
+class Result(msgspec.Struct, tag="result", frozen=True):
+    """A Control's answer: its value as JSON, or the error it raised."""
+
+    value: bytes = b"null"
+    error: Optional[str] = None
+
+
 class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):
     pass
 
@@ -102,8 +118,8 @@ class Reply(msgspec.Struct, tag="reply", frozen=True):
     error: Optional[str] = None
 
 
-WorkerMessage = Union[Hello, Ready, Failed, Reply]
-DriverMessage = Union[Setup, Step, Swap, LoadAdapter, UnloadAdapter, Shutdown]
+WorkerMessage = Union[Hello, Ready, Failed, Reply, Result]
+DriverMessage = Union[Setup, Step, Swap, LoadAdapter, UnloadAdapter, Control, Shutdown]
 
 _encoder = msgspec.msgpack.Encoder()
 _from_worker = msgspec.msgpack.Decoder(WorkerMessage)

@@ -24,11 +24,13 @@ from tokenmill.core.distributed.communicator import Communicator
 from tokenmill.core.distributed.driver import STARTUP_TIMEOUT_S
 from tokenmill.core.distributed.messages import (
     PROTOCOL_VERSION,
+    Control,
     Failed,
     Hello,
     LoadAdapter,
     Ready,
     Reply,
+    Result,
     Setup,
     Shutdown,
     Step,
@@ -44,6 +46,7 @@ from tokenmill.core.plugin_host.plugin_manager import make_plugin_manager
 from tokenmill.core.worker.model_builder import build_model
 from tokenmill.core.worker.input_staging import InputStaging
 from tokenmill.core.worker.model_step import ModelStep
+from tokenmill.core.worker.worker_control import RankParts, WorkerControl
 from tokenmill.interfaces.parallel import ParallelContext
 
 log = structlog.get_logger("tokenmill.worker")
@@ -53,7 +56,7 @@ def run_worker(spec_json: str, rank: int) -> None:
     spec = msgspec.json.decode(spec_json, type=WorkerSpec)
     connection = Client((spec.driver_host, spec.control_port), authkey=bytes.fromhex(spec.authkey))
     try:
-        step = _build(spec, rank, connection)
+        step, control = _build(spec, rank, connection)
     except Exception as exc:
         log.exception("worker failed to start", rank=rank)
         try:
@@ -61,10 +64,10 @@ def run_worker(spec_json: str, rank: int) -> None:
         except OSError:
             pass
         raise
-    _serve(step, rank, connection)
+    _serve(step, control, rank, connection)
 
 
-def _build(spec: WorkerSpec, rank: int, connection: Connection) -> ModelStep:
+def _build(spec: WorkerSpec, rank: int, connection: Connection) -> tuple[ModelStep, WorkerControl]:
     config = EngineConfig.model_validate_json(spec.config_json)
     pm = make_plugin_manager()
     components = collect_components(pm)
@@ -83,11 +86,13 @@ def _build(spec: WorkerSpec, rank: int, connection: Connection) -> ModelStep:
     setup = decode_from_driver(connection.recv_bytes())
     assert isinstance(setup, Setup), f"expected Setup, got {type(setup).__name__}"
     swap = built.allocate_caches(config, platform, setup.num_blocks, setup.num_host_blocks)
-    return ModelStep(built.model, built.backend, config.cache.block_size, built.model_config.vocab_size, parallel,
+    step = ModelStep(built.model, built.backend, config.cache.block_size, built.model_config.vocab_size, parallel,
                      swap, built.adapters, staging=InputStaging.for_platform(platform))
+    return step, WorkerControl(RankParts(config, components, platform, built, step, setup.num_blocks,
+                                         setup.num_host_blocks))
 
 
-def _serve(step: ModelStep, rank: int, connection: Connection) -> None:
+def _serve(step: ModelStep, control: WorkerControl, rank: int, connection: Connection) -> None:
     while True:
         try:
             message = decode_from_driver(connection.recv_bytes())
@@ -104,8 +109,19 @@ def _serve(step: ModelStep, rank: int, connection: Connection) -> None:
             step.swap_blocks(message.out, message.into)
         elif isinstance(message, (LoadAdapter, UnloadAdapter)):
             connection.send_bytes(encode(_adapter_change(step, message)))
+        elif isinstance(message, Control):
+            connection.send_bytes(encode(_control(control, message)))
         elif isinstance(message, Shutdown):
             return
+
+
+def _control(control: WorkerControl, message: Control) -> Result:
+    try:
+        value = control.handle(message.op, msgspec.json.decode(message.payload))
+        return Result(msgspec.json.encode(value))
+    except Exception as exc:  # the caller gets it, naming this rank; the worker serves on
+        log.warning("control call failed", op=message.op, error=repr(exc))
+        return Result(error=f"{type(exc).__name__}: {exc}")
 
 
 def _adapter_change(step: ModelStep, message: LoadAdapter | UnloadAdapter) -> Reply:

@@ -22,7 +22,9 @@ from tokenmill.core.distributed.communicator import Communicator
 from tokenmill.core.distributed.driver import DistributedAdapters, DistributedModelStep, WorkerGroup
 from tokenmill.core.distributed.messages import Setup
 from tokenmill.core.engine.embedding_engine import EmbeddingEngine
+from tokenmill.core.engine.control_plane import ControlPlane
 from tokenmill.core.engine.llm_engine import LLMEngine
+from tokenmill.core.engine.rollout import EngineControl
 from tokenmill.core.layers.pooler import Pooler
 from tokenmill.core.plugin_host.components import Components, collect_components
 from tokenmill.core.plugin_host.platform_selection import select_platform
@@ -41,6 +43,7 @@ from tokenmill.core.worker.input_staging import InputStaging
 from tokenmill.core.worker.model_builder import build_model
 from tokenmill.core.worker.model_runner import ModelRunner
 from tokenmill.core.worker.model_step import ModelStep
+from tokenmill.core.worker.worker_control import RankParts, WorkerControl
 from tokenmill.interfaces.errors import ConfigError
 from tokenmill.interfaces.logits_processor import LogitsProcessor, LogitsProcessorContext
 from tokenmill.interfaces.parallel import SINGLE, ParallelContext
@@ -113,13 +116,17 @@ def _build_engine(config: EngineConfig, pm: PluginManager, components: Component
     # the platform's fast paths for the forward pass: one rank, no per-step adapter state
     fast_paths = not (config.enforce_eager or adapters or group)
     greedy_head = platform.greedy_head(model) if fast_paths else None
-    graphs = None
+    record_graphs = None
     if fast_paths and built.backend.capabilities.cuda_graph:
-        graphs = DecodeGraphs.for_engine(model, built.backend, platform, config.scheduler.max_num_seqs,
-                                         config.cache.block_size, model_config.max_model_len,
-                                         scheduler.num_lookahead_slots)
+        def record_graphs() -> Optional[DecodeGraphs]:
+            return DecodeGraphs.for_engine(model, built.backend, platform, config.scheduler.max_num_seqs,
+                                           config.cache.block_size, model_config.max_model_len,
+                                           scheduler.num_lookahead_slots)
     model_step = ModelStep(model, built.backend, config.cache.block_size, model_config.vocab_size, parallel,
-                           swap_caches, adapters, greedy_head, InputStaging.for_platform(platform), graphs)
+                           swap_caches, adapters, greedy_head, InputStaging.for_platform(platform),
+                           record_graphs() if record_graphs is not None else None)
+    local_control = WorkerControl(RankParts(config, components, platform, built, model_step, num_blocks,
+                                            host_blocks, record_graphs))
     if group is not None:
         model_step = DistributedModelStep(model_step, group)
         adapters = DistributedAdapters(adapters, group) if adapters is not None else None
@@ -132,6 +139,8 @@ def _build_engine(config: EngineConfig, pm: PluginManager, components: Component
     runner = ModelRunner(model_step, config.seed, processors, config.logprobs_mode)
     engine = LLMEngine(config, model_config, tokenizer, scheduler, runner, pm, adapters, platform, structured, group,
                        speculator)
+    engine.control = EngineControl(engine, ControlPlane(local_control, group,
+                                                        config.parallel.distributed_timeout_seconds))
     log.info("engine built", **platform.describe(), model=str(model_config.path),
              architecture=model_config.architecture,
              dtype=str(model_config.dtype).removeprefix("torch."), attention=built.backend.name,

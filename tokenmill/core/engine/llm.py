@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 from tqdm.auto import tqdm
 
@@ -15,10 +15,12 @@ from tokenmill.core.engine.builder import build_engine
 from tokenmill.core.engine.chat_template import render_chat
 from tokenmill.core.engine.embedding_engine import EmbeddingEngine
 from tokenmill.core.engine.llm_engine import LLMEngine, PromptType
+from tokenmill.core.engine.rollout import EngineControl
 from tokenmill.core.plugin_host.plugin_manager import PluginManager
 from tokenmill.interfaces.adapters import LoRARequest
 from tokenmill.interfaces.errors import InvalidRequest
 from tokenmill.interfaces.types import RequestOutput, SamplingParams
+from tokenmill.interfaces.weight_transfer import WeightTransferInitRequest, WeightTransferUpdateRequest
 
 Message = dict[str, Any]
 
@@ -63,6 +65,53 @@ class LLM:
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
+
+    # --- the training-loop API (vLLM 0.32's names; core/engine/rollout.py) ---------
+    @property
+    def _control(self) -> EngineControl:
+        if not isinstance(self.llm_engine, LLMEngine):
+            raise InvalidRequest("model", "this is an embedding model: it has no training-loop API")
+        return self.llm_engine.control
+
+    def collective_rpc(self, method: Union[str, Callable[..., Any]], timeout: Optional[float] = None,
+                       args: tuple = (), kwargs: Optional[dict[str, Any]] = None) -> list[Any]:
+        """A worker extension's method on every rank; the results in rank order."""
+        return self._control.collective_rpc(method, timeout, args, kwargs)
+
+    def init_weight_transfer_engine(self, request: Union[WeightTransferInitRequest, dict]) -> None:
+        self._control.init_weight_transfer_engine(request)
+
+    def start_weight_update(self) -> None:
+        self._control.start_weight_update()
+
+    def update_weights(self, request: Union[WeightTransferUpdateRequest, dict]) -> None:
+        self._control.update_weights(request)
+
+    def finish_weight_update(self, weight_version: Optional[str] = None) -> None:
+        self._control.finish_weight_update(weight_version)
+
+    def get_weight_version(self) -> Optional[str]:
+        return self._control.get_weight_version()
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache (level 1), and the weights (level 2); see ``wake_up``."""
+        self._control.sleep(level)
+
+    def wake_up(self, tags: Optional[list[str]] = None) -> None:
+        """Restore ``weights`` and/or ``kv_cache`` (default: both)."""
+        self._control.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self._control.is_sleeping()
+
+    def reset_prefix_cache(self) -> bool:
+        return self._control.reset_prefix_cache()
+
+    def start_profile(self) -> None:
+        self._control.start_profile()
+
+    def stop_profile(self) -> list[str]:
+        return self._control.stop_profile()
 
     def embed(self, inputs: Union[str, Sequence[int], Sequence[Union[str, Sequence[int]]]]) -> list[list[float]]:
         """Sentence embeddings of texts or token-id lists (embedding models only)."""

@@ -14,7 +14,7 @@ import itertools
 import time
 import weakref
 from collections import deque
-from typing import Any, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 import structlog
 
@@ -33,6 +33,9 @@ from tokenmill.interfaces.batch import ModelRunnerOutput, SchedulerOutput, Sched
 from tokenmill.interfaces.errors import DeviceFailed, InvalidRequest, WorkerFailed
 from tokenmill.interfaces.platform import Platform
 from tokenmill.interfaces.types import FinishReason, RequestOutput, SamplingParams
+
+if TYPE_CHECKING:
+    from tokenmill.core.engine.rollout import EngineControl
 
 log = structlog.get_logger("tokenmill.engine")
 
@@ -88,6 +91,8 @@ class LLMEngine:
         self._warned_priority = False
         #: the queue after the latest step (for metrics and observers)
         self.last_scheduler_stats: Optional[SchedulerStats] = None
+        #: the training-loop API: worker RPCs, weight updates, sleep (set by the builder)
+        self.control: Optional["EngineControl"] = None
 
     @property
     def max_model_len(self) -> int:
@@ -161,6 +166,8 @@ class LLMEngine:
         user: Optional[str] = None,
     ) -> None:
         params = params or SamplingParams()
+        if self.control is not None:
+            self.control.check_awake()
         text, token_ids = self.tokenize_prompt(prompt)
         cache_salt = _cache_salt(prompt)
         self.check_params(params)

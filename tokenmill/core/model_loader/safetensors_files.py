@@ -39,3 +39,14 @@ def iterate_weights(path: Path, progress: bool = True) -> Iterator[tuple[str, to
         with safe_open(file, framework="pt") as handle:
             for name in handle.keys():
                 yield name, handle.get_tensor(name)
+
+
+def checkpoint_shapes(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Each checkpoint tensor's (shape, dtype name), read from the files' headers only."""
+    shapes = {}
+    for file in safetensors_files(path):
+        with safe_open(file, framework="pt") as handle:
+            for name in handle.keys():
+                piece = handle.get_slice(name)
+                shapes[name] = (tuple(piece.get_shape()), piece.get_dtype())
+    return shapes

@@ -25,6 +25,8 @@ class Components:
     reasoning_parsers: Registry
     executors: Registry
     speculative_proposers: Registry
+    worker_extensions: Registry
+    weight_transfer_backends: Registry
 
     def by_kind(self) -> dict[str, Registry]:
         return {
@@ -40,6 +42,8 @@ class Components:
             "reasoning_parsers": self.reasoning_parsers,
             "executors": self.executors,
             "speculative_proposers": self.speculative_proposers,
+            "worker_extensions": self.worker_extensions,
+            "weight_transfer_backends": self.weight_transfer_backends,
         }
 
     def fingerprint(self) -> dict[str, list[str]]:
@@ -62,6 +66,8 @@ _REGISTRATION_HOOKS = {
     "reasoning_parsers": ("register_reasoning_parsers", "reasoning parser"),
     "executors": ("register_executors", "executor"),
     "speculative_proposers": ("register_speculative_proposers", "speculative proposer"),
+    "worker_extensions": ("register_worker_extensions", "worker extension"),
+    "weight_transfer_backends": ("register_weight_transfer_backends", "weight transfer backend"),
 }
 
 

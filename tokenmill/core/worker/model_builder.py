@@ -101,6 +101,8 @@ def build_model(config: EngineConfig, components: Components, pm: PluginManager,
     with torch.device(platform.device_type):  # parameters made on the device, loaded straight into it
         model = model_cls(ModelContext(model_config.hf_config, model_config.dtype, backend, quantization, parallel))
     _load_checkpoint(model, model_config)
+    # a trainer's updates and sleep's reload write into the plain weights: the platform keeps them
+    model.keeps_plain_weights = config.weight_transfer_config is not None or config.enable_sleep_mode
     if not config.enforce_eager:
         dispatch_custom_ops(model, platform)
         platform.optimize_model(model)

@@ -28,7 +28,7 @@ from tokenmill.plugins.platforms.cpu.greedy_head import GreedyHead
 from tokenmill.plugins.platforms.cpu.huge_pages import move_parameters_to_huge_pages
 from tokenmill.plugins.platforms.cpu.kernels import cpu_kernels
 from tokenmill.plugins.platforms.cpu.options import CpuOptions
-from tokenmill.plugins.platforms.cpu.prepacked_linear import prepack_linear_weights
+from tokenmill.plugins.platforms.cpu.prepacked_linear import prepack_linear_weights, repack_linear_weights
 
 
 class CpuPlatform(Platform):
@@ -59,8 +59,16 @@ class CpuPlatform(Platform):
         return FUSED_OPS.get(layer.op_name) if cpu_kernels() is not None else None
 
     def optimize_model(self, model: torch.nn.Module) -> None:
+        prepack_linear_weights(model, cpu_kernels(), gemv=self.options.small_batch_gemv, widen_bf16=not native_bf16())
+        self._fuse_decoders(model)
+
+    def refresh_weights(self, model: torch.nn.Module) -> None:
+        repack_linear_weights(model)
+        self._fuse_decoders(model)  # a stack built over the old weights' storage is dropped
+
+    @staticmethod
+    def _fuse_decoders(model: torch.nn.Module) -> None:
         kernels = cpu_kernels()
-        prepack_linear_weights(model, kernels, gemv=self.options.small_batch_gemv, widen_bf16=not native_bf16())
         if kernels is None or not hasattr(kernels, "DecodeStack"):
             return
         for module in model.modules():

@@ -51,6 +51,12 @@ class PrepackedLinearMethod:
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         pass
 
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """The packed copy of a plain ``weight`` [out, in]."""
+        if self.panels is not None:
+            return self.panels.pack_gemm_weight(weight)
+        return torch.ops.mkldnn._reorder_linear_weight(weight.float() if self.widen else weight)
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         if self.gemv is not None and 0 < x.numel() <= self.GEMV_MAX_ROWS * x.shape[-1]:
             return self.gemv.gemv(x.contiguous(), layer.weight, bias)
@@ -84,6 +90,7 @@ def prepack_linear_weights(model: nn.Module, kernels: Optional[ModuleType] = Non
     count = 0
     gemv_kernels = kernels if gemv else None
     panels = kernels if kernels is not None and kernels.packed_gemm_preferred() else None
+    keep = getattr(model, "keeps_plain_weights", False)  # updates write into the plain weights
     for module in model.modules():
         if not isinstance(module, Linear) or type(module.method) is not UnquantizedLinearMethod:
             continue
@@ -92,17 +99,25 @@ def prepack_linear_weights(model: nn.Module, kernels: Optional[ModuleType] = Non
         weight = module.weight.detach()
         widen = weight.dtype == torch.bfloat16 and widen_bf16
         fp32_gemm = panels if widen or weight.dtype == torch.float32 else None
-        if fp32_gemm is not None:
-            packed = fp32_gemm.pack_gemm_weight(weight)
-        else:
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight.float() if widen else weight)
+        method = PrepackedLinearMethod(gemv_kernels, widen, fp32_gemm, weight.shape[0])
         narrow = weight.to(torch.bfloat16) if gemv_kernels is not None and weight.dtype == torch.float32 else None
-        if gemv_kernels is None:
+        module.register_buffer("packed_weight", method.pack(weight), persistent=False)
+        if keep:
+            pass
+        elif gemv_kernels is None:
             del module.weight
         elif narrow is not None and torch.equal(narrow.float(), weight):
             # a new Parameter, not .data: a tied embedding keeps its own dtype
             module.weight = nn.Parameter(narrow, requires_grad=False)
-        module.register_buffer("packed_weight", packed, persistent=False)
-        module.method = PrepackedLinearMethod(gemv_kernels, widen, fp32_gemm, weight.shape[0])
+        module.method = method
         count += 1
     return count
+
+
+def repack_linear_weights(model: nn.Module) -> None:
+    """Pack each prepacked layer's (updated) plain weight again; a released (empty) weight
+    releases its packed copy."""
+    for module in model.modules():
+        if isinstance(module, Linear) and isinstance(module.method, PrepackedLinearMethod):
+            weight = module.weight.detach()
+            module.packed_weight = module.method.pack(weight) if weight.numel() else torch.empty(0)
