@@ -1,0 +1,141 @@
+"""vLLM 0.32's weight-transfer cycle (``init_weight_transfer_engine``, ``start_weight_update``,
+``update_weights``, ``finish_weight_update``): after an update the engine's tokens and
+logprobs are transformers' on the new weights (fp32, 1e-4), with the cpu platform's packed
+copies, GEMV weights and int8 greedy head rebuilt; a refused update leaves the old weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from conftest import make_llm
+from tokenmill import SamplingParams
+from tokenmill.interfaces.errors import RankCallFailed
+from tokenmill.interfaces.weight_transfer import WeightTransferInitRequest, WeightTransferUpdateRequest
+
+PROMPTS = [list(range(5, 17)), list(range(40, 47))]
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+GREEDY_LOGPROBS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+TRANSFER = {"weight_transfer_config": {"backend": "in_process"}}
+
+
+def perturbed(path, seed: int = 1, scale: float = 0.5) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors, each moved by noise of ``scale`` times its own spread."""
+    generator = torch.Generator().manual_seed(seed)
+    return {name: tensor + scale * tensor.std().nan_to_num() * torch.randn(tensor.shape, generator=generator)
+            for name, tensor in load_file(path / "model.safetensors").items()}
+
+
+def hf_greedy(path, weights: dict[str, torch.Tensor], prompt: list[int], steps: int):
+    """transformers' greedy tokens and their logprobs with ``weights`` loaded."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.load_state_dict(weights, strict=False)
+    ids, logprobs = list(prompt), []
+    with torch.no_grad():
+        for _ in range(steps):
+            row = model(torch.tensor([ids])).logits[0, -1].log_softmax(-1)
+            ids.append(int(row.argmax()))
+            logprobs.append(row[ids[-1]].item())
+    return ids[len(prompt):], logprobs
+
+
+def push(llm, weights: dict[str, torch.Tensor], version: str) -> None:
+    llm.start_weight_update()
+    llm.update_weights(WeightTransferUpdateRequest(update_info={"weights": weights}))
+    llm.finish_weight_update(version)
+
+
+def assert_matches_hf(llm, path, weights) -> None:
+    for prompt in PROMPTS:
+        expected_tokens, expected_logprobs = hf_greedy(path, weights, prompt, GREEDY.max_tokens)
+        [fast] = llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)[0].outputs  # greedy head
+        [full] = llm.generate([{"prompt_token_ids": prompt}], GREEDY_LOGPROBS, use_tqdm=False)[0].outputs
+        assert list(fast.token_ids) == list(full.token_ids) == expected_tokens
+        got = [entry[token].logprob for token, entry in zip(full.token_ids, full.logprobs)]
+        assert max(abs(a - b) for a, b in zip(got, expected_logprobs)) < 1e-4
+
+
+def test_an_update_serves_the_new_weights_with_every_fast_path_rebuilt(model_dir):
+    path = model_dir("llama")
+    with make_llm(path, dtype="float32", **TRANSFER) as llm:
+        model_step = llm.llm_engine.runner.model_step
+        assert model_step.greedy_head is not None  # the int8 screen is on: it must be rebuilt too
+        llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info={}))
+        assert llm.get_weight_version() is None
+        for seed in (1, 2):
+            weights = perturbed(path, seed)
+            push(llm, weights, f"step-{seed}")
+            assert llm.get_weight_version() == f"step-{seed}"
+            assert_matches_hf(llm, path, weights)
+        # a part of the model alone (vLLM's chunked updates): the rest stays as it was
+        part = {name: tensor for name, tensor in perturbed(path, 3).items() if ".mlp." in name}
+        push(llm, part, "mlp-only")
+        assert_matches_hf(llm, path, {**perturbed(path, 2), **part})
+
+
+@pytest.mark.parametrize("update_info,error", [
+    ({"names": ["model.layers.0.mlp.nope.weight"], "dtype_names": ["float32"], "shapes": [[4]]},
+     "no such weights in this model: model.layers.0.mlp.nope.weight"),
+    ({"names": ["model.norm.weight"], "dtype_names": ["float32"], "shapes": [[3]]},
+     r"model.norm.weight: shape \[3\], the model's is"),
+    ({"names": ["model.norm.weight"], "dtype_names": ["int64"], "shapes": [[64]]},
+     "model.norm.weight: dtype 'int64' is not a 16- or 32-bit float"),
+    ({"names": ["model.norm.weight"], "dtype_names": [], "shapes": [[64]]}, "differ in length"),
+    ({"names": [], "dtype_names": [], "shapes": [], "packed": True}, "update_info takes names"),
+])
+def test_a_refused_update_leaves_the_old_weights(update_info, error, model_dir):
+    path = model_dir("llama")
+    with make_llm(path, dtype="float32", **TRANSFER) as llm:
+        before = llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY_LOGPROBS, use_tqdm=False)[0].outputs[0]
+        llm.init_weight_transfer_engine({"init_info": {}})
+        llm.start_weight_update()
+        with pytest.raises(ValueError, match=error):
+            llm.update_weights({"update_info": update_info})
+        weights = perturbed(path)
+        with pytest.raises(ValueError, match="no such weights"):  # one bad name refuses the whole update
+            llm.update_weights({"update_info": {"weights": {**weights, "lm_head.bias": weights["model.norm.weight"]}}})
+        llm.finish_weight_update()
+        after = llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY_LOGPROBS, use_tqdm=False)[0].outputs[0]
+    assert after.token_ids == before.token_ids
+    assert [e[t].logprob for t, e in zip(after.token_ids, after.logprobs)] == \
+        [e[t].logprob for t, e in zip(before.token_ids, before.logprobs)]
+
+
+def test_updates_need_the_config_and_an_unquantized_model(model_dir, tmp_path):
+    from tokenmill.testing.quantize import quantize_model
+
+    with make_llm(model_dir("llama")) as plain:
+        with pytest.raises(ValueError, match="build it with weight_transfer_config"):
+            plain.init_weight_transfer_engine({"init_info": {}})
+    with make_llm(model_dir("llama"), **TRANSFER) as llm:
+        with pytest.raises(RuntimeError, match="call init_weight_transfer_engine first"):
+            llm.start_weight_update()
+    quantized = quantize_model(model_dir("llama"), tmp_path / "q", "gptq", bits=4, group_size=32)
+    with make_llm(quantized, **TRANSFER) as llm:
+        with pytest.raises(ValueError, match="quantized model"):
+            llm.init_weight_transfer_engine({"init_info": {}})
+
+
+def test_every_rank_applies_its_shard_at_tp2(model_dir):
+    """TP=2 in worker processes: rank 0 broadcasts the trainer's tensors over the engine's own
+    group; each rank cuts its columns, rows, fused q/k/v and gate/up parts and vocabulary
+    range out of the full tensors."""
+    path = model_dir("llama")
+    name = "model.layers.0.mlp.down_proj.weight"
+    with make_llm(path, dtype="float32", tensor_parallel_size=2, **TRANSFER) as llm:
+        llm.init_weight_transfer_engine({"init_info": {}})
+        before = llm.collective_rpc("parameter_sum", args=(name,))
+        weights = perturbed(path)
+        push(llm, weights, "tp2")
+        after = llm.collective_rpc("parameter_sum", args=(name,))
+        assert all(a != b for a, b in zip(after, before))
+        assert sum(after) == pytest.approx(weights[name].double().sum().item(), rel=1e-5)
+        assert_matches_hf(llm, path, weights)
+
+
+def test_a_failing_rank_is_named(model_dir):
+    with make_llm(model_dir("llama"), tensor_parallel_size=2, weight_transfer_config={"backend": "gloo"}) as llm:
+        with pytest.raises(RankCallFailed, match="init_info needs master_address, master_port, world_size"):
+            llm.init_weight_transfer_engine({"init_info": {}})
