@@ -161,7 +161,7 @@ class WorkerControl:
             for name, param in self.model.named_parameters():
                 self._released[name] = (param.shape, param.dtype)
                 param.data = torch.empty(0, dtype=param.dtype, device=param.device)
-            self._refresh()
+        self._refresh()  # what the platform built over the caches (a fused decode stack) goes too
         _return_freed_memory()
 
     def wake_up(self, tags: list[str]) -> None:
