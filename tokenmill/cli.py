@@ -192,6 +192,9 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
                        help="report usage.prompt_tokens_details.cached_tokens (prompt tokens from the prefix cache)")
     group.add_argument("--middleware", action="append", default=None, metavar="IMPORT.PATH",
                        help="ASGI middleware to add (repeatable): a class, or an HTTP middleware function")
+    group.add_argument("--enable-training-endpoints", action="store_true", default=None,
+                       help="serve /pause, /resume, the weight-transfer cycle, /sleep, /wake_up, "
+                            "/reset_prefix_cache and /collective_rpc (off: they change what every client gets)")
     group.add_argument("--ssl-keyfile", default=None, help="serve https with this private key (PEM)")
     group.add_argument("--ssl-certfile", default=None, help="... and this certificate chain (PEM)")
     group.add_argument("--ssl-ca-certs", default=None, help="CA bundle client certificates are checked against")

@@ -24,6 +24,7 @@ from tokenmill.core.engine.embedding_engine import EmbeddingEngine
 from tokenmill.core.plugin_host.registry import import_class_path
 from tokenmill.interfaces.errors import ConfigError
 from tokenmill.server.adapters import add_adapter_routes
+from tokenmill.server.training_api import add_training_routes
 from tokenmill.server.chat import chat_prompt_ids, create_chat_completion
 from tokenmill.server.tool_parsers import tool_parser_factory
 from tokenmill.server.completions import create_completion
@@ -250,6 +251,8 @@ def create_app(llm: AsyncLLM | EmbeddingEngine, config: Optional[ServerConfig] =
 
     if generating and engine.config.adapters.allow_runtime_lora_updating:
         add_adapter_routes(app, llm, engine.config.adapters.allowed_lora_dirs, names)
+    if generating and config.enable_training_endpoints:
+        add_training_routes(app, llm)
     engine.plugin_manager.hook.extend_server(app=app)
     install_openapi(app, [CompletionStreamResponse, ChatCompletionChunk, ResponseStreamEvent])
     # added innermost first, so a request meets: CORS (a preflight is answered there, and

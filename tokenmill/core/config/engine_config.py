@@ -250,6 +250,9 @@ class ServerConfig(BaseModel):
     #: usage.prompt_tokens_details.cached_tokens in replies: the prompt tokens the prefix cache
     #: served (vLLM: --enable-prompt-tokens-details)
     enable_prompt_tokens_details: bool = False
+    #: the training-loop endpoints (/pause, /resume, the weight-transfer cycle, /sleep,
+    #: /wake_up, /reset_prefix_cache, /collective_rpc): they change what every client is served
+    enable_training_endpoints: bool = False
     #: ASGI middleware to add to the app, as import paths (vLLM: --middleware): a class is
     #: added with app.add_middleware, a function as an HTTP middleware (@app.middleware("http"))
     middleware: list[str] = []
@@ -434,6 +437,7 @@ SERVER_NAMES: dict[str, str] = {
     "chat_template_content_format": "server.chat_template_content_format",
     "enable_prompt_tokens_details": "server.enable_prompt_tokens_details",
     "middleware": "server.middleware",
+    "enable_training_endpoints": "server.enable_training_endpoints",
     "ssl_keyfile": "server.ssl_keyfile",
     "ssl_certfile": "server.ssl_certfile",
     "ssl_ca_certs": "server.ssl_ca_certs",

@@ -70,6 +70,21 @@ class _Abort:
     request_id: str
 
 
+@dataclass(frozen=True)
+class _Pause:
+    """Stop stepping (vLLM's pause modes): "abort" the running requests, "wait" for them to
+    finish, or "keep" them where they are; then settle ``future``."""
+
+    mode: str
+    clear_cache: bool
+    future: "asyncio.Future"
+    loop: asyncio.AbstractEventLoop
+
+
+#: vLLM's pause modes
+PAUSE_MODES = ("abort", "wait", "keep")
+
+
 class AsyncLLM:
     def __init__(self, engine: LLMEngine, max_queued_requests: Optional[int] = None) -> None:
         self.engine = engine
@@ -82,6 +97,12 @@ class AsyncLLM:
         self._stopping = threading.Event()
         self._pending_adds = 0
         self._draining = False
+        #: paused: no step runs, and requests that arrive wait (pause_generation)
+        self._paused = False
+        #: a pause in "wait" mode, until the running requests finish
+        self._pausing: Optional[_Pause] = None
+        #: requests that arrived while paused (or pausing), admitted on resume
+        self._held: list[_Add] = []
         self.error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
         self._thread.start()
@@ -137,6 +158,8 @@ class AsyncLLM:
             raise EngineDead(f"the engine stopped: {self.error!r}")
         if self._draining:
             raise EngineOverloaded("the server is shutting down")
+        if self.engine.control is not None:
+            self.engine.control.check_awake()
         if self.max_queued_requests is not None and self.num_waiting >= self.max_queued_requests:
             raise EngineOverloaded(f"the waiting queue is full ({self.max_queued_requests} requests)")
         prepared = prompt if isinstance(prompt, dict) and "prompt_token_ids" in prompt else self.prepare_prompt(prompt)
@@ -149,6 +172,24 @@ class AsyncLLM:
             self._pending_adds += 1
         self._send(_Add(request_id, prepared, params, priority, user, time.monotonic(), adapter_name))
         return self._iterate(request_id, stream)
+
+    async def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        """Stop generating (vLLM's name and modes) and return once paused: ``abort`` ends the
+        running requests (finish_reason "abort"), ``wait`` lets them finish first, ``keep``
+        freezes them until ``resume_generation``. Requests that arrive meanwhile wait, none
+        is refused; ``clear_cache`` empties the prefix cache once nothing runs."""
+        if mode not in PAUSE_MODES:
+            raise InvalidRequest("mode", f"pause mode {mode!r}: one of {', '.join(PAUSE_MODES)}")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._send(_Pause(mode, clear_cache, future, loop))
+        await future
+
+    async def resume_generation(self) -> None:
+        await self.run_on_engine(lambda engine: self._resume())
+
+    def is_paused(self) -> bool:
+        return self._paused
 
     async def run_on_engine(self, fn: Callable[[LLMEngine], object]) -> object:
         """Run ``fn(engine)`` on the engine thread between two steps and return its result."""
@@ -199,7 +240,9 @@ class AsyncLLM:
         try:
             while not self._stopping.is_set():
                 self._drain_commands()
-                if not engine.has_unfinished_requests():
+                if self._pausing is not None and not engine.has_unfinished_requests():
+                    self._paused_now(self._pausing)
+                if self._paused or not engine.has_unfinished_requests():
                     engine.check_health()  # an idle engine notices a dead worker too
                     self._wake.wait(0.5)
                     self._wake.clear()
@@ -223,20 +266,12 @@ class AsyncLLM:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(command, _Add):
-                with self._lock:
-                    self._pending_adds -= 1
-                if command.request_id not in self._streams:
-                    continue  # cancelled before it reached the engine
-                try:
-                    self.engine.add_request(command.request_id, command.prompt, command.params,
-                                            priority=command.priority, user=command.user,
-                                            arrival_time=command.arrival_time, adapter_name=command.adapter_name)
-                except TokenmillError as exc:
-                    self._deliver(command.request_id, exc, final=True)
-                except Exception as exc:  # a bug met by this request alone: it fails, the loop goes on
-                    log.error("adding a request failed", request_id=command.request_id, exc_info=exc)
-                    self._deliver(command.request_id, RequestFailed(command.request_id, repr(exc)), final=True)
+            if isinstance(command, _Add) and (self._paused or self._pausing is not None):
+                self._held.append(command)
+            elif isinstance(command, _Add):
+                self._admit(command)
+            elif isinstance(command, _Pause):
+                self._pause(command)
             elif isinstance(command, _Call):
                 try:
                     result, error = command.fn(self.engine), None
@@ -247,6 +282,45 @@ class AsyncLLM:
                 self._observe(self.engine.abort_request(command.request_id))
                 with self._lock:
                     self._streams.pop(command.request_id, None)
+
+    def _admit(self, command: _Add) -> None:
+        with self._lock:
+            self._pending_adds -= 1
+        if command.request_id not in self._streams:
+            return  # cancelled before it reached the engine
+        try:
+            self.engine.add_request(command.request_id, command.prompt, command.params,
+                                    priority=command.priority, user=command.user,
+                                    arrival_time=command.arrival_time, adapter_name=command.adapter_name)
+        except TokenmillError as exc:
+            self._deliver(command.request_id, exc, final=True)
+        except Exception as exc:  # a bug met by this request alone: it fails, the loop goes on
+            log.error("adding a request failed", request_id=command.request_id, exc_info=exc)
+            self._deliver(command.request_id, RequestFailed(command.request_id, repr(exc)), final=True)
+
+    def _pause(self, command: _Pause) -> None:
+        if command.mode == "abort":
+            running = [request_id for request_id in list(self._streams) if self.engine.outputs.states.get(request_id)]
+            for output in self.engine.abort_request(running):
+                self._deliver(output.request_id, output, final=True)
+        if command.mode == "wait" and self.engine.has_unfinished_requests():
+            self._pausing = command
+            return
+        self._paused_now(command)
+
+    def _paused_now(self, command: _Pause) -> None:
+        self._paused, self._pausing = True, None
+        if command.clear_cache and not self.engine.has_unfinished_requests():
+            self.engine.scheduler.kv_cache.pool.reset_prefix_cache()
+        log.info("generation paused", mode=command.mode, running=len(self.engine.scheduler.running))
+        command.loop.call_soon_threadsafe(_settle, command.future, None, None)
+
+    def _resume(self) -> None:
+        self._paused, self._pausing = False, None
+        held, self._held = self._held, []
+        for command in held:
+            self._admit(command)
+        log.info("generation resumed", admitted=len(held))
 
     def _observe(self, outputs: list[RequestOutput]) -> None:
         """Metrics and logs see every step; one of them failing costs a data point, not the engine."""

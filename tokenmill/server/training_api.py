@@ -1,0 +1,131 @@
+"""The training-loop endpoints, with vLLM 0.32's names: pause and resume generation, the
+weight-transfer cycle, sleep and wake, the prefix cache, worker RPCs.
+
+Off unless ``--enable-training-endpoints`` (vLLM gates its dev ones behind its dev mode):
+they change what every client is served. Like every route beyond the probes they need the
+API key. Each runs on the engine thread between steps; a weight update from a trainer
+process (``gloo``/``nccl``) holds that thread while the tensors arrive, which is why a
+trainer pauses generation around it. The in_process backend needs tensors in the server's
+memory, so over HTTP an update names a torch.distributed backend's tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+from fastapi import FastAPI, Query
+from pydantic import BaseModel, Field
+
+from tokenmill.core.engine.async_llm import AsyncLLM
+from tokenmill.core.engine.rollout import EngineAsleep
+from tokenmill.interfaces.errors import RankCallFailed
+from tokenmill.server.errors import APIError
+
+
+class InitWeightTransferBody(BaseModel):
+    init_info: dict[str, Any] = Field(default_factory=dict, description="The backend's init info (vLLM's).")
+
+
+class UpdateWeightsBody(BaseModel):
+    update_info: dict[str, Any] = Field(description="names, dtype_names and shapes of the tensors the trainer "
+                                                    "broadcasts, in its order.")
+
+
+class FinishWeightUpdateBody(BaseModel):
+    weight_version: Optional[str] = Field(None, max_length=256, description="What get_weight_version reports.")
+
+
+class CollectiveRpcBody(BaseModel):
+    method: str = Field(max_length=256, description="A worker extension's method ('name' or 'extension.name').")
+    timeout: Optional[float] = Field(None, gt=0)
+    args: list[Any] = Field(default_factory=list)
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
+class Done(BaseModel):
+    status: Literal["ok"] = "ok"
+
+
+def add_training_routes(app: FastAPI, llm: AsyncLLM) -> None:
+    async def on_engine(call):
+        try:
+            return await llm.run_on_engine(call)
+        except TimeoutError as exc:  # a rank did not answer: the engine stops
+            raise APIError(504, str(exc)) from None
+        except EngineAsleep:
+            raise
+        except (ValueError, RuntimeError, TypeError, RankCallFailed) as exc:  # the call's refusal, or a rank's
+            raise APIError(400, str(exc)) from None
+
+    @app.post("/pause", response_model=Done)
+    async def pause(mode: Literal["abort", "wait", "keep"] = "abort", clear_cache: bool = True):
+        """vLLM: stop generating; requests that arrive wait until /resume."""
+        await llm.pause_generation(mode, clear_cache)
+        return Done()
+
+    @app.post("/resume", response_model=Done)
+    async def resume():
+        await llm.resume_generation()
+        return Done()
+
+    @app.get("/is_paused")
+    async def is_paused() -> dict[str, bool]:
+        return {"is_paused": llm.is_paused()}
+
+    @app.post("/init_weight_transfer_engine", response_model=Done)
+    async def init_weight_transfer_engine(body: InitWeightTransferBody):
+        await on_engine(lambda engine: engine.control.init_weight_transfer_engine({"init_info": body.init_info}))
+        return Done()
+
+    @app.post("/start_weight_update", response_model=Done)
+    async def start_weight_update():
+        await on_engine(lambda engine: engine.control.start_weight_update())
+        return Done()
+
+    @app.post("/update_weights", response_model=Done)
+    async def update_weights(body: UpdateWeightsBody):
+        if "weights" in body.update_info:
+            raise APIError(400, "tensors cannot come over HTTP: use a torch.distributed backend (gloo, nccl), "
+                                "whose trainer broadcasts what update_info names", "update_info")
+        await on_engine(lambda engine: engine.control.update_weights({"update_info": body.update_info}))
+        return Done()
+
+    @app.post("/finish_weight_update", response_model=Done)
+    async def finish_weight_update(body: FinishWeightUpdateBody):
+        await on_engine(lambda engine: engine.control.finish_weight_update(body.weight_version))
+        return Done()
+
+    @app.get("/weight_info")
+    async def weight_info() -> dict[str, Optional[str]]:
+        return {"weight_version": llm.engine.control.get_weight_version()}
+
+    @app.get("/get_world_size")
+    async def get_world_size() -> dict[str, int]:
+        return {"world_size": llm.engine.config.parallel.world_size}
+
+    @app.post("/sleep", response_model=Done)
+    async def sleep(level: int = Query(1, ge=1, le=2)):
+        """vLLM (dev): free the KV cache (1) and the weights (2); requests get 503 until /wake_up."""
+        await on_engine(lambda engine: engine.control.sleep(level))
+        return Done()
+
+    @app.post("/wake_up", response_model=Done)
+    async def wake_up(tags: Optional[list[Literal["weights", "kv_cache"]]] = Query(None)):
+        await on_engine(lambda engine: engine.control.wake_up(tags))
+        return Done()
+
+    @app.get("/is_sleeping")
+    async def is_sleeping() -> dict[str, bool]:
+        return {"is_sleeping": llm.engine.control.is_sleeping()}
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> dict[str, bool]:
+        """vLLM (dev): forget the prefix cache; false while requests hold blocks."""
+        return {"reset": await on_engine(lambda engine: engine.control.reset_prefix_cache())}
+
+    @app.post("/collective_rpc")
+    async def collective_rpc(body: CollectiveRpcBody) -> dict[str, list[Any]]:
+        """vLLM (dev): a worker extension's method on every rank; the results in rank order."""
+        results = await on_engine(lambda engine: engine.control.collective_rpc(body.method, body.timeout,
+                                                                                 tuple(body.args), body.kwargs))
+        return {"results": results}
