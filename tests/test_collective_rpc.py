@@ -83,3 +83,4 @@ def test_a_call_that_times_out_names_the_rank_and_stops_the_engine(model_dir):
             llm.collective_rpc("sleep_for", timeout=1, args=(3, 1))
         with pytest.raises(WorkerFailed, match="rank 1 did not finish collective_rpc"):
             llm.generate("count", GREEDY, use_tqdm=False)
+
