@@ -132,6 +132,10 @@ class Platform:
     def place_model(self, model: torch.nn.Module) -> None:
         """Where the loaded (and optimised) weights live: a device, huge pages, ..."""
 
+    def release_memory(self) -> None:
+        """Hand memory freed by the process back to the system or device (after sleep frees
+        the KV cache or the weights), so that the release shows: the allocator's caches."""
+
     def refresh_weights(self, model: torch.nn.Module) -> None:
         """The weights changed in place (a trainer's update, a wake from sleep) or were
         released (empty parameters: sleep level 2): rebuild, or drop, every copy

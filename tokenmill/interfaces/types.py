@@ -320,3 +320,50 @@ class RequestMetrics:
     #: draft tokens proposed for the request, and how many of them the model accepted
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+
+
+# --- pooling (vLLM's output types of LLM.encode / classify / score) -------------------------
+@dataclass
+class PoolingOutput:
+    """A prompt's pooled vector: a sentence embedding, or a classifier's logits."""
+
+    data: Any
+
+
+@dataclass
+class PoolingRequestOutput:
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput
+    finished: bool = True
+
+
+@dataclass
+class ClassificationOutput:
+    """A classifier's label probabilities (the softmax of its logits), in label order."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput
+    finished: bool = True
+
+
+@dataclass
+class ScoringOutput:
+    """How alike two texts are: the cosine similarity of their embeddings."""
+
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
+    finished: bool = True

@@ -24,6 +24,7 @@ from tokenmill.core.engine.embedding_engine import EmbeddingEngine
 from tokenmill.core.plugin_host.registry import import_class_path
 from tokenmill.interfaces.errors import ConfigError
 from tokenmill.server.adapters import add_adapter_routes
+from tokenmill.server.pooling_api import PoolingRoutes, add_pooling_routes
 from tokenmill.server.training_api import add_training_routes
 from tokenmill.server.chat import chat_prompt_ids, create_chat_completion
 from tokenmill.server.tool_parsers import tool_parser_factory
@@ -253,6 +254,7 @@ def create_app(llm: AsyncLLM | EmbeddingEngine, config: Optional[ServerConfig] =
         add_adapter_routes(app, llm, engine.config.adapters.allowed_lora_dirs, names)
     if generating and config.enable_training_endpoints:
         add_training_routes(app, llm)
+    add_pooling_routes(app, PoolingRoutes(llm, ctx.check_model, names[0]))
     engine.plugin_manager.hook.extend_server(app=app)
     install_openapi(app, [CompletionStreamResponse, ChatCompletionChunk, ResponseStreamEvent])
     # added innermost first, so a request meets: CORS (a preflight is answered there, and

@@ -46,6 +46,30 @@ class Done(BaseModel):
     status: Literal["ok"] = "ok"
 
 
+class PausedState(BaseModel):
+    is_paused: bool
+
+
+class SleepingState(BaseModel):
+    is_sleeping: bool
+
+
+class WeightInfo(BaseModel):
+    weight_version: Optional[str] = Field(description="What the last finish_weight_update set (null: none).")
+
+
+class WorldSize(BaseModel):
+    world_size: int
+
+
+class PrefixCacheReset(BaseModel):
+    reset: bool = Field(description="false while requests hold blocks: nothing was forgotten.")
+
+
+class RpcResults(BaseModel):
+    results: list[Any] = Field(description="Each rank's result, in rank order.")
+
+
 def add_training_routes(app: FastAPI, llm: AsyncLLM) -> None:
     async def on_engine(call):
         try:
@@ -68,7 +92,7 @@ def add_training_routes(app: FastAPI, llm: AsyncLLM) -> None:
         await llm.resume_generation()
         return Done()
 
-    @app.get("/is_paused")
+    @app.get("/is_paused", response_model=PausedState)
     async def is_paused() -> dict[str, bool]:
         return {"is_paused": llm.is_paused()}
 
@@ -95,11 +119,11 @@ def add_training_routes(app: FastAPI, llm: AsyncLLM) -> None:
         await on_engine(lambda engine: engine.control.finish_weight_update(body.weight_version))
         return Done()
 
-    @app.get("/weight_info")
+    @app.get("/weight_info", response_model=WeightInfo)
     async def weight_info() -> dict[str, Optional[str]]:
         return {"weight_version": llm.engine.control.get_weight_version()}
 
-    @app.get("/get_world_size")
+    @app.get("/get_world_size", response_model=WorldSize)
     async def get_world_size() -> dict[str, int]:
         return {"world_size": llm.engine.config.parallel.world_size}
 
@@ -114,16 +138,16 @@ def add_training_routes(app: FastAPI, llm: AsyncLLM) -> None:
         await on_engine(lambda engine: engine.control.wake_up(tags))
         return Done()
 
-    @app.get("/is_sleeping")
+    @app.get("/is_sleeping", response_model=SleepingState)
     async def is_sleeping() -> dict[str, bool]:
         return {"is_sleeping": llm.engine.control.is_sleeping()}
 
-    @app.post("/reset_prefix_cache")
+    @app.post("/reset_prefix_cache", response_model=PrefixCacheReset)
     async def reset_prefix_cache() -> dict[str, bool]:
         """vLLM (dev): forget the prefix cache; false while requests hold blocks."""
         return {"reset": await on_engine(lambda engine: engine.control.reset_prefix_cache())}
 
-    @app.post("/collective_rpc")
+    @app.post("/collective_rpc", response_model=RpcResults)
     async def collective_rpc(body: CollectiveRpcBody) -> dict[str, list[Any]]:
         """vLLM (dev): a worker extension's method on every rank; the results in rank order."""
         results = await on_engine(lambda engine: engine.control.collective_rpc(body.method, body.timeout,

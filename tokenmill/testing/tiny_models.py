@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PreTrainedTokenizerFast
+from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification,
+                          PreTrainedTokenizerFast)
 
 from tokenmill.testing.corpus import CORPUS
 
@@ -94,9 +95,17 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "bert": dict(model_type="bert", architectures=["BertModel"], hidden_act="gelu", layer_norm_eps=1e-12,
                  type_vocab_size=2, initializer_range=0.05,
                  _drop=("rms_norm_eps", "num_key_value_heads", "tie_word_embeddings")),
+    # sequence classifiers (three labels), for LLM.classify and the pooling routes
+    "bert-cls": dict(model_type="bert", architectures=["BertForSequenceClassification"], hidden_act="gelu",
+                     layer_norm_eps=1e-12, type_vocab_size=2, initializer_range=0.05,
+                     id2label={0: "negative", 1: "neutral", 2: "positive"},
+                     _drop=("rms_norm_eps", "num_key_value_heads", "tie_word_embeddings")),
+    "qwen2-cls": dict(model_type="qwen2", architectures=["Qwen2ForSequenceClassification"],
+                      id2label={0: "negative", 1: "neutral", 2: "positive"}),
 }
 
-_ENCODERS = {"bert"}
+_ENCODERS = {"bert", "bert-cls"}
+_CLASSIFIERS = {"bert-cls", "qwen2-cls"}
 _SENTENCE_TRANSFORMERS_MODULES = [
     {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
     {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
@@ -141,14 +150,15 @@ def make_tiny_model(arch: str, path: str | Path, *, seed: int = 0, dtype: torch.
         tokenizer.add_tokens([f"<|t{i}|>" for i in range(len(tokenizer), fields["vocab_size"])])
     model_type = fields.pop("model_type")
     config = AutoConfig.for_model(model_type, **fields)
-    auto = AutoModel if arch in _ENCODERS else AutoModelForCausalLM
+    auto = (AutoModelForSequenceClassification if arch in _CLASSIFIERS else AutoModel if arch in _ENCODERS
+            else AutoModelForCausalLM)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = auto.from_config(config, dtype=torch.float32)
     model.to(dtype)
-    if arch in _ENCODERS:
+    if arch == "bert":
         _write_sentence_transformers_config(path, config.hidden_size)
-    else:
+    elif arch not in _CLASSIFIERS:
         model.generation_config.eos_token_id = EOS_ID
         model.generation_config.bos_token_id = BOS_ID
     model.save_pretrained(path)

@@ -45,11 +45,27 @@ class EmbeddingEngine:
             result.append(ids)
         return result
 
-    @torch.inference_mode()
+    @property
+    def is_classifier(self) -> bool:
+        return bool(getattr(self.model, "is_classifier", False))
+
     def embed(self, token_ids: list[list[int]]) -> torch.Tensor:
-        """[n, hidden] float32 embeddings, in input order. Batches similar lengths together."""
+        """[n, hidden] float32 embeddings, in input order."""
+        return self._pooled(token_ids, self.pooler, self.model_config.hf_config["hidden_size"])
+
+    def classify(self, token_ids: list[list[int]]) -> torch.Tensor:
+        """[n, labels] float32 logits of a classification head, in input order."""
+        if not self.is_classifier:
+            raise InvalidRequest("model", f"{self.model_config.architecture} has no classification head: classify "
+                                          "needs a ...ForSequenceClassification checkpoint")
+        return self._pooled(token_ids, self.model.classify, self.model.classifier.out_features)
+
+    @torch.inference_mode()
+    def _pooled(self, token_ids: list[list[int]], pool, width: int) -> torch.Tensor:
+        """``pool(encoder states, mask)`` of every input, in input order. Batches similar
+        lengths together."""
         order = sorted(range(len(token_ids)), key=lambda i: len(token_ids[i]))
-        out = torch.empty(len(token_ids), self.model_config.hf_config["hidden_size"])
+        out = torch.empty(len(token_ids), width)
         pad = self.tokenizer.pad_token_id or 0
         start = 0
         while start < len(order):
@@ -63,6 +79,6 @@ class EmbeddingEngine:
             for row, seq in enumerate(batch):
                 ids[row, : len(seq)] = torch.tensor(seq)
                 mask[row, : len(seq)] = 1
-            out[order[start:end]] = self.pooler(self.model.encode(ids, mask), mask)
+            out[order[start:end]] = pool(self.model.encode(ids, mask), mask)
             start = end
         return out

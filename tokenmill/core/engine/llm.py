@@ -15,11 +15,22 @@ from tokenmill.core.engine.builder import build_engine
 from tokenmill.core.engine.chat_template import render_chat
 from tokenmill.core.engine.embedding_engine import EmbeddingEngine
 from tokenmill.core.engine.llm_engine import LLMEngine, PromptType
+from tokenmill.core.engine import pooling
+from tokenmill.core.engine.pooling import PoolingInput
 from tokenmill.core.engine.rollout import EngineControl
 from tokenmill.core.plugin_host.plugin_manager import PluginManager
 from tokenmill.interfaces.adapters import LoRARequest
 from tokenmill.interfaces.errors import InvalidRequest
-from tokenmill.interfaces.types import RequestOutput, SamplingParams
+from tokenmill.interfaces.types import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    SamplingParams,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from tokenmill.interfaces.weight_transfer import WeightTransferInitRequest, WeightTransferUpdateRequest
 
 Message = dict[str, Any]
@@ -120,6 +131,38 @@ class LLM:
             raise InvalidRequest("model", "this model generates text; embed() needs an embedding model")
         items = [inputs] if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)) else list(inputs)
         return engine.embed(engine.tokenize(items)).tolist()
+
+    def encode(self, prompts: Union[PoolingInput, Sequence[PoolingInput]], pooling_task: Optional[str] = None,
+               *, use_tqdm: bool = False) -> list[PoolingRequestOutput]:
+        """Each prompt's pooled output (vLLM's ``encode``): its embedding (an embedding
+        model; task "embed") or its class logits (a classifier; task "classify")."""
+        items = pooling.as_inputs(prompts)
+        token_ids = pooling.tokenize(self.llm_engine, items)
+        if pooling_task not in (None, "embed", "classify"):
+            raise InvalidRequest("pooling_task", f"pooling task {pooling_task!r}: embed or classify")
+        if pooling_task == "embed":
+            data = pooling.embeddings(self.llm_engine, token_ids)
+        elif pooling_task == "classify":
+            data = pooling.class_logits(self.llm_engine, token_ids)
+        else:
+            data = pooling.pooled(self.llm_engine, token_ids)
+        return [PoolingRequestOutput(ids, PoolingOutput(row)) for ids, row in zip(token_ids, data)]
+
+    def classify(self, prompts: Union[PoolingInput, Sequence[PoolingInput]], *,
+                 use_tqdm: bool = False) -> list[ClassificationRequestOutput]:
+        """Each prompt's label probabilities (the softmax of the classification head's logits)."""
+        token_ids = pooling.tokenize(self.llm_engine, pooling.as_inputs(prompts))
+        probs = pooling.class_logits(self.llm_engine, token_ids).softmax(-1)
+        return [ClassificationRequestOutput(ids, ClassificationOutput(row.tolist())) for ids, row in zip(token_ids, probs)]
+
+    def score(self, text_1: Union[PoolingInput, Sequence[PoolingInput]],
+              text_2: Union[PoolingInput, Sequence[PoolingInput]], *, use_tqdm: bool = False) -> list[ScoringRequestOutput]:
+        """How alike each pair is (vLLM's ``score``: one first text against each second, or N
+        against N): the cosine of their embeddings."""
+        firsts, seconds = pooling.pair_up(text_1, text_2)
+        first_ids, second_ids = (pooling.tokenize(self.llm_engine, items) for items in (firsts, seconds))
+        values = pooling.scores(self.llm_engine, first_ids, second_ids)
+        return [ScoringRequestOutput(a + b, ScoringOutput(float(v))) for a, b, v in zip(first_ids, second_ids, values)]
 
     def generate(
         self,

@@ -98,6 +98,11 @@ class LLMEngine:
     def max_model_len(self) -> int:
         return self.model_config.max_model_len
 
+    @property
+    def is_classifier(self) -> bool:
+        """A sequence-classification model: it classifies prompts, and generates nothing."""
+        return bool(getattr(self.runner.model_step.model, "is_classifier", False))
+
     # --- requests ----------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptType, add_special_tokens: bool = True) -> tuple[Optional[str], list[int]]:
         """(text or None, token ids) for any accepted prompt form, validated. ``add_special_tokens``
@@ -168,6 +173,9 @@ class LLMEngine:
         params = params or SamplingParams()
         if self.control is not None:
             self.control.check_awake()
+        if self.is_classifier:
+            raise InvalidRequest("model", f"{self.model_config.architecture} classifies: it generates nothing (use "
+                                          "classify, score, or the /classify, /v1/score and /pooling routes)")
         text, token_ids = self.tokenize_prompt(prompt)
         cache_salt = _cache_salt(prompt)
         self.check_params(params)

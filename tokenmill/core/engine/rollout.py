@@ -15,7 +15,7 @@ empties the prefix cache, whose blocks hold keys and values of the old weights.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import structlog
 import torch
@@ -24,9 +24,6 @@ from tokenmill.core.engine.control_plane import ControlPlane
 from tokenmill.core.model_loader.safetensors_files import checkpoint_shapes
 from tokenmill.interfaces.errors import TokenmillError
 from tokenmill.interfaces.weight_transfer import WeightTransferInitRequest, WeightTransferUpdateRequest
-
-if TYPE_CHECKING:
-    from tokenmill.core.engine.llm_engine import LLMEngine
 
 log = structlog.get_logger("tokenmill.rollout")
 
@@ -39,7 +36,8 @@ class EngineAsleep(TokenmillError):
 
 
 class EngineControl:
-    def __init__(self, engine: "LLMEngine", plane: ControlPlane) -> None:
+    def __init__(self, engine: Any, plane: ControlPlane) -> None:
+        """``engine``: the LLMEngine this controls (which holds this object as ``control``)."""
         self.engine = engine
         self.plane = plane
         self.weight_version: Optional[str] = None

@@ -120,6 +120,9 @@ def build_model(config: EngineConfig, components: Components, pm: PluginManager,
 
 
 def _check_parallel(model_cls: type, model_config: ModelConfig, parallel: ParallelContext) -> None:
+    if parallel.world_size > 1 and getattr(model_cls, "is_classifier", False):
+        raise ConfigError("tensor_parallel_size", f"{model_config.architecture} is a classifier, which runs in one "
+                                                  "process: set tensor_parallel_size and pipeline_parallel_size to 1")
     if parallel.world_size > 1 and getattr(model_cls, "is_embedding_model", False):
         raise ConfigError("tensor_parallel_size", f"{model_config.architecture} is an embedding model, which runs "
                                                   "in one process: set tensor_parallel_size and "

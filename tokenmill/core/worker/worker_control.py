@@ -162,7 +162,7 @@ class WorkerControl:
                 self._released[name] = (param.shape, param.dtype)
                 param.data = torch.empty(0, dtype=param.dtype, device=param.device)
         self._refresh()  # what the platform built over the caches (a fused decode stack) goes too
-        _return_freed_memory()
+        self.parts.platform.release_memory()
 
     def wake_up(self, tags: list[str]) -> None:
         parts = self.parts
@@ -208,13 +208,3 @@ class WorkerControl:
 
 def _public(cls: Any, attr: str) -> bool:
     return bool(attr) and not attr.startswith("_") and inspect.isfunction(getattr(cls, attr, None))
-
-
-def _return_freed_memory() -> None:
-    """Ask the C allocator to hand freed pages back, so the process's RSS shows the release."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass

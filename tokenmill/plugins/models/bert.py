@@ -43,8 +43,16 @@ class BertLayer(nn.Module):
         return self.output_norm(x + self.output(self.act(self.intermediate(x))))
 
 
+def num_labels(cfg: Mapping[str, Any]) -> int:
+    """A classification head's outputs: HF's ``id2label`` (its default: two labels)."""
+    return len(cfg.get("id2label") or {0: "LABEL_0", 1: "LABEL_1"})
+
+
 class BertModel(nn.Module):
     is_embedding_model = True
+    #: checkpoint prefixes this model has no module for (the MLM head; the pooler, used only
+    #: by a classification head)
+    _skipped_prefixes: tuple[str, ...] = ("pooler.", "cls.")
     #: checkpoint names -> module names (HF's deep BERT naming, flattened)
     _renames = (
         (".attention.self.", "."), (".attention.output.dense.", ".attention_output."),
@@ -83,8 +91,9 @@ class BertModel(nn.Module):
         def renamed():
             for name, tensor in weights:
                 name = name.removeprefix("bert.")
-                if name.startswith(("pooler.", "cls.")) or name.endswith("position_ids"):
+                if name.startswith(self._skipped_prefixes) or name.endswith("position_ids"):
                     continue
+                name = name.replace("pooler.dense.", "pooler.")
                 name = name.replace("embeddings.LayerNorm.", "embeddings_norm.").removeprefix("embeddings.")
                 name = name.replace("encoder.layer.", "layers.")
                 for old, new in self._renames:
@@ -95,6 +104,27 @@ class BertModel(nn.Module):
         return load_weights(self, renamed(), stacked)
 
 
+class BertForSequenceClassification(BertModel):
+    """BERT with HF's sequence-classification head: the [CLS] state through the pooler
+    (dense, tanh), then the classifier: one logit per label (``classify``)."""
+
+    is_classifier = True
+    _skipped_prefixes = ("cls.",)
+
+    def __init__(self, ctx: ModelContext) -> None:
+        super().__init__(ctx)
+        hidden = ctx.hf_config["hidden_size"]
+        self.pooler = nn.Linear(hidden, hidden, dtype=ctx.dtype)
+        self.classifier = nn.Linear(hidden, num_labels(ctx.hf_config), dtype=ctx.dtype)
+        for param in (*self.pooler.parameters(), *self.classifier.parameters()):
+            param.requires_grad_(False)
+
+    def classify(self, hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """[batch, seq, hidden] encoder states -> [batch, labels] float32 logits."""
+        return self.classifier(torch.tanh(self.pooler(hidden[:, 0]))).float()
+
+
 @hookimpl
 def register_model_architectures(register):
     register("BertModel", BertModel)
+    register("BertForSequenceClassification", BertForSequenceClassification)

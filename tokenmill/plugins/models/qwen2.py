@@ -9,10 +9,12 @@ import torch
 from torch import nn
 
 from tokenmill.core.layers.activation import activation
+from tokenmill.core.layers.linear import Linear
 from tokenmill.core.layers.moe import FusedMoE
 from tokenmill.core.model_loader.weights import copy_tensor, load_weights
 from tokenmill.interfaces.hookspecs import hookimpl
 from tokenmill.interfaces.models import ModelContext
+from tokenmill.plugins.models.bert import num_labels
 from tokenmill.plugins.models.llama import LlamaForCausalLM, LlamaMLP
 
 
@@ -35,6 +37,25 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
         return False
 
     sliding_window = staticmethod(qwen_sliding_window)
+
+
+class Qwen2ForSequenceClassification(Qwen2ForCausalLM):
+    """Qwen2 with HF's sequence-classification head (``score``: one row per label) in place of
+    the language-model head: a prompt's class logits are the head's output at its last token
+    (``LLM.classify``, the pooling routes). It does not generate."""
+
+    is_classifier = True
+
+    def __init__(self, ctx: ModelContext) -> None:
+        super().__init__(ctx)
+        cfg = ctx.hf_config
+        self.tie_word_embeddings = False
+        self.lm_head = Linear(cfg["hidden_size"], [num_labels(cfg)], bias=False, dtype=ctx.dtype)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        renamed = ((name.replace("score.", "lm_head.", 1) if name.startswith("score.") else name, tensor)
+                   for name, tensor in weights)
+        return super().load_weights(renamed)
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
@@ -117,5 +138,6 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
 @hookimpl
 def register_model_architectures(register):
     register("Qwen2ForCausalLM", Qwen2ForCausalLM)
+    register("Qwen2ForSequenceClassification", Qwen2ForSequenceClassification)
     register("Qwen3ForCausalLM", Qwen3ForCausalLM)
     register("Qwen3MoeForCausalLM", Qwen3MoeForCausalLM)

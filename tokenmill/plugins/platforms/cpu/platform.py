@@ -14,6 +14,8 @@ What it decides (options in ``platform.cpu``, see options.py):
 
 from __future__ import annotations
 
+import ctypes
+
 from typing import Any, Callable, Optional
 
 import torch
@@ -61,6 +63,12 @@ class CpuPlatform(Platform):
     def optimize_model(self, model: torch.nn.Module) -> None:
         prepack_linear_weights(model, cpu_kernels(), gemv=self.options.small_batch_gemv, widen_bf16=not native_bf16())
         self._fuse_decoders(model)
+
+    def release_memory(self) -> None:
+        try:  # glibc keeps freed heap pages mapped until asked
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):
+            pass
 
     def refresh_weights(self, model: torch.nn.Module) -> None:
         repack_linear_weights(model)

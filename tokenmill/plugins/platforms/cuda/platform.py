@@ -121,6 +121,9 @@ class CudaPlatform(Platform):
     def place_model(self, model: torch.nn.Module) -> None:
         model.to(self.device_type)
 
+    def release_memory(self) -> None:
+        torch.cuda.empty_cache()  # the caching allocator keeps freed blocks from other users
+
     def host_buffer(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(tuple(shape), dtype=dtype, pin_memory=True)
 
