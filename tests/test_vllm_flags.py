@@ -70,7 +70,7 @@ def test_a_vllm_deployment_line_serves_with_its_inert_and_accepted_flags(tmp_pat
          "--load-format", "safetensors", "--tokenizer-mode", "auto", "--generation-config", "auto",
          "--disable-log-stats", "--max-log-len", "100", "--data-parallel-size", "1", "--disable-log-requests",
          "--uvicorn-log-level", "warning", "--chat-template", str(template), "--quantization", "fp8",
-         "--enable-prefix-caching", "--max-num-seqs", "512", "--reasoning-parser", "qwen3"],
+         "--enable-prefix-caching", "--max-num-seqs", "512", "--reasoning-parser", "qwen3", "--cpu-offload-gb", "4"],
         env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_until_healthy(port)
@@ -84,7 +84,8 @@ def test_a_vllm_deployment_line_serves_with_its_inert_and_accepted_flags(tmp_pat
     built = next(line for line in lines if line["event"] == "engine built")
     assert built["max_model_len"] == 128  # from the YAML
     ignored = next(line for line in lines if line["event"] == "options ignored")
-    assert ignored["flags"] == ["--gpu-memory-utilization"] and ignored["section"] == "platform.cuda"
+    assert sorted(ignored["flags"]) == ["--cpu-offload-gb", "--gpu-memory-utilization"]
+    assert ignored["section"] == "platform.cuda"
     accepted = next(line for line in lines if line["event"] == "vLLM flags accepted, nothing to do")
     assert any(item.startswith("--disable-log-stats") for item in accepted["flags"])
     assert not any(line["event"] == "request finished" for line in lines)  # --disable-log-requests

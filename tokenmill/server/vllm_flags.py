@@ -103,8 +103,6 @@ REFUSED: dict[str, str] = {
         "--kv-transfer-config", "--ec-transfer-config", "--ec-manager-config", "--kv-events-config",
         "--kv-offloading-backend", "--kv-offloading-size", "--offload-backend", "--offload-group-size",
         "--offload-num-in-group", "--offload-params", "--offload-prefetch-step", "--cpu-offload-params")},
-    "--cpu-offload-gb": "offloading weights to host memory is not supported: the weights must fit the device "
-                        "(or split them with --tensor-parallel-size / --pipeline-parallel-size)",
     **{flag: _NO_HUB for flag in (
         "--download-dir", "--hf-token", "--revision", "--code-revision", "--tokenizer-revision", "--ignore-patterns")},
     "--hf-config-path": "config.json is read from the model directory (or --tokenizer's for the tokenizer)",
@@ -216,7 +214,6 @@ INERT: dict[str, tuple[str, ...]] = {
     "--decode-context-parallel-size": ("1",),
     "--prefill-context-parallel-size": ("1",),
     "--api-server-count": ("1",),
-    "--cpu-offload-gb": ("0",),
 }
 
 

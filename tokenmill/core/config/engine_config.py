@@ -384,6 +384,7 @@ VLLM_NAMES: dict[str, str] = {
     "keep_freed_memory": "platform.cpu.keep_freed_memory",
     # the cuda platform's (platform.cuda)
     "gpu_memory_utilization": "platform.cuda.gpu_memory_utilization",
+    "cpu_offload_gb": "platform.cuda.cpu_offload_gb",
     "tensor_parallel_size": "parallel.tensor_parallel_size",
     "pipeline_parallel_size": "parallel.pipeline_parallel_size",
     "distributed_executor_backend": "parallel.distributed_executor_backend",

@@ -59,6 +59,10 @@ class CudaPlatform(Platform):
         """The rank's GPU (one per rank, among those visible: a Ray actor sees only its own),
         and the memory in use before this engine loaded anything, so that its budget counts
         only its own use (vLLM's rule: two engines at 0.4 share a GPU)."""
+        if self.options.cpu_offload_gb:
+            raise ConfigError("platform.cuda.cpu_offload_gb", "offloading weights to host memory is not supported: "
+                                                              "the weights must fit the GPU (or split them with "
+                                                              "--tensor-parallel-size / --pipeline-parallel-size)")
         torch.cuda.set_device(rank % torch.cuda.device_count())
         gc.collect()  # an engine this process dropped may still hold its caches through a cycle
         torch.cuda.empty_cache()
