@@ -41,7 +41,7 @@ from tokenmill.server.responses_api import (
     ResponseStreamEvent,
     create_response,
 )
-from tokenmill.server.metrics import ServerMetrics
+from tokenmill.core.engine.metrics import EngineMetrics
 from tokenmill.server.middleware import APIKeyAuth, BodySizeLimit, JSONBodyCheck, RequestIdHeaders
 from tokenmill.server.openapi import ERROR_RESPONSES, install_openapi, streamed
 from tokenmill.server.protocol import (
@@ -123,7 +123,7 @@ def create_app(llm: AsyncLLM | EmbeddingEngine, config: Optional[ServerConfig] =
                          content_parts=config.chat_template_content_format == "openai",
                          prompt_tokens_details=config.enable_prompt_tokens_details,
                          constrain_reasoning=engine.config.structured_outputs.enable_in_reasoning)
-    metrics = ServerMetrics(names[0])
+    metrics = EngineMetrics(names[0])
     embeddings = None if generating else EmbeddingService(engine, names[0])
     if generating:
         llm.observers += [metrics.observe_step] + ([log_finished_requests] if config.log_requests else [])

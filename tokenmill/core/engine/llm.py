@@ -15,6 +15,8 @@ from tokenmill.core.engine.builder import build_engine
 from tokenmill.core.engine.chat_template import render_chat
 from tokenmill.core.engine.embedding_engine import EmbeddingEngine
 from tokenmill.core.engine.llm_engine import LLMEngine, PromptType
+from tokenmill.core.engine.metrics import EngineMetrics
+from tokenmill.core.engine.metrics_reader import Metric, read_metrics
 from tokenmill.core.engine import pooling
 from tokenmill.core.engine.pooling import PoolingInput
 from tokenmill.core.engine.rollout import EngineControl
@@ -58,6 +60,8 @@ class LLM:
             raise TypeError("pass either config= or model/engine arguments, not both")
         self.llm_engine = build_engine(config, plugin_manager)
         self._ids = itertools.count()
+        #: the engine's Prometheus metrics (vLLM's names), sampled after every step (get_metrics)
+        self._metrics = EngineMetrics(str(config.model)) if isinstance(self.llm_engine, LLMEngine) else None
 
     @classmethod
     def from_config(cls, path: str | Path, **overrides: Any) -> "LLM":
@@ -117,6 +121,13 @@ class LLM:
 
     def reset_prefix_cache(self) -> bool:
         return self._control.reset_prefix_cache()
+
+    def get_metrics(self) -> list[Metric]:
+        """A snapshot of the engine's metrics (vLLM's: Counter, Gauge, Histogram, with the
+        names ``/metrics`` serves), from the generate calls so far."""
+        if self._metrics is None:
+            raise InvalidRequest("model", "this is an embedding model: it keeps no generation metrics")
+        return read_metrics(self._metrics.registry)
 
     def start_profile(self) -> None:
         self._control.start_profile()
@@ -307,7 +318,9 @@ class LLM:
         with tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm,
                   dynamic_ncols=True) as bar:
             while engine.has_unfinished_requests():
-                for output in engine.step():
+                outputs = engine.step()
+                self._metrics.observe_step(engine, outputs)
+                for output in outputs:
                     if output.finished:
                         results[order[output.request_id]] = output
                         in_tokens += len(output.prompt_token_ids)

@@ -21,7 +21,7 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
                     7.5, 10.0, 20.0, 40.0, 80.0)
 
 
-class ServerMetrics:
+class EngineMetrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
         labels = ["model_name"]

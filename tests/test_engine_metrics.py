@@ -1,0 +1,35 @@
+"""``LLM.get_metrics()`` (vLLM's offline metric snapshot): the engine's Prometheus metrics,
+the names ``/metrics`` serves, as Counter / Gauge / Histogram objects."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import make_llm
+from tokenmill import SamplingParams
+from tokenmill.core.engine.metrics_reader import Counter, Gauge, Histogram
+from tokenmill.interfaces.errors import InvalidRequest
+
+
+def test_a_snapshot_counts_what_the_generate_calls_did(model_dir):
+    with make_llm(model_dir("llama")) as llm:
+        prompts = [[5, 6, 7], [8, 9, 10, 11]]
+        for _ in range(2):
+            llm.generate([{"prompt_token_ids": p} for p in prompts],
+                         SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+        metrics = {m.name: m for m in llm.get_metrics() if not m.labels.get("finished_reason")}
+        success = [m for m in llm.get_metrics() if m.name == "tokenmill:request_success"]
+    assert isinstance(metrics["tokenmill:prompt_tokens"], Counter)
+    assert metrics["tokenmill:prompt_tokens"].value == 2 * 7
+    assert metrics["tokenmill:generation_tokens"].value == 2 * 2 * 3
+    assert [(m.labels["finished_reason"], m.value) for m in success] == [("length", 4.0)]
+    assert isinstance(metrics["tokenmill:num_requests_running"], Gauge)
+    assert metrics["tokenmill:num_requests_running"].value == 0
+    ttft = metrics["tokenmill:time_to_first_token_seconds"]
+    assert isinstance(ttft, Histogram) and ttft.count == 4 and ttft.buckets["+Inf"] == 4 and ttft.sum > 0
+
+
+def test_an_embedding_model_has_none(model_dir):
+    with make_llm(model_dir("bert")) as llm:
+        with pytest.raises(InvalidRequest, match="keeps no generation metrics"):
+            llm.get_metrics()
