@@ -89,3 +89,20 @@ def test_every_rank_sleeps_and_wakes_at_tp2(model_dir):
             llm.sleep(level=level)
             llm.wake_up()
             assert reply(llm) == before
+
+
+def test_sleep_and_reset_prefix_cache_wait_for_running_requests(model_dir):
+    """With a request holding blocks, the prefix cache is not reset (False, as vLLM answers)
+    and sleep is refused; once it finishes, both go through."""
+    with make_llm(model_dir("llama"), enable_sleep_mode=True) as llm:
+        engine = llm.llm_engine
+        engine.add_request("busy", "a prompt that holds blocks", SamplingParams(max_tokens=4, ignore_eos=True))
+        engine.step()
+        assert llm.reset_prefix_cache() is False
+        with pytest.raises(RuntimeError, match="requests are running"):
+            llm.sleep()
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert llm.reset_prefix_cache() is True
+        llm.sleep()
+        assert llm.is_sleeping()

@@ -61,13 +61,19 @@ def _in_background(call):
     return thread, result
 
 
+def _paused_while_running(base, llm, mode: str, max_tokens: int):
+    """A request running in the background, and the server paused under it in ``mode``."""
+    thread, running = _in_background(lambda: complete(base, max_tokens=max_tokens))
+    while not llm.num_running:
+        time.sleep(0.01)
+    assert post(base, "/pause", params={"mode": mode}).status_code == 200
+    return thread, running
+
+
 def test_pause_modes(served):
     base, llm = served
     # abort: the running request ends with finish_reason "abort"; one arriving meanwhile waits
-    thread, running = _in_background(lambda: complete(base, max_tokens=400))
-    while not llm.num_running:
-        time.sleep(0.01)
-    assert post(base, "/pause", params={"mode": "abort"}).status_code == 200
+    thread, running = _paused_while_running(base, llm, "abort", 400)
     thread.join(30)
     assert running["response"].json()["choices"][0]["finish_reason"] == "abort"
     assert httpx.get(base + "/is_paused", headers=AUTH).json() == {"is_paused": True}
@@ -78,24 +84,17 @@ def test_pause_modes(served):
     waiting_thread.join(30)
     assert waiting["response"].status_code == 200 and len(waiting["response"].json()["choices"][0]["text"]) > 0
     # wait: the running request finishes whole first
-    thread, running = _in_background(lambda: complete(base, max_tokens=60))
-    while not llm.num_running:
-        time.sleep(0.01)
-    assert post(base, "/pause", params={"mode": "wait"}).status_code == 200
+    thread, running = _paused_while_running(base, llm, "wait", 60)
     thread.join(30)
     assert running["response"].json()["choices"][0]["finish_reason"] == "length"
     post(base, "/resume")
     # keep: the running request is frozen, then finishes whole after resume
-    thread, running = _in_background(lambda: complete(base, max_tokens=400))
-    while not llm.num_running:
-        time.sleep(0.01)
-    assert post(base, "/pause", params={"mode": "keep"}).status_code == 200
+    thread, running = _paused_while_running(base, llm, "keep", 400)
     time.sleep(0.5)
     assert thread.is_alive()
     post(base, "/resume")
     thread.join(60)
-    usage = running["response"].json()["usage"]
-    assert usage["completion_tokens"] == 400
+    assert running["response"].json()["usage"]["completion_tokens"] == 400
     assert post(base, "/pause", params={"mode": "sideways"}).status_code == 400
 
 

@@ -205,6 +205,13 @@ REFUSED: dict[str, str] = {
 }
 
 
+#: what an honoured flag's row in the README adds, where "honoured" alone would say too much
+HONOURED_NOTES: dict[str, str] = {
+    "--gpu-memory-utilization": "a cuda platform option: ignored with a warning on the cpu platform",
+    "--cpu-offload-gb": "a cuda platform option: ignored with a warning on the cpu platform; on cuda only 0 "
+                        "(offloading weights to host memory is not supported)",
+}
+
 #: values of refused flags that ask for what tokenmill does anyway: accepted
 INERT: dict[str, tuple[str, ...]] = {
     "--load-format": ("auto", "safetensors"),
@@ -285,7 +292,8 @@ def markdown_table(honoured: set[str]) -> str:
     rows = ["| vLLM flag | tokenmill |", "|---|---|"]
     for flag in VLLM_SERVE_FLAGS:
         if flag in honoured:
-            rows.append(f"| `{flag}` | honoured |")
+            note = HONOURED_NOTES.get(flag)
+            rows.append(f"| `{flag}` | honoured{': ' + note if note else ''} |")
         elif flag in ALREADY_SO:
             rows.append(f"| `{flag}` | accepted: {ALREADY_SO[flag]} |")
         else:

@@ -119,8 +119,9 @@ class EngineControl:
 
     # --- sleep ------------------------------------------------------------------
     def sleep(self, level: int = 1) -> None:
-        """Level 1 frees the KV cache (weights stay: host memory on the cpu platform); level 2
-        frees the weights too (they come back from the checkpoint on wake_up)."""
+        """Level 1 frees the KV cache and moves a device's weights to host memory (the cpu
+        platform's are there already); level 2 frees the weights too (they come back from
+        the checkpoint on wake_up)."""
         if not self.engine.config.enable_sleep_mode:
             raise ValueError("sleep needs enable_sleep_mode=True when the engine is built")
         if level not in (1, 2):
@@ -129,7 +130,9 @@ class EngineControl:
             raise RuntimeError("requests are running: let them finish (or abort them) before sleep")
         self.plane.run("sleep", {"level": level})
         self.engine.scheduler.kv_cache.pool.reset_prefix_cache()  # the blocks' contents are gone
-        self.asleep = set(ALL_TAGS) if level == 2 else {"kv_cache"}
+        # at level 1 a device's weights go to host memory; the cpu platform's stay put
+        on_host = self.engine.platform is None or self.engine.platform.device_type == "cpu"
+        self.asleep = {"kv_cache"} if level == 1 and on_host else set(ALL_TAGS)
         self.sleep_level = level
         log.info("asleep", level=level)
 

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import msgspec
-import structlog
 import torch
 
 from tokenmill.core.config.engine_config import EngineConfig
@@ -25,12 +24,9 @@ from tokenmill.core.plugin_host.components import Components
 from tokenmill.core.worker.kv_cache import SwapCaches
 from tokenmill.core.worker.model_builder import BuiltModel
 from tokenmill.core.worker.model_step import ModelStep
-from tokenmill.interfaces.errors import ConfigError
 from tokenmill.interfaces.platform import Platform
 from tokenmill.interfaces.weight_transfer import WeightTransferBackend, WeightTransferContext
 from tokenmill.interfaces.worker_extension import WorkerContext
-
-log = structlog.get_logger("tokenmill.worker_control")
 
 #: the operations a control message may ask for
 OPS = ("collective_rpc", "init_weight_transfer", "start_weight_update", "update_weights", "finish_weight_update",
@@ -59,6 +55,8 @@ class WorkerControl:
         self._backend: Optional[WeightTransferBackend] = None
         #: parameter shapes and dtypes while the weights sleep (level 2)
         self._released: Optional[dict[str, tuple[torch.Size, torch.dtype]]] = None
+        #: a device's weights in host memory while they sleep at level 1
+        self._offloaded: Optional[dict[str, torch.Tensor]] = None
         self._kv_released = False
         self._profiler: Optional[torch.profiler.profile] = None
 
@@ -139,15 +137,16 @@ class WorkerControl:
     def _refresh(self) -> None:
         parts = self.parts
         parts.platform.refresh_weights(self.model)
-        if parts.step.greedy_head is not None or self._released is not None:
-            parts.step.greedy_head = parts.platform.greedy_head(self.model) if self._released is None else None
+        if parts.step.greedy_head is not None or self._released is not None or self._offloaded is not None:
+            asleep = self._released is not None or self._offloaded is not None
+            parts.step.greedy_head = None if asleep else parts.platform.greedy_head(self.model)
         if parts.record_graphs is not None and parts.step.graphs is not None:
             parts.step.graphs = parts.record_graphs()
 
     # --- sleep ----------------------------------------------------------------
     def sleep(self, level: int) -> None:
-        """Level 1 frees the KV cache (the weights are host memory already on the cpu
-        platform, and stay where they are elsewhere); level 2 frees the weights too."""
+        """Level 1 frees the KV cache and moves a device's weights to host memory (on the
+        cpu platform they are there already); level 2 frees the weights too."""
         for module in self.model.modules():
             if getattr(module, "kv_cache", None) is not None:
                 module.kv_cache = None
@@ -156,6 +155,11 @@ class WorkerControl:
         self._kv_released = True
         if self.parts.step.graphs is not None:  # they hold the caches' addresses
             self.parts.step.graphs = None
+        if level == 1 and self.parts.platform.device_type != "cpu" and self._offloaded is None:
+            self._offloaded = {}
+            for name, param in self.model.named_parameters():
+                self._offloaded[name] = param.data.to("cpu")
+                param.data = torch.empty(0, dtype=param.dtype, device=param.device)
         if level >= 2 and self._released is None:
             self._released = {}
             for name, param in self.model.named_parameters():
@@ -166,6 +170,12 @@ class WorkerControl:
 
     def wake_up(self, tags: list[str]) -> None:
         parts = self.parts
+        if "weights" in tags and self._offloaded is not None:
+            device = parts.platform.device_type
+            for name, param in self.model.named_parameters():
+                param.data = self._offloaded[name].to(device)
+            self._offloaded = None
+            self._refresh()
         if "weights" in tags and self._released is not None:
             device = parts.platform.device_type
             for name, param in self.model.named_parameters():
@@ -180,8 +190,9 @@ class WorkerControl:
             swap = parts.built.allocate_caches(parts.config, parts.platform, parts.num_blocks, parts.num_host_blocks)
             parts.step.swap = swap if isinstance(swap, SwapCaches) else None
             self._kv_released = False
-            if parts.record_graphs is not None:
-                parts.step.graphs = parts.record_graphs()
+        awake = not self._kv_released and self._released is None and self._offloaded is None
+        if awake and parts.record_graphs is not None and parts.step.graphs is None:
+            parts.step.graphs = parts.record_graphs()  # over the weights' and caches' new addresses
 
     # --- profiling ------------------------------------------------------------
     def start_profile(self, directory: str) -> None:
