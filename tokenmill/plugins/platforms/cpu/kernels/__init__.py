@@ -66,7 +66,7 @@ def cpu_kernels() -> Optional[ModuleType]:
             # holding the lock, no other tokenmill process builds here: torch's lock is stale
             (build_dir / "lock").unlink(missing_ok=True)
             if not any(build_dir.glob("*.so")):
-                log.info("compiling the C++ CPU kernels (first use on this CPU; a minute or two)",
+                log.info("compiling the C++ CPU kernels (first use on this CPU; about a minute on 2 cores)",
                          build_directory=str(build_dir))
             return load(name="tokenmill_cpu_kernels", sources=[str(_CSRC / name) for name in _SOURCES],
                         extra_cflags=_CFLAGS, extra_include_paths=[str(_CSRC)], build_directory=str(build_dir),

@@ -1,3 +1,6 @@
+#include <torch/extension.h>
+
+#include "decode_stack.h"
 #include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -20,5 +23,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "greedy tokens of fp32 x W^T from int8 screening logits; returns (tokens, candidates per row)");
   m.def("screened_argmax_available", &tokenmill::screened_argmax_available,
         "whether screened_argmax was built (it needs AVX512-VNNI or AVX2)");
-  tokenmill::bind_decode_stack(m);
+  pybind11::class_<tokenmill::DecodeStack>(m, "DecodeStack",
+                                           "a Llama-style decoder stack for 1-2 decode rows in one call",
+                                           pybind11::module_local())
+      .def(pybind11::init<int64_t, int64_t, int64_t>(), pybind11::arg("num_heads"), pybind11::arg("num_kv_heads"),
+           pybind11::arg("head_dim"))
+      .def("add_layer", &tokenmill::DecodeStack::add_layer)
+      .def("forward", &tokenmill::DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

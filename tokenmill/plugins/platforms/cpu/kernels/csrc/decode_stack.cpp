@@ -7,8 +7,9 @@
 // the same kernels in the same order as the eager layers do with fused ops on
 // (rms_norm, gemv, rotary_embedding, paged_decode_attention, silu_and_mul), so
 // its output is bit-identical to theirs, without returning to Python between them.
+#include "decode_stack.h"
+
 #include <cstring>
-#include <vector>
 
 #include "kernels.h"
 #include "vec.h"
@@ -16,14 +17,6 @@
 namespace tokenmill {
 
 namespace {
-
-struct Layer {
-  torch::Tensor input_norm, post_norm, qkv, o, gate_up, down;
-  c10::optional<torch::Tensor> qkv_bias, o_bias, gate_up_bias, down_bias;
-  torch::Tensor key_cache, value_cache;  // [num_blocks, block_size, num_kv_heads, head_dim]
-  double norm_eps, post_norm_eps, scale;
-  int64_t window;
-};
 
 // cache[slots[r]] = row r of src (rows strided, each kv_heads * head_dim contiguous values), rounded
 // to the cache's dtype (a bf16 cache.kv_cache_dtype); a slot < 0 is not written
@@ -45,73 +38,52 @@ void write_cache(torch::Tensor& cache, const torch::Tensor& src, const int64_t* 
 
 }  // namespace
 
-class DecodeStack {
- public:
-  DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim)
-      : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim) {}
+void DecodeStack::add_layer(torch::Tensor input_norm, double norm_eps, torch::Tensor qkv,
+                            c10::optional<torch::Tensor> qkv_bias, torch::Tensor o, c10::optional<torch::Tensor> o_bias,
+                            torch::Tensor post_norm, double post_norm_eps, torch::Tensor gate_up,
+                            c10::optional<torch::Tensor> gate_up_bias, torch::Tensor down,
+                            c10::optional<torch::Tensor> down_bias, torch::Tensor key_cache, torch::Tensor value_cache,
+                            double scale, int64_t window) {
+  const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
+  TORCH_CHECK(qkv.size(0) == q_size + 2 * kv_size && o.size(1) == q_size, "decode stack: q/k/v sizes");
+  TORCH_CHECK(gate_up.size(0) == 2 * down.size(1), "decode stack: gate_up is [2 * intermediate, hidden]");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() && key_cache.dim() == 4 &&
+                  key_cache.size(2) * key_cache.size(3) == kv_size,
+              "decode stack: caches [blocks, block_size, kv_heads, head_dim]");
+  layers_.push_back(Layer{input_norm, post_norm, qkv, o, gate_up, down, qkv_bias, o_bias, gate_up_bias,
+                          down_bias, key_cache, value_cache, norm_eps, post_norm_eps, scale, window});
+}
 
-  void add_layer(torch::Tensor input_norm, double norm_eps, torch::Tensor qkv, c10::optional<torch::Tensor> qkv_bias,
-                 torch::Tensor o, c10::optional<torch::Tensor> o_bias, torch::Tensor post_norm, double post_norm_eps,
-                 torch::Tensor gate_up, c10::optional<torch::Tensor> gate_up_bias, torch::Tensor down,
-                 c10::optional<torch::Tensor> down_bias, torch::Tensor key_cache, torch::Tensor value_cache,
-                 double scale, int64_t window) {
-    const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
-    TORCH_CHECK(qkv.size(0) == q_size + 2 * kv_size && o.size(1) == q_size, "decode stack: q/k/v sizes");
-    TORCH_CHECK(gate_up.size(0) == 2 * down.size(1), "decode stack: gate_up is [2 * intermediate, hidden]");
-    TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() && key_cache.dim() == 4 &&
-                    key_cache.size(2) * key_cache.size(3) == kv_size,
-                "decode stack: caches [blocks, block_size, kv_heads, head_dim]");
-    layers_.push_back(Layer{input_norm, post_norm, qkv, o, gate_up, down, qkv_bias, o_bias, gate_up_bias,
-                            down_bias, key_cache, value_cache, norm_eps, post_norm_eps, scale, window});
+torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
+                                  torch::Tensor block_table, torch::Tensor seq_lens) {
+  const int64_t rows = x.size(0);
+  TORCH_CHECK(x.dim() == 2 && rows >= 1 && rows <= 4, "decode stack: 1 to 4 rows");
+  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.numel() == rows, "decode stack: one int64 slot per row");
+  TORCH_CHECK(seq_lens.numel() == rows, "decode stack: one sequence per row");
+  const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const torch::Tensor query_rows = torch::arange(rows, slots.options());
+  torch::Tensor residual = x.clone();
+  torch::Tensor normed = torch::empty_like(x);
+  torch::Tensor attn = torch::empty({rows, num_heads_, head_dim_}, x.options());
+  for (Layer& layer : layers_) {
+    rms_norm(normed, residual, layer.input_norm, layer.norm_eps);
+    torch::Tensor qkv = gemv(normed, layer.qkv, layer.qkv_bias);
+    torch::Tensor q = qkv.narrow(1, 0, q_size).view({rows, num_heads_, head_dim_});
+    torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({rows, num_kv_heads_, head_dim_});
+    rotary_embedding(q, k, cos, sin);
+    write_cache(layer.key_cache, k, slot, rows);
+    write_cache(layer.value_cache, qkv.narrow(1, q_size + kv_size, kv_size), slot, rows);
+    paged_decode_attention(attn, q.contiguous(), layer.key_cache, layer.value_cache, block_table, seq_lens,
+                           query_rows, layer.scale, layer.window, 0.0);
+    residual.add_(gemv(attn.view({rows, q_size}), layer.o, layer.o_bias));
+    rms_norm(normed, residual, layer.post_norm, layer.post_norm_eps);
+    torch::Tensor gate_up = gemv(normed, layer.gate_up, layer.gate_up_bias);
+    torch::Tensor act = torch::empty({rows, gate_up.size(1) / 2}, x.options());
+    silu_and_mul(act, gate_up);
+    residual.add_(gemv(act, layer.down, layer.down_bias));
   }
-
-  // x: [rows, hidden], the embeddings; returns the residual stream after the last layer
-  // (before the final norm). cos/sin: [rows, rotary_dim]; slots: [rows] int64;
-  // block_table/seq_lens: the step's, one sequence per row.
-  torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
-                        torch::Tensor block_table, torch::Tensor seq_lens) {
-    const int64_t rows = x.size(0);
-    TORCH_CHECK(x.dim() == 2 && rows >= 1 && rows <= 4, "decode stack: 1 to 4 rows");
-    TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.numel() == rows, "decode stack: one int64 slot per row");
-    TORCH_CHECK(seq_lens.numel() == rows, "decode stack: one sequence per row");
-    const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
-    const int64_t* slot = slots.data_ptr<int64_t>();
-    const torch::Tensor query_rows = torch::arange(rows, slots.options());
-    torch::Tensor residual = x.clone();
-    torch::Tensor normed = torch::empty_like(x);
-    torch::Tensor attn = torch::empty({rows, num_heads_, head_dim_}, x.options());
-    for (Layer& layer : layers_) {
-      rms_norm(normed, residual, layer.input_norm, layer.norm_eps);
-      torch::Tensor qkv = gemv(normed, layer.qkv, layer.qkv_bias);
-      torch::Tensor q = qkv.narrow(1, 0, q_size).view({rows, num_heads_, head_dim_});
-      torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({rows, num_kv_heads_, head_dim_});
-      rotary_embedding(q, k, cos, sin);
-      write_cache(layer.key_cache, k, slot, rows);
-      write_cache(layer.value_cache, qkv.narrow(1, q_size + kv_size, kv_size), slot, rows);
-      paged_decode_attention(attn, q.contiguous(), layer.key_cache, layer.value_cache, block_table, seq_lens,
-                             query_rows, layer.scale, layer.window, 0.0);
-      residual.add_(gemv(attn.view({rows, q_size}), layer.o, layer.o_bias));
-      rms_norm(normed, residual, layer.post_norm, layer.post_norm_eps);
-      torch::Tensor gate_up = gemv(normed, layer.gate_up, layer.gate_up_bias);
-      torch::Tensor act = torch::empty({rows, gate_up.size(1) / 2}, x.options());
-      silu_and_mul(act, gate_up);
-      residual.add_(gemv(act, layer.down, layer.down_bias));
-    }
-    return residual;
-  }
-
- private:
-  int64_t num_heads_, num_kv_heads_, head_dim_;
-  std::vector<Layer> layers_;
-};
-
-void bind_decode_stack(pybind11::module& m) {
-  pybind11::class_<DecodeStack>(m, "DecodeStack", "a Llama-style decoder stack for 1-2 decode rows in one call",
-                                 pybind11::module_local())
-      .def(pybind11::init<int64_t, int64_t, int64_t>(), pybind11::arg("num_heads"), pybind11::arg("num_kv_heads"),
-           pybind11::arg("head_dim"))
-      .def("add_layer", &DecodeStack::add_layer)
-      .def("forward", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+  return residual;
 }
 
 }  // namespace tokenmill

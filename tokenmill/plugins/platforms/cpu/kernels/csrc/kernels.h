@@ -1,7 +1,9 @@
 // The kernels' entry points, for the Python bindings and for kernels that call each other.
+// torch/types.h, not torch/extension.h: the units that need pybind11 (bindings.cpp,
+// decode_stack.cpp) include that themselves, and its headers cost each unit ~11 s to parse.
 #pragma once
 
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include <string>
 #include <tuple>
@@ -26,5 +28,4 @@ std::tuple<torch::Tensor, torch::Tensor> screened_argmax(torch::Tensor x, torch:
                                                          torch::Tensor scales, torch::Tensor norms,
                                                          torch::Tensor residuals, torch::Tensor sums);
 bool screened_argmax_available();
-void bind_decode_stack(pybind11::module& m);
 }  // namespace tokenmill

@@ -1,0 +1,41 @@
+// The fused decode stack (decode_stack.cpp), declared here for its Python binding (bindings.cpp),
+// so that only bindings.cpp parses pybind11's headers.
+#pragma once
+
+#include <torch/types.h>
+
+#include <vector>
+
+namespace tokenmill {
+
+class DecodeStack {
+ public:
+  DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim)
+      : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim) {}
+
+  void add_layer(torch::Tensor input_norm, double norm_eps, torch::Tensor qkv, c10::optional<torch::Tensor> qkv_bias,
+                 torch::Tensor o, c10::optional<torch::Tensor> o_bias, torch::Tensor post_norm, double post_norm_eps,
+                 torch::Tensor gate_up, c10::optional<torch::Tensor> gate_up_bias, torch::Tensor down,
+                 c10::optional<torch::Tensor> down_bias, torch::Tensor key_cache, torch::Tensor value_cache,
+                 double scale, int64_t window);
+
+  // x: [rows, hidden], the embeddings; returns the residual stream after the last layer
+  // (before the final norm). cos/sin: [rows, rotary_dim]; slots: [rows] int64;
+  // block_table/seq_lens: the step's, one sequence per row.
+  torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
+                        torch::Tensor block_table, torch::Tensor seq_lens);
+
+ private:
+  struct Layer {
+    torch::Tensor input_norm, post_norm, qkv, o, gate_up, down;
+    c10::optional<torch::Tensor> qkv_bias, o_bias, gate_up_bias, down_bias;
+    torch::Tensor key_cache, value_cache;  // [num_blocks, block_size, num_kv_heads, head_dim]
+    double norm_eps, post_norm_eps, scale;
+    int64_t window;
+  };
+
+  int64_t num_heads_, num_kv_heads_, head_dim_;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace tokenmill
