@@ -16,7 +16,7 @@ import httpx
 import uvicorn
 
 from tokenmill.core.engine.async_llm import AsyncLLM
-from tokenmill.core.config.engine_config import ServerConfig
+from tokenmill.core.config.server_config import ServerConfig
 from tokenmill.core.engine.embedding_engine import EmbeddingEngine
 from tokenmill.core.engine.llm_engine import LLMEngine
 from tokenmill.server.app import create_app

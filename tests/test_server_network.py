@@ -16,7 +16,7 @@ from structlog.testing import capture_logs
 from fastapi.routing import APIRoute
 from starlette.routing import Mount
 
-from tokenmill.core.config.engine_config import ServerConfig
+from tokenmill.core.config.server_config import ServerConfig
 from tokenmill.interfaces.errors import ConfigError
 from tokenmill.server.middleware import PUBLIC_PATHS, PUBLIC_PREFIXES
 from tokenmill.server.transport import uvicorn_options

@@ -6,7 +6,8 @@ an engine, and the first lines of one that does, do not wait for torch to import
 
 from typing import Any
 
-from tokenmill.core.config.engine_config import EngineConfig, WeightTransferConfig, load_config
+from tokenmill.core.config.engine_config import EngineConfig, load_config
+from tokenmill.core.config.training_config import WeightTransferConfig
 from tokenmill.core.engine.beam_search import BeamSearchParams
 from tokenmill.interfaces.adapters import LoRARequest
 from tokenmill.interfaces.hookspecs import HOOKSPEC_VERSION, hookimpl

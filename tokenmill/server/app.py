@@ -18,7 +18,7 @@ from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import tokenmill
-from tokenmill.core.config.engine_config import ServerConfig
+from tokenmill.core.config.server_config import ServerConfig
 from tokenmill.core.engine.async_llm import AsyncLLM
 from tokenmill.core.engine.embedding_engine import EmbeddingEngine
 from tokenmill.core.plugin_host.registry import import_class_path

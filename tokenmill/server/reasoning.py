@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-from tokenmill.core.config.engine_config import ServerConfig
+from tokenmill.core.config.server_config import ServerConfig
 from tokenmill.core.plugin_host.components import collect_components
 from tokenmill.interfaces.errors import ConfigError
 from tokenmill.interfaces.reasoning_parser import ReasoningParser

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from tokenmill.core.config.engine_config import ServerConfig
+from tokenmill.core.config.server_config import ServerConfig
 from tokenmill.core.plugin_host.components import collect_components
 from tokenmill.interfaces.errors import ConfigError
 from tokenmill.interfaces.tool_parser import ToolParser

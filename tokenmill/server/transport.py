@@ -10,7 +10,7 @@ import ssl
 from pathlib import Path
 from typing import Any
 
-from tokenmill.core.config.engine_config import ServerConfig
+from tokenmill.core.config.server_config import ServerConfig
 from tokenmill.interfaces.errors import ConfigError
 
 _FILES = ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs")
