@@ -157,14 +157,14 @@ def test_packed_gemm_equals_f_linear(rows, shape):
         KERNELS.packed_gemm(x, packed, n + 64, None)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
 @pytest.mark.parametrize("width", [200, 512])
 @pytest.mark.parametrize("outputs", [3, 101])
 def test_gemv_widens_bf16_weights_under_fp32_activations(rows, width, outputs):
     """fp32 x against a bf16 weight: the fp32 GEMV of the widened weight (widening bf16 is
     exact) and F.linear's result, up to summation order. Output counts below and off the
-    number of weight streams the GEMV reads at once (4 / rows on AVX2) leave rows to its
-    one-stream pass."""
+    number of weight streams (1 row: 4 at once on AVX2) or weight rows a block (2-8 rows: 4 or
+    2) leave rows to the one-row pass."""
     torch.manual_seed(rows)
     weight = torch.randn(outputs, width).to(torch.bfloat16)
     bias, x = torch.randn(outputs), torch.randn(rows, width)
@@ -174,6 +174,20 @@ def test_gemv_widens_bf16_weights_under_fp32_activations(rows, width, outputs):
     torch.testing.assert_close(got, torch.nn.functional.linear(x, weight.float(), bias), rtol=1e-5, atol=1e-4)
     with pytest.raises(RuntimeError, match="dtype"):
         KERNELS.gemv(x.to(torch.bfloat16), weight.float(), None)  # only bf16 under fp32 widens
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8])
+def test_gemv_takes_1_to_8_rows(dtype, rows):
+    """Every row count the decode stack passes (decode rows, a verify step's k + 1), widths off
+    the vector step and output counts off the weight-row blocks, against F.linear in fp64."""
+    torch.manual_seed(rows)
+    weight, bias, x = (torch.randn(103, 200).to(dtype), torch.randn(103).to(dtype), torch.randn(rows, 200).to(dtype))
+    expected = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
+    tolerance = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-1)
+    torch.testing.assert_close(KERNELS.gemv(x, weight, bias).double(), expected, **tolerance)
+    with pytest.raises(RuntimeError, match="1 to 8 rows"):
+        KERNELS.gemv(torch.randn(9, 200).to(dtype), weight, None)
 
 
 def test_enforce_eager_keeps_plain_modules(model_dir):
@@ -210,14 +224,16 @@ def test_num_threads_sets_torch_threads(model_dir):
 
 
 def _count_stack_calls(llm, monkeypatch) -> list[int]:
-    """A counter of the decode stack's calls (the engine's model must have a stack)."""
+    """Counters of the decode stack's calls (the engine's model must have a stack): decode
+    steps, and steps with several query rows for a request (verify steps; prompt steps of a
+    few tokens, such as the uncached tail of a prompt)."""
     assert isinstance(llm.llm_engine.runner.model.model.fused_decoder, DecodeStack)
-    calls = [0]
+    calls = [0, 0]
     forward = DecodeStack.__call__
 
-    def counted(self, *args):
-        calls[0] += 1
-        return forward(self, *args)
+    def counted(self, x, cos_sin, metadata):
+        calls[metadata.max_query_len > 1] += 1
+        return forward(self, x, cos_sin, metadata)
 
     monkeypatch.setattr(DecodeStack, "__call__", counted)
     return calls
@@ -247,6 +263,25 @@ def test_decode_stack_is_bit_identical_to_the_layers_in_bf16(model_dir, monkeypa
     assert calls[0] == 2 * (NEW_TOKENS - 1)
     llm.llm_engine.runner.model.model.fused_decoder = None
     assert greedy_in_batches(llm, PROMPTS[:4], 2) == fused
+
+
+# plain Llama, q/k/v biases with MQA, a sliding window (24) that the longer prompts pass, partial rotary
+@pytest.mark.parametrize("arch", ["llama", "llama-mqa-bias", "mistral", "phi3-partial-rotary"])
+def test_decode_stack_runs_speculative_verify_steps_at_hf_parity(arch, model_dir, hf_reference, monkeypatch):
+    """A verify step (k + 1 query rows of one request) runs all layers in one C++ call, each
+    row attending as a sequence of its own up to its own position: greedy tokens and logprobs
+    meet the fp32 parity standard, at batch 1 (4 rows) and 2 (8 rows). Drafts from prompt
+    lookup are mostly wrong on random weights, so rejected rows' K/V are overwritten later."""
+    llm = make_llm(model_dir(arch), speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    calls = _count_stack_calls(llm, monkeypatch)
+    spec = llm.llm_engine.scheduler.spec_stats
+    for batch in (1, 2):
+        drafts, verify_calls = spec.num_drafts, calls[1]
+        assert_matches_reference(hf_reference(arch)[:4], *greedy_in_batches(llm, PROMPTS[:4], batch))
+        assert spec.num_drafts > drafts and calls[1] > verify_calls
+        if batch == 1:  # every step with a draft went to the stack
+            assert calls[1] - verify_calls >= spec.num_drafts - drafts
 
 
 @pytest.mark.parametrize("arch,engine_args,fused", [

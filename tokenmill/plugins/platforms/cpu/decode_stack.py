@@ -1,4 +1,5 @@
-"""A model's decoder layers as one C++ call for decode steps of 1-2 rows (a FusedDecoder).
+"""A model's decoder layers as one C++ call for steps of a few rows (a FusedDecoder): decode
+steps of 1-2 rows and speculative verify steps of up to 8.
 
 Batch-1 decode is bound by reading the weights; what the eager layers add to
 that read is ~14 Python-level ops per layer, each slowed by the caches the
@@ -6,8 +7,14 @@ weight stream just flushed. Where every part of every layer already runs on
 the C++ kernels (fused ops and the GEMV path on, an attention backend with
 ``fused_decode``), ``kernels.DecodeStack`` runs the same kernels in the same
 order, so the result is bit-identical to the eager layers'. Anything else
-(quantized or LoRA layers, other norms or activations, prompt chunks, 3+
-rows) keeps the layer-by-layer path.
+(quantized or LoRA layers, other norms or activations, longer steps) keeps the
+layer-by-layer path.
+
+A verify step (k + 1 query rows per request) is what makes speculation pay at batch 1:
+layer by layer its rows go to oneDNN and the prefill attention, and the step cost ~4x a
+decode step on the demo model, more than prompt lookup's acceptance wins back. Here
+every row is a sequence of its own (its request's blocks, its own causal length) and
+the GEMV reads each weight once for all rows: ~2.5x a decode step (benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -29,8 +36,11 @@ class DecodeStack:
     """Built at the first step it is asked about: adapters attach, and KV caches are bound,
     after the optimisation pass; ``stack`` is None where some part is not on the kernels."""
 
-    #: the rows the GEMV kernel takes (more go to oneDNN, which the stack does not call)
+    #: decode rows (one query token per request) the stack takes: where the eager layers' linears
+    #: use the GEMV kernel (more rows go to oneDNN there, measured faster)
     MAX_ROWS = PrepackedLinearMethod.GEMV_MAX_ROWS
+    #: rows of a step with several query tokens per request (a verify step, a short prompt)
+    MAX_VERIFY_ROWS = 8
 
     def __init__(self, layers: Sequence[DecoderLayerParts], kernels: ModuleType) -> None:
         self._layers = list(layers)
@@ -58,16 +68,32 @@ class DecodeStack:
         self.stack, self._kv_cache = stack, first.attn.kv_cache
 
     def accepts(self, x: torch.Tensor, metadata: AttentionMetadata) -> bool:
-        """Decode rows only, as few as the GEMV kernel takes, into the caches bound at build."""
+        """A few rows, into the caches bound at build."""
         if not self._built:
             self._build()
-        return (self.stack is not None and x.shape[0] <= self.MAX_ROWS and metadata.max_query_len == 1
+        limit = self.MAX_ROWS if metadata.max_query_len == 1 else self.MAX_VERIFY_ROWS
+        return (self.stack is not None and x.shape[0] <= limit
                 and self._layers[0].attn.kv_cache is self._kv_cache)
 
     def __call__(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                  metadata: AttentionMetadata) -> torch.Tensor:
         cos, sin = cos_sin
-        return self.stack.forward(x, cos, sin, metadata.slot_mapping, metadata.block_table, metadata.seq_lens)
+        block_table, seq_lens = metadata.block_table, metadata.seq_lens
+        if metadata.max_query_len > 1:
+            block_table, seq_lens = rows_as_sequences(metadata)
+        return self.stack.forward(x, cos, sin, metadata.slot_mapping, block_table, seq_lens)
+
+
+def rows_as_sequences(metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query row as a sequence of its own: its request's block table row, and the context
+    up to and including its token (a request with ``q`` query rows and ``L`` tokens of context:
+    ``L - q + 1`` .. ``L``)."""
+    starts, owners, lengths = metadata.query_start_loc_cpu, [], []
+    for i, seq_len in enumerate(metadata.seq_lens_cpu):
+        rows = starts[i + 1] - starts[i]
+        owners.extend([i] * rows)
+        lengths.extend(range(seq_len - rows + 1, seq_len + 1))
+    return metadata.block_table[owners], torch.tensor(lengths, dtype=torch.int32)
 
 
 def _fusable(parts: DecoderLayerParts, first: DecoderLayerParts) -> bool:

@@ -1,4 +1,5 @@
-// All decoder layers of a Llama-style model for 1-2 decode rows, in one call.
+// All decoder layers of a Llama-style model for a few query rows (1-2 decode rows, or a
+// speculative verify step's k + 1 rows), in one call.
 //
 // At batch 1 a step reads every weight once and little else; what the eager
 // layers add around those reads is ~14 Python-level ops per layer, each run with
@@ -7,6 +8,10 @@
 // the same kernels in the same order as the eager layers do with fused ops on
 // (rms_norm, gemv, rotary_embedding, paged_decode_attention, silu_and_mul), so
 // its output is bit-identical to theirs, without returning to Python between them.
+//
+// Each row attends as its own sequence (block_table/seq_lens have a row each): a verify step's
+// row j sees its request's context up to its own position, and every row's K/V is written to the
+// cache before any row attends, so the causal mask is the rows' lengths.
 #include "decode_stack.h"
 
 #include <cstring>
@@ -57,9 +62,9 @@ void DecodeStack::add_layer(torch::Tensor input_norm, double norm_eps, torch::Te
 torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
                                   torch::Tensor block_table, torch::Tensor seq_lens) {
   const int64_t rows = x.size(0);
-  TORCH_CHECK(x.dim() == 2 && rows >= 1 && rows <= 4, "decode stack: 1 to 4 rows");
+  TORCH_CHECK(x.dim() == 2 && rows >= 1 && rows <= 8, "decode stack: 1 to 8 rows");
   TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.numel() == rows, "decode stack: one int64 slot per row");
-  TORCH_CHECK(seq_lens.numel() == rows, "decode stack: one sequence per row");
+  TORCH_CHECK(seq_lens.numel() == rows && block_table.size(0) == rows, "decode stack: one sequence per row");
   const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
   const int64_t* slot = slots.data_ptr<int64_t>();
   const torch::Tensor query_rows = torch::arange(rows, slots.options());

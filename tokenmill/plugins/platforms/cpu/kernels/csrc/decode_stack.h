@@ -21,7 +21,8 @@ class DecodeStack {
 
   // x: [rows, hidden], the embeddings; returns the residual stream after the last layer
   // (before the final norm). cos/sin: [rows, rotary_dim]; slots: [rows] int64;
-  // block_table/seq_lens: the step's, one sequence per row.
+  // block_table/seq_lens: one sequence per row (a verify row: its request's table, the
+  // context up to and including the row's own token).
   torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
                         torch::Tensor block_table, torch::Tensor seq_lens);
 
