@@ -14,6 +14,7 @@ from tokenmill.core.layers.activation import GatedActivation
 from tokenmill.core.layers.linear import Linear
 from tokenmill.core.layers.norm import RMSNorm
 from tokenmill.core.layers.rotary import ApplyRotary, RotaryEmbedding
+from tokenmill.plugins.platforms.cpu import cache_size, decode_stack
 from tokenmill.plugins.platforms.cpu.decode_stack import DecodeStack
 from tokenmill.plugins.platforms.cpu.dtypes import native_bf16
 from tokenmill.plugins.platforms.cpu.fused_ops import FUSED_OPS
@@ -284,6 +285,20 @@ def test_decode_stack_runs_speculative_verify_steps_at_hf_parity(arch, model_dir
             assert calls[1] - verify_calls >= spec.num_drafts - drafts
 
 
+@pytest.mark.parametrize("cache_bytes", [1, None])
+def test_verify_steps_run_layer_by_layer_where_the_weights_outgrow_the_cache(cache_bytes, model_dir, hf_reference,
+                                                                             monkeypatch):
+    """Weights larger than the last-level cache (or a cache size the OS does not give) leave
+    verify steps to oneDNN layer by layer; decode steps still take the stack."""
+    monkeypatch.setattr(decode_stack, "last_level_cache_bytes", lambda: cache_bytes)
+    llm = make_llm(model_dir("llama"), speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    calls = _count_stack_calls(llm, monkeypatch)
+    assert_matches_reference(hf_reference("llama")[:4], *greedy_in_batches(llm, PROMPTS[:4], 1))
+    assert llm.llm_engine.scheduler.spec_stats.num_drafts > 0
+    assert calls[1] == 0 and calls[0] > 0
+
+
 @pytest.mark.parametrize("arch,engine_args,fused", [
     ("llama", {}, True),
     ("qwen2", {}, True),
@@ -299,3 +314,23 @@ def test_decode_stack_only_where_every_part_is_on_the_kernels(arch, engine_args,
     llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=2), use_tqdm=False)
     decoder = llm.llm_engine.runner.model.model.fused_decoder
     assert (decoder is not None and decoder.stack is not None) == fused
+
+
+def test_last_level_cache_is_the_highest_data_level(tmp_path, monkeypatch):
+    """sysfs's cache entries: the instruction cache is skipped, sizes in K and M are read, the
+    highest level wins, and a machine without the entries gives None."""
+    for index, (level, kind, size) in enumerate([(1, "Data", "48K"), (1, "Instruction", "32K"),
+                                                 (2, "Unified", "2048K"), (3, "Unified", "32M")]):
+        entry = tmp_path / f"index{index}"
+        entry.mkdir()
+        for name, text in (("level", str(level)), ("type", kind), ("size", size)):
+            (entry / name).write_text(text + "\n")
+    monkeypatch.setattr(cache_size, "_CACHES", tmp_path)
+    cache_size.last_level_cache_bytes.cache_clear()
+    try:
+        assert cache_size.last_level_cache_bytes() == 32 * 2**20
+        monkeypatch.setattr(cache_size, "_CACHES", tmp_path / "absent")
+        cache_size.last_level_cache_bytes.cache_clear()
+        assert cache_size.last_level_cache_bytes() is None
+    finally:
+        cache_size.last_level_cache_bytes.cache_clear()

@@ -15,6 +15,11 @@ layer by layer its rows go to oneDNN and the prefill attention, and the step cos
 decode step on the demo model, more than prompt lookup's acceptance wins back. Here
 every row is a sequence of its own (its request's blocks, its own causal length) and
 the GEMV reads each weight once for all rows: ~2.5x a decode step (benchmarks/README.md).
+That holds while the stack's weights fit in the last-level cache, where a step's cost is
+its calls and its arithmetic. Weights streamed from memory are read better by oneDNN's
+blocked GEMM, which reads each weight once for all rows at the memory's pace where the
+GEMV's rows cost ~1.8x (52M fp32 Llama on a Zen 4: a 5-row verify step 1.84x a decode
+step layer by layer, 2.3x here), so larger models verify layer by layer.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import torch
 from tokenmill.core.layers.fused_decoder import DecoderLayerParts
 from tokenmill.core.layers.norm import RMSNorm
 from tokenmill.interfaces.attention import AttentionMetadata
+from tokenmill.plugins.platforms.cpu.cache_size import last_level_cache_bytes
 from tokenmill.plugins.platforms.cpu.fused_ops import FUSED_OPS
 from tokenmill.plugins.platforms.cpu.kernels import FUSED_DTYPES, MIXED_CACHE_DTYPES
 from tokenmill.plugins.platforms.cpu.prepacked_linear import PrepackedLinearMethod
@@ -50,6 +56,9 @@ class DecodeStack:
         self.stack = None
         #: the cache the stack writes to (a rebound cache makes the stack stale)
         self._kv_cache: Optional[torch.Tensor] = None
+        #: rows of a multi-token step the stack takes: MAX_VERIFY_ROWS while its weights fit in
+        #: the last-level cache, else none
+        self.verify_rows = 0
 
     def _build(self) -> None:
         self._built = True
@@ -66,12 +75,16 @@ class DecodeStack:
                 parts.gate_up.weight, parts.gate_up.bias, parts.down.weight, parts.down.bias,
                 key_cache, value_cache, parts.attn.spec.scale, parts.attn.spec.sliding_window or 0)
         self.stack, self._kv_cache = stack, first.attn.kv_cache
+        weight_bytes = sum(linear.weight.numel() * linear.weight.element_size() for parts in self._layers
+                           for linear in (parts.qkv, parts.o, parts.gate_up, parts.down))
+        cache = last_level_cache_bytes()
+        self.verify_rows = self.MAX_VERIFY_ROWS if cache is not None and weight_bytes <= cache else 0
 
     def accepts(self, x: torch.Tensor, metadata: AttentionMetadata) -> bool:
         """A few rows, into the caches bound at build."""
         if not self._built:
             self._build()
-        limit = self.MAX_ROWS if metadata.max_query_len == 1 else self.MAX_VERIFY_ROWS
+        limit = self.MAX_ROWS if metadata.max_query_len == 1 else self.verify_rows
         return (self.stack is not None and x.shape[0] <= limit
                 and self._layers[0].attn.kv_cache is self._kv_cache)
 
