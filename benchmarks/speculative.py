@@ -112,9 +112,12 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     k = args.num_speculative_tokens
+    # speculation at every batch size (no disable_by_batch_size): the saturation rows measure what it costs there
     specs = {"none": None,
-             "ngram": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
-             "draft_model": {"model": str(DEMO_DRAFT_MODEL), "num_speculative_tokens": k}}
+             "ngram": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4,
+                       "disable_by_batch_size": None},
+             "draft_model": {"model": str(DEMO_DRAFT_MODEL), "num_speculative_tokens": k,
+                             "disable_by_batch_size": None}}
     engines = {name: LLM(str(DEMO_MODEL), num_threads=args.threads, max_num_seqs=args.num_prompts,
                          kv_cache_memory_bytes=256 * 2**20, **({"speculative_config": spec} if spec else {}))
                for name, spec in specs.items()}

@@ -10,6 +10,7 @@ import pytest
 
 from conftest import NEW_TOKENS, PREEMPTING, PROMPTS, assert_preempted, make_llm
 from tokenmill import LLM, LoRARequest, SamplingParams, load_config
+from tokenmill.core.config.speculative_config import DEFAULT_DISABLE_BY_BATCH_SIZE
 from tokenmill.core.plugin_host.plugin_manager import make_plugin_manager
 from tokenmill.demo_models import DEMO_DRAFT_MODEL, DEMO_MODEL
 from tokenmill.interfaces.errors import ConfigError, UnknownComponent
@@ -262,6 +263,9 @@ def test_tensor_and_pipeline_parallelism(parallel, method, model_dir, hf_referen
 def test_config_takes_vllm_shapes_and_names_problems(model_dir, tmp_path):
     config = load_config(speculative_config=json.dumps({"method": "ngram", "num_speculative_tokens": 2}))
     assert (config.speculative.prompt_lookup_min, config.speculative.prompt_lookup_max) == (5, 5)
+    assert config.speculative.disable_by_batch_size == DEFAULT_DISABLE_BY_BATCH_SIZE  # measured, see its comment
+    never = {"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": None}
+    assert load_config(speculative_config=never).speculative.disable_by_batch_size is None
     yaml_file = tmp_path / "engine.yaml"
     yaml_file.write_text("speculative:\n  model: ./draft\n  num_speculative_tokens: 3\n")
     spec = load_config(yaml_file).speculative
