@@ -3,6 +3,8 @@ and ``enforce_eager`` turns them all off."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -28,6 +30,24 @@ KERNELS = cpu_kernels()
 def test_kernels_build_here():
     """CI machines have a compiler: a silent fallback would hide a slow engine."""
     assert KERNELS is not None
+
+
+def test_a_kernel_build_logs_its_progress(tmp_path):
+    """While the kernels build, a line every interval with the elapsed time and the units
+    finished, then the total: a first start does not look hung."""
+    from structlog.testing import capture_logs
+
+    from tokenmill.plugins.platforms.cpu.kernels import build_progress
+
+    with capture_logs() as logs:
+        with build_progress(tmp_path, 2, every=0.05):
+            time.sleep(0.12)
+            (tmp_path / "bindings.o").write_bytes(b"")
+            time.sleep(0.12)
+    progress = [entry for entry in logs if entry["event"] == "compiling the C++ CPU kernels"]
+    assert len(progress) >= 3
+    assert progress[0]["units_done"] == "0/2" and progress[-1]["units_done"] == "1/2"
+    assert logs[-1]["event"] == "compiled the C++ CPU kernels" and logs[-1]["seconds"] >= 0.2
 
 
 def test_kernel_sources_ship_in_the_wheel():

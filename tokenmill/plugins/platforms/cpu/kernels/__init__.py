@@ -10,16 +10,20 @@ logged once.
 
 Builds of one directory are serialised by a lock the kernel releases when its holder dies,
 so a build killed half way (torch's own lock file left behind) cannot hang the next start.
+A build logs its progress every 10 s, so a first start never looks hung.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
+import threading
+import time
 from pathlib import Path
 from types import ModuleType
-from typing import Optional
+from typing import Iterator, Optional
 
 import structlog
 import torch
@@ -34,8 +38,8 @@ FUSED_DTYPES = (torch.float32, torch.bfloat16)
 MIXED_CACHE_DTYPES = ((torch.float32, torch.bfloat16),)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("bindings.cpp", "paged_decode.cpp", "layer_ops.cpp", "gemv.cpp", "decode_stack.cpp",
-            "paged_prefill.cpp", "screened_argmax.cpp", "packed_gemm.cpp")
+#: two units (all_kernels.cpp includes the kernel files: see its comment)
+_SOURCES = ("bindings.cpp", "all_kernels.cpp")
 #: -fassociative-math lets the compiler vectorize the scalar tails' reductions
 _CFLAGS = ["-O3", "-march=native", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
 
@@ -49,6 +53,28 @@ def _build_digest() -> str:
     # sharing one build directory would rebuild each other's kernels on every start
     text = str(_CSRC) + flags + "".join(path.read_text() for path in sorted(_CSRC.iterdir()))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def build_progress(build_dir: Path, units: int, every: float = 10.0) -> Iterator[None]:
+    """Logs the build's elapsed time and finished units every ``every`` seconds while it
+    runs, and its total time at the end."""
+    done = threading.Event()
+    start = time.monotonic()
+
+    def report() -> None:
+        while not done.wait(every):
+            log.info("compiling the C++ CPU kernels", elapsed_s=round(time.monotonic() - start),
+                     units_done=f"{len(list(build_dir.glob('*.o')))}/{units}")
+
+    reporter = threading.Thread(target=report, name="kernel-build-progress", daemon=True)
+    reporter.start()
+    try:
+        yield
+    finally:
+        done.set()
+        reporter.join()
+        log.info("compiled the C++ CPU kernels", seconds=round(time.monotonic() - start, 1))
 
 
 @functools.cache
@@ -65,12 +91,14 @@ def cpu_kernels() -> Optional[ModuleType]:
         with FileLock(build_dir / "tokenmill.lock"):
             # holding the lock, no other tokenmill process builds here: torch's lock is stale
             (build_dir / "lock").unlink(missing_ok=True)
-            if not any(build_dir.glob("*.so")):
-                log.info("compiling the C++ CPU kernels (first use on this CPU; about a minute on 2 cores)",
+            building = not any(build_dir.glob("*.so"))
+            if building:
+                log.info("compiling the C++ CPU kernels (first use on this CPU; about 30 s on 2 cores)",
                          build_directory=str(build_dir))
-            return load(name="tokenmill_cpu_kernels", sources=[str(_CSRC / name) for name in _SOURCES],
-                        extra_cflags=_CFLAGS, extra_include_paths=[str(_CSRC)], build_directory=str(build_dir),
-                        verbose=False)
+            with build_progress(build_dir, len(_SOURCES)) if building else contextlib.nullcontext():
+                return load(name="tokenmill_cpu_kernels", sources=[str(_CSRC / name) for name in _SOURCES],
+                            extra_cflags=_CFLAGS, extra_include_paths=[str(_CSRC)], build_directory=str(build_dir),
+                            verbose=False)
     except Exception as exc:  # no compiler or ninja, unsupported platform: PyTorch ops still work
         log.warning("C++ CPU kernels unavailable, using PyTorch ops", error=str(exc)[-2000:])
         return None

@@ -86,8 +86,10 @@ inline vfloat vround_to_integer(vfloat x) {
 }
 inline vfloat vscale_pow2(vfloat p, vfloat n) { return _mm512_scalef_ps(p, n); }  // p * 2^n, n integral
 
-// lane i of the result = the sum of v[i]'s lanes
-inline vfloat vsum_transposed(const vfloat v[kLanes]) {
+// lane i of the result = the sum of v[i]'s lanes. Always inlined: called out of line (as GCC chose
+// once all the kernels shared one unit) its argument's kLanes vectors go through memory, and the
+// 5-row GEMV of a verify step took ~1.6x as long.
+__attribute__((always_inline)) inline vfloat vsum_transposed(const vfloat v[kLanes]) {
   __m512 pair[8];
   for (int i = 0; i < 8; ++i)  // 128-bit lane j: [a0+a2, b0+b2, a1+a3, b1+b3]
     pair[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
@@ -173,7 +175,7 @@ inline vfloat vscale_pow2(vfloat p, vfloat n) {  // p * 2^n for integral n in [-
                               _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23)));
 }
 
-inline vfloat vsum_transposed(const vfloat v[kLanes]) {
+__attribute__((always_inline)) inline vfloat vsum_transposed(const vfloat v[kLanes]) {  // see above
   // hadd pairs lanes within 128-bit halves: after two rounds, half h of u[i] holds v[4i..4i+3]'s
   // sums over their lanes of half h
   const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
