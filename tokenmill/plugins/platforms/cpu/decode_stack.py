@@ -6,7 +6,7 @@ that read is ~14 Python-level ops per layer, each slowed by the caches the
 weight stream just flushed. Where every part of every layer already runs on
 the C++ kernels (fused ops and the GEMV path on, an attention backend with
 ``fused_decode``), ``kernels.DecodeStack`` runs the same kernels in the same
-order, so the result is bit-identical to the eager layers'. Anything else
+order, so a decode step's result is bit-identical to the eager layers'. Anything else
 (quantized or LoRA layers, other norms or activations, longer steps) keeps the
 layer-by-layer path.
 
