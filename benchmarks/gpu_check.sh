@@ -1,19 +1,23 @@
 #!/usr/bin/env bash
-# The GPU check, on a bare GPU machine with no package index, in about 6 minutes.
+# The GPU check, on a bare GPU machine with no package index, in under 9 minutes.
 #
 # First, on a CPU machine, in the checkout:  python benchmarks/gpu_prepare.py
 # (wheels of what the GPU image lacks into .whl/, the shared quantized checkpoints into
 # .gpu-data/; both ignored). Then, on the GPU machine, from the repository root, with those
 # two folders carried along:  bash benchmarks/gpu_check.sh
 #
-# Stages, each under a hard cap (about 6 minutes in all), each run whatever the one before it
+# Stages, each under a hard cap (45 + 300 + 90 + 50 s), each run whatever the one before it
 # did, so a crash of one hides none of the others' results:
 #   0. install: the wheels with --no-index --no-deps, the project without its dependencies;
-#   1. the GPU suite (tests/gpu), 4 workers, then the tests marked gpu_alone; meanwhile the CPUs make the 1b model (TinyLlama-
-#      1.1B's shapes, random bf16 weights);
+#   1. the GPU suite (tests/gpu): the tests marked gpu_alone, then the rest on 4 workers;
+#      meanwhile the CPUs make the 1b model (TinyLlama-1.1B's shapes, random bf16 weights);
 #   2. offline throughput against HF transformers on it, 256 requests of 256 -> 128 tokens;
 #   3. batch-1 latency against HF on the same weights.
 # It prints a summary and writes at most 8 files to $OUT. Exit status: the suite's.
+# Arguments name the stages to run after install (default: suite throughput latency), so a rerun
+# within the same lease can spend its minutes on the suite alone.
+# A stage that reaches its cap gets SIGINT first: pytest then still prints the failures so far,
+# and suite.jsonl (pytest-reportlog) holds a line per test, traceback included, as each ends.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-$PWD/gpu-check}
@@ -26,7 +30,7 @@ stage() {  # stage NAME SECONDS COMMAND...: run under a cap, log to $OUT/NAME.tx
     local name=$1 cap=$2
     shift 2
     local t0=$SECONDS
-    timeout --kill-after=10 "$cap" "$@" >"$OUT/$name.txt" 2>&1
+    timeout --signal=INT --kill-after=20 "$cap" "$@" >"$OUT/$name.txt" 2>&1
     local rc=$?
     local what="exit $rc"
     [[ $rc == 124 || $rc == 137 ]] && what="stopped at its ${cap}s cap"
@@ -34,8 +38,8 @@ stage() {  # stage NAME SECONDS COMMAND...: run under a cap, log to $OUT/NAME.tx
     return $rc
 }
 
-nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv,noheader >"$OUT/gpu.txt" 2>&1
-echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)" >>"$OUT/gpu.txt"
+gpu="$(nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv,noheader 2>&1)
+commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
 
 install() {
     set -e
@@ -49,36 +53,45 @@ print('tokenmill', tokenmill.__version__, 'torch', torch.__version__, torch.cuda
 export -f install
 stage install 45 bash -c install
 export PYTHONPATH=/tmp/site
+stages=" ${*:-suite throughput latency} "
 
 model=/tmp/tokenmill-1b
-python3 -m tokenmill.cli make-model "$model" --preset 1b >"$OUT/model.log" 2>&1 &
-maker=$!
+maker=
+if [[ $stages == *" throughput "* || $stages == *" latency "* ]]; then
+    python3 -m tokenmill.cli make-model "$model" --preset 1b >"$OUT/model.log" 2>&1 &
+    maker=$!
+fi
 
-suite() {  # 4 workers, then the tests that read the GPU's free memory, alone
-    python3 -m pytest -q -p no:cacheprovider -n 4 -m "gpu and not gpu_alone" tests/gpu -W ignore::FutureWarning \
-        --junitxml "$OUT/suite.xml"
-    local parallel=$?
-    python3 -m pytest -q -p no:cacheprovider -m gpu_alone tests/gpu -W ignore::FutureWarning || return $?
-    return $parallel
+suite() {  # the tests that read the GPU's free memory alone, then 4 workers; a line per test
+    local pytest=(python3 -m pytest -p no:cacheprovider -rfE --tb=short --timeout 150 -W ignore::FutureWarning tests/gpu)
+    "${pytest[@]}" -v -m gpu_alone --report-log "$OUT/suite-alone.jsonl"
+    local alone=$?
+    "${pytest[@]}" -v -n 4 -m "gpu and not gpu_alone" --report-log "$OUT/suite.jsonl" || return $?
+    return $alone
 }
 export -f suite
-stage suite 180 bash -c suite
-suite=$?
+suite=0
+if [[ $stages == *" suite "* ]]; then
+    stage suite 300 bash -c suite
+    suite=$?
+fi
 
-wait "$maker" || summary+=("the 1b model was not made: $(tail -1 "$OUT/model.log")")
-rm -f "$OUT/model.log"
+if [[ -n $maker ]]; then
+    wait "$maker" || summary+=("the 1b model was not made: $(tail -1 "$OUT/model.log")")
+    rm -f "$OUT/model.log"
+fi
 
-stage throughput 90 python3 -m tokenmill.cli bench throughput --device cuda --model "$model" --dtype bfloat16 \
+[[ $stages == *" throughput "* ]] && stage throughput 90 python3 -m tokenmill.cli bench throughput --device cuda --model "$model" --dtype bfloat16 \
     --num-prompts 256 --input-len 256 --output-len 128 --hf-batch-size 128 --rounds 2 --json "$OUT/throughput.json"
 
-stage latency 50 python3 -m tokenmill.cli bench latency --device cuda --model "$model" --dtype bfloat16 \
+[[ $stages == *" latency "* ]] && stage latency 50 python3 -m tokenmill.cli bench latency --device cuda --model "$model" --dtype bfloat16 \
     --input-len 256 --output-len 128 --num-iters 3 --rounds 2
 
 {
-    cat "$OUT/gpu.txt"
+    echo "$gpu"
     printf '%s\n' "${summary[@]}"
-    grep -E "(passed|failed|error|skipped|deselected)( |,|$)" "$OUT/suite.txt" | sed 's/^/suite: /' | tail -2
-    grep -E "tok/s|x HF|TPOT|tokenmill|hf-generate" "$OUT/throughput.txt" "$OUT/latency.txt" | tail -12
+    grep -E "^(FAILED|ERROR) |(passed|failed|error|skipped|deselected)( |,|$)" "$OUT/suite.txt" 2>/dev/null | sed 's/^/suite: /' | tail -60
+    grep -E "tok/s|x HF|TPOT|tokenmill|hf-generate" "$OUT/throughput.txt" "$OUT/latency.txt" 2>/dev/null | tail -12
     echo "total $((SECONDS - started)) s"
 } | tee "$OUT/summary.txt"
 exit "$suite"

@@ -31,8 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 WHEELS = ROOT / ".whl"
 DATA = ROOT / ".gpu-data"
 SHARED_CHECKPOINTS = ROOT.parent / "shared" / "quant-checkpoints"
-#: what the GPU suite imports beyond tokenmill's own requirements
-EXTRA = ["openai", "xgrammar"]
+#: what the GPU suite imports beyond tokenmill's own requirements, and the suite's report log (a line per test as it ends)
+EXTRA = ["openai", "xgrammar", "pytest-reportlog"]
 #: in the image, but older than what the packages here require
 ALWAYS = ["typing-extensions"]
 #: the GPU machine's interpreter, for requirement markers

@@ -82,8 +82,14 @@ def test_every_quantization_method_applies_to_device_weights(name):
     through their Triton GEMM) reproduce the checkpoint's reference logits."""
     path = CHECKPOINTS / name
     reference = load_file(path / "reference.safetensors")
+    # per-tensor and per-channel FP8 take torch._scaled_mm, which "auto" gives 16-bit models on a GPU
+    config = load_config(model=str(path), device="fake-cuda", attention_backend="triton", dtype="float32",
+                         block_size=8, max_num_seqs=1, max_num_batched_tokens=24, kv_cache_memory_bytes=2**23,
+                         enforce_eager=True)
+    if "fp8" in name and "block" not in name:
+        config.quantization.fp8_kernel = "scaled_mm"
     with fake_cuda():
-        engine = fake_cuda_llm(path, max_num_batched_tokens=24, max_num_seqs=1, enforce_eager=True).llm_engine
+        engine = LLM(config=config, plugin_manager=with_platforms(FakeCudaPlatform)).llm_engine
         logits = prompt_logits(engine, reference["input_ids"][0].tolist()).cpu()  # one prompt: interpreted GEMMs
     expected = reference["logits_w8a8" if "fp8" in name else "logits_ref"][0]
     # the block-FP8 GEMM sums in another order than the reference, which flips a few FP8

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import PREEMPTING, PROMPTS, QUANT_CHECKPOINTS, assert_preempted
+from conftest import NEW_TOKENS, PREEMPTING, PROMPTS, QUANT_CHECKPOINTS, assert_preempted
 from cuda_engines import cuda_llm
 from tokenmill import SamplingParams
 from tokenmill.interfaces.adapters import LoRARequest
@@ -25,8 +25,8 @@ GROUP_QUANTIZED = ["gptq-w4g64-sym-v1-rtn", "gptq-w4g64-asym-v2-rtn", "gptq-w8g6
                    "gptq-w4g64-sym-descact-v1-rtn", "awq-w4g64-gemm-rtn"]
 
 
-def greedy(llm, prompts, **kwargs):
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False, **kwargs)
+def greedy(llm, prompts, params=GREEDY, **kwargs):
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, **kwargs)
     return ([o.outputs[0].token_ids for o in outputs],
             [[e[t].logprob for e, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outputs])
 
@@ -72,20 +72,26 @@ def test_speculative_decoding_gives_the_plain_engines_tokens(spec):
 
 
 def test_structured_outputs_constrain_the_reply(model_dir):
-    schema = {"type": "object", "properties": {"id": {"type": "integer"}, "tag": {"enum": ["a", "b"]}},
+    """A bounded integer: the random tiny model, sampling, writes digits until max_tokens
+    where the schema allows any integer (on the CPU as on an H100)."""
+    schema = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "tag": {"enum": ["a", "b"]}},
               "required": ["id", "tag"], "additionalProperties": False}
     llm = cuda_llm(model_dir("llama"), dtype="float32")
     params = [SamplingParams(max_tokens=60, temperature=1.0, seed=i, structured_outputs={"json": schema})
               for i in range(4)]
     for output in llm.generate(["Item: "] * 4, params, use_tqdm=False):
+        assert output.outputs[0].finish_reason == "stop", output.outputs[0].text
         reply = json.loads(output.outputs[0].text)
         assert set(reply) == {"id", "tag"} and isinstance(reply["id"], int) and reply["tag"] in ("a", "b")
 
 
 def test_preemption_by_swap_gives_the_unpressed_tokens(model_dir):
-    roomy = greedy(cuda_llm(model_dir("llama"), dtype="float32"), PROMPTS)
+    """PREEMPTING's 24 blocks preempt PROMPTS once they grow by NEW_TOKENS (16 fit)."""
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+    roomy = greedy(cuda_llm(model_dir("llama"), dtype="float32"), PROMPTS, params)
     pressed = cuda_llm(model_dir("llama"), dtype="float32", preemption_mode="swap", **PREEMPTING)
-    tokens, logprobs = greedy(pressed, PROMPTS)
+    tokens, logprobs = greedy(pressed, PROMPTS, params)
     assert_preempted(pressed, "swap")
     assert tokens == roomy[0]
     assert max(abs(a - b) for x, y in zip(logprobs, roomy[1]) for a, b in zip(x, y)) < 1e-3

@@ -1,6 +1,12 @@
 """On a CUDA GPU: decode steps replayed from CUDA graphs give exactly the tokens and logprobs
 of the same engine launching every kernel (``enforce_eager``), for every family, with batch
-sizes that fill a bucket and sizes that pad one."""
+sizes that fill a bucket and sizes that pad one.
+
+Dense families run in bf16. The mixture-of-experts families run in fp32: in bf16 their
+router logits tie exactly every few hundred steps, and a padded bucket's router GEMM may
+round a near-tie the other way than the unpadded eager step's, which routes the token
+elsewhere; that is the arithmetic's, not the graph's. (Routing ties against HF:
+tests/gpu/test_cuda_parity.py; the fused-MoE kernels in bf16 graphs: test_cuda_kernels.py.)"""
 
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ from cuda_engines import cuda_llm
 from tokenmill import SamplingParams
 
 FAMILIES = ["llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3-moe", "phi3", "gemma", "gemma2", "gpt2"]
+MIXTURE_OF_EXPERTS = {"mixtral", "qwen3-moe"}
 
 
 def decode(llm, prompts, max_tokens):
@@ -25,9 +32,10 @@ def decode(llm, prompts, max_tokens):
 def test_cuda_graphs_on_and_off_give_identical_tokens(arch, model_dir):
     prompts = PROMPTS[:7]
     max_tokens = [24, 20, 16, 12, 8, 6, 4]  # the batch shrinks from 7 (bucket 8) through every bucket
-    graphed = cuda_llm(model_dir(arch), dtype="bfloat16", max_num_seqs=8)
+    dtype = "float32" if arch in MIXTURE_OF_EXPERTS else "bfloat16"
+    graphed = cuda_llm(model_dir(arch), dtype=dtype, max_num_seqs=8)
     graphs = graphed.llm_engine.runner.model_step.graphs
     assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4, 8]
-    eager = cuda_llm(model_dir(arch), dtype="bfloat16", max_num_seqs=8, enforce_eager=True)
+    eager = cuda_llm(model_dir(arch), dtype=dtype, max_num_seqs=8, enforce_eager=True)
     assert eager.llm_engine.runner.model_step.graphs is None
     assert decode(graphed, prompts, max_tokens) == decode(eager, prompts, max_tokens)

@@ -30,6 +30,6 @@ def test_cuda_matches_hf(arch, dtype, model_dir):
                            use_tqdm=False)
     tokens = [o.outputs[0].token_ids for o in outputs]
     logprobs = [[e[t].logprob for e, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outputs]
-    reference = hf_greedy(model_dir(arch), PROMPTS, NEW_TOKENS, dtype=getattr(torch, dtype))
+    reference = hf_greedy(model_dir(arch), PROMPTS, NEW_TOKENS, dtype=getattr(torch, dtype), device="cuda")
     assert_matches_reference(reference, tokens, logprobs, tie_tolerance=TOLERANCE[dtype],
                              logprob_tolerance=TOLERANCE[dtype])

@@ -101,7 +101,7 @@ def _build_engine(config: EngineConfig, pm: PluginManager, components: Component
     if group is not None:  # every rank holds as many blocks as the smallest can
         for ready in group.wait_ready():
             kv_blocks, host_blocks = min(kv_blocks, ready.kv_blocks), min(host_blocks, ready.host_blocks)
-    num_blocks = _num_kv_blocks(config, model_config, kv_blocks)
+    num_blocks = _num_kv_blocks(config, model_config, kv_blocks, platform.profiles_memory)
     if group is not None:
         group.send(Setup(num_blocks, host_blocks))
     swap_caches = built.allocate_caches(config, platform, num_blocks, host_blocks)
@@ -268,15 +268,19 @@ def _check_scheduler_limits(config: EngineConfig, model_config: ModelConfig) -> 
         )
 
 
-def _num_kv_blocks(config: EngineConfig, model_config: ModelConfig, capacity: int) -> int:
+def _num_kv_blocks(config: EngineConfig, model_config: ModelConfig, capacity: int, fills_budget: bool) -> int:
     """The KV blocks to allocate: what the memory budget holds (``capacity``, the smallest
-    rank's), at most what max_num_seqs sequences of max_model_len tokens can use."""
+    rank's). A device whose budget is a share of its own memory (``fills_budget``: a GPU's
+    ``gpu_memory_utilization``) takes all of it, as vLLM does: the blocks beyond what
+    max_num_seqs sequences of max_model_len tokens use keep finished prompts in the prefix
+    cache. Host memory (the CPU's ``cache.kv_cache_memory``) is shared with everything else,
+    so there the cache stops at what those sequences can use."""
     block_size = config.cache.block_size
     blocks_per_seq = -(-model_config.max_model_len // block_size)
     if config.cache.num_blocks is not None:
         num_blocks, source = config.cache.num_blocks, "cache.num_blocks"
     else:
-        num_blocks = min(capacity, blocks_per_seq * config.scheduler.max_num_seqs)
+        num_blocks = capacity if fills_budget else min(capacity, blocks_per_seq * config.scheduler.max_num_seqs)
         source = "cache.kv_cache_memory"
     if num_blocks < blocks_per_seq:
         raise ConfigError(

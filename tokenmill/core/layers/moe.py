@@ -81,9 +81,15 @@ class FusedMoE(CustomOp):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top-k experts ``[num_tokens, top_k]`` and their weights: fp32 softmax
-        probabilities, renormalised to sum to one where the model says so."""
+        probabilities, renormalised to sum to one where the model says so.
+
+        Router logits tie often in bf16, and ``topk`` breaks ties as its kernel happens to
+        (on a GPU, differently for different batch sizes: a decode step replayed from its
+        graph's padded bucket would route otherwise than the same step run eagerly). A
+        stable sort gives a tie to the lowest expert index, on every device and batch size."""
         probs = F.softmax(self.gate(x).float(), dim=-1)
-        weights, experts = probs.topk(self.top_k, dim=-1)
+        weights, experts = probs.sort(dim=-1, descending=True, stable=True)
+        weights, experts = weights[:, :self.top_k], experts[:, :self.top_k]
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, experts

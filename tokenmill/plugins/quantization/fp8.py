@@ -2,7 +2,7 @@
 checkpoints, and online quantization of unquantized checkpoints.
 
 Three kernels (``quantization.fp8_kernel``). ``scaled_mm`` (the default for per-tensor and
-per-channel W8A8 checkpoints where the weights live on a GPU) keeps the e4m3 weights and
+per-channel W8A8 checkpoints of 16-bit models where the weights live on a GPU) keeps the e4m3 weights and
 multiplies FP8 activations by them with ``torch._scaled_mm``, scaled per token (dynamic) or
 per tensor (static) on the activation side and per output channel on the weight side (a
 per-tensor scale of each fused part, expanded); the log's weight memory shows the saving.
@@ -107,7 +107,7 @@ class Fp8LinearMethod:
                                   .to(device=w.device, dtype=torch.int32), persistent=False)
             layer.fp8_triton = True
             return
-        if self._scaled_mm(w):  # e4m3 weights stay; the scales become one per output channel
+        if self._scaled_mm(w, layer.quant_dtype):  # e4m3 weights stay; the scales become one per output channel
             layer.register_buffer("fp8_weight_scale", self._expanded_scale(layer, w.shape).reshape(1, -1).float(),
                                   persistent=False)
             delattr(layer, self.scheme.scale_name)
@@ -122,12 +122,18 @@ class Fp8LinearMethod:
         del layer.weight
         layer.register_parameter("weight", nn.Parameter(dequant.to(layer.quant_dtype), requires_grad=False))
 
-    def _scaled_mm(self, weight: torch.Tensor) -> bool:
+    def _scaled_mm(self, weight: torch.Tensor, dtype: torch.dtype) -> bool:
         """Whether this layer multiplies in FP8: a W8A8 scheme with per-tensor or per-channel
-        weight scales, and the kernel asked for (or "auto" on a GPU)."""
+        weight scales, and the kernel asked for (or "auto" on a GPU for a 16-bit model).
+
+        An fp32 model, chosen for precision, dequantizes under "auto": Hopper's FP8 tensor
+        cores accumulate with fewer bits than fp32, and the next layer's FP8 rounding
+        magnifies the difference (an H100's fp32 logits: 1.5-1.7e-2 off the exact W8A8
+        product, which the dequantizing path meets to 1e-7)."""
         if self.online or self.activations is None or self.scheme.weights == "block":
             return False
-        return self.kernel == "scaled_mm" or (self.kernel == "auto" and weight.device.type == "cuda")
+        on_gpu = weight.device.type == "cuda"
+        return self.kernel == "scaled_mm" or (self.kernel == "auto" and on_gpu and dtype != torch.float32)
 
     def _triton(self, weight: torch.Tensor) -> bool:
         """Whether this layer multiplies with the block-FP8 Triton GEMM: a block scheme it
