@@ -6,7 +6,10 @@ YAML files. Each variant runs in its own subprocess, so its peak memory is
 its own, on the same prompts (random token ids, fixed seed). The first
 variant is the baseline: the table shows exact token agreement, the first
 divergence and the largest logprob difference on the shared prefix, and
-tokens/s, TTFT and TPOT.
+tokens/s, TTFT and TPOT, and peak RSS beside what the run cannot do without:
+the checkpoint's weights plus the KV cache the requests fill (all of them at
+once, at most the cache's size). The ratio leaves out the process's RSS before
+the engine was built (the interpreter and torch's libraries, ~270 MiB).
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ def run_worker() -> None:
     spec = json.loads(sys.stdin.read())
     torch.set_num_threads(spec["threads"])
     config = load_config(spec["variant"]["config"], **spec["base"], **_typed(spec["variant"]["overrides"]))
+    runtime_mib = _rss_mib()
     llm = LLM(config=config)
     rng = random.Random(spec["seed"])
     vocab = llm.llm_engine.model_config.vocab_size
@@ -67,7 +71,16 @@ def run_worker() -> None:
     ttft = sorted(o.metrics.first_token_time - o.metrics.arrival_time for o in outputs)
     tpot = sorted((o.metrics.finished_time - o.metrics.first_token_time) / max(1, len(o.outputs[0].token_ids) - 1)
                   for o in outputs)
+    engine = llm.llm_engine
+    num_blocks = engine.scheduler.kv_cache.pool.num_blocks
+    cache_bytes = sum(m.kv_cache.nbytes for m in engine.runner.model.modules()
+                      if isinstance(getattr(m, "kv_cache", None), torch.Tensor))
+    blocks_needed = spec["num_prompts"] * -(-(spec["input_len"] + spec["output_len"]) // engine.config.cache.block_size)
+    kv_bytes = cache_bytes * min(blocks_needed, num_blocks) / num_blocks
     print(json.dumps({
+        "runtime_mib": runtime_mib,
+        "weights_mib": sum(f.stat().st_size for f in engine.model_config.path.glob("*.safetensors")) / 2**20,
+        "kv_mib": kv_bytes / 2**20,
         "tokens": [o.outputs[0].token_ids for o in outputs],
         "logprobs": [[e[t].logprob for e, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outputs],
         "tokens_per_s": spec["num_prompts"] * spec["output_len"] / elapsed,
@@ -75,6 +88,15 @@ def run_worker() -> None:
         "tpot_ms": 1000 * tpot[len(tpot) // 2],
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }))
+
+
+def _rss_mib() -> float:
+    """This process's resident memory now (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1024
+    except (OSError, StopIteration):
+        return 0.0
 
 
 def _typed(overrides: dict[str, str]) -> dict[str, Any]:
@@ -116,12 +138,14 @@ def compare(spec: dict[str, Any], variants: list[dict[str, Any]]) -> list[dict[s
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     print(f"{'variant':<34} {'exact':>7} {'first divergence':>17} {'max |dlogprob|':>15} "
-          f"{'tok/s':>8} {'TTFT ms':>9} {'TPOT ms':>9} {'peak MiB':>9}")
+          f"{'tok/s':>8} {'TTFT ms':>9} {'TPOT ms':>9} {'peak MiB':>9} {'runtime':>8} {'weights+KV':>10} {'ratio':>6}")
     for row in rows:
         a = row["agreement"]
         first = "-" if a["first_divergence"] is None else f"req {a['first_divergence']['request']} @ {a['first_divergence']['step']}"
         print(f"{row['variant']:<34} {a['exact']:>3}/{a['total']:<3} {first:>17} {a['max_logprob_diff']:>15.2e} "
-              f"{row['tokens_per_s']:>8.1f} {row['ttft_ms']:>9.1f} {row['tpot_ms']:>9.1f} {row['peak_rss_mib']:>9.0f}")
+              f"{row['tokens_per_s']:>8.1f} {row['ttft_ms']:>9.1f} {row['tpot_ms']:>9.1f} {row['peak_rss_mib']:>9.0f} "
+              f"{row['runtime_mib']:>8.0f} {row['weights_mib'] + row['kv_mib']:>10.0f} "
+              f"{(row['peak_rss_mib'] - row['runtime_mib']) / (row['weights_mib'] + row['kv_mib']):>5.2f}x")
 
 
 def write_png(rows: list[dict[str, Any]], path: str) -> None:

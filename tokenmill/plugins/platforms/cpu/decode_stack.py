@@ -69,13 +69,14 @@ class DecodeStack:
         stack = self._kernels.DecodeStack(spec.num_heads, spec.num_kv_heads, spec.head_dim)
         for parts in self._layers:
             key_cache, value_cache = parts.attn.kv_cache[0], parts.attn.kv_cache[1]
+            qkv, o, gate_up, down = (linear.method.gemv_weight(linear)
+                                     for linear in (parts.qkv, parts.o, parts.gate_up, parts.down))
             stack.add_layer(
-                parts.input_norm.weight, parts.input_norm.eps, parts.qkv.weight, parts.qkv.bias,
-                parts.o.weight, parts.o.bias, parts.post_norm.weight, parts.post_norm.eps,
-                parts.gate_up.weight, parts.gate_up.bias, parts.down.weight, parts.down.bias,
+                parts.input_norm.weight, parts.input_norm.eps, qkv, parts.qkv.bias, o, parts.o.bias,
+                parts.post_norm.weight, parts.post_norm.eps, gate_up, parts.gate_up.bias, down, parts.down.bias,
                 key_cache, value_cache, parts.attn.spec.scale, parts.attn.spec.sliding_window or 0)
         self.stack, self._kv_cache = stack, first.attn.kv_cache
-        weight_bytes = sum(linear.weight.numel() * linear.weight.element_size() for parts in self._layers
+        weight_bytes = sum(linear.method.gemv_weight(linear).nbytes for parts in self._layers
                            for linear in (parts.qkv, parts.o, parts.gate_up, parts.down))
         cache = last_level_cache_bytes()
         self.verify_rows = self.MAX_VERIFY_ROWS if cache is not None and weight_bytes <= cache else 0

@@ -18,6 +18,7 @@ front took 8 s.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 import mmap
@@ -30,6 +31,8 @@ HUGE_PAGE_BYTES = 2 * 1024 * 1024
 #: tensors smaller than this stay where they are: under one huge page they gain nothing
 MIN_BYTES = HUGE_PAGE_BYTES
 _THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+#: Linux's madvise advice values (Python's mmap module names them only for its own mappings)
+_MADV_HUGEPAGE, _MADV_COLLAPSE = 14, 25
 
 
 @functools.cache
@@ -78,3 +81,19 @@ def move_parameters_to_huge_pages(model: nn.Module) -> int:
                 seen.add(id(tensor))
                 tensor.data = huge_page_zeros(tensor.shape, tensor.dtype).copy_(tensor.data)
     return len(seen)
+
+
+def collapse_in_place(address: int, nbytes: int) -> bool:
+    """Back the whole 2 MB pages of memory someone else allocated (oneDNN's packed weights,
+    which cannot be moved) with huge pages, now: ``MADV_COLLAPSE`` (Linux 6.1) rewrites the
+    range's already-faulted 4 KB pages into huge ones. False where the kernel cannot."""
+    if not huge_pages_available():
+        return False
+    start = -(-address // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
+    end = (address + nbytes) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
+    if end <= start:
+        return False
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return (madvise(start, end - start, _MADV_HUGEPAGE) == 0
+            and madvise(start, end - start, _MADV_COLLAPSE) == 0)

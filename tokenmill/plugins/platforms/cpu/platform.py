@@ -27,10 +27,11 @@ from tokenmill.plugins.platforms.cpu.dtypes import native_bf16
 from tokenmill.plugins.platforms.cpu.freed_memory import keep_freed_memory
 from tokenmill.plugins.platforms.cpu.fused_ops import FUSED_OPS
 from tokenmill.plugins.platforms.cpu.greedy_head import GreedyHead
-from tokenmill.plugins.platforms.cpu.huge_pages import move_parameters_to_huge_pages
+from tokenmill.plugins.platforms.cpu.huge_pages import collapse_in_place, move_parameters_to_huge_pages
 from tokenmill.plugins.platforms.cpu.kernels import cpu_kernels
 from tokenmill.plugins.platforms.cpu.options import CpuOptions
-from tokenmill.plugins.platforms.cpu.prepacked_linear import prepack_linear_weights, repack_linear_weights
+from tokenmill.plugins.platforms.cpu.prepacked_linear import (PrepackedLinearMethod, prepack_linear_weights,
+                                                               repack_linear_weights)
 
 
 class CpuPlatform(Platform):
@@ -62,6 +63,7 @@ class CpuPlatform(Platform):
 
     def optimize_model(self, model: torch.nn.Module) -> None:
         prepack_linear_weights(model, cpu_kernels(), gemv=self.options.small_batch_gemv, widen_bf16=not native_bf16())
+        self.release_memory()  # the plain weights prepacking dropped
         self._fuse_decoders(model)
 
     def release_memory(self) -> None:
@@ -86,8 +88,12 @@ class CpuPlatform(Platform):
                     module.fused_decoder = DecodeStack(parts, kernels)
 
     def place_model(self, model: torch.nn.Module) -> None:
-        if self.options.huge_pages:  # after prepacking: the plain weights it keeps are the ones streamed
+        if self.options.huge_pages:  # after prepacking: the weights the GEMV streams
             move_parameters_to_huge_pages(model)
+            for module in model.modules():
+                method = getattr(module, "method", None)
+                if isinstance(method, PrepackedLinearMethod) and method.blocked is not None:
+                    collapse_in_place(method.blocked.data_ptr(), method.blocked.nbytes)
 
     def greedy_head(self, model: torch.nn.Module) -> Optional[GreedyArgmax]:
         return GreedyHead.for_model(model, cpu_kernels())

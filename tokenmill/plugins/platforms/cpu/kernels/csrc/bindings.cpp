@@ -7,8 +7,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &tokenmill::paged_decode_attention,
         "decode attention (one query row per sequence) over a paged KV cache");
   m.def("rms_norm", &tokenmill::rms_norm, "out = weight * x / rms(x), fp32 math");
-  m.def("gemv", &tokenmill::gemv, "x W^T (+ bias) for 1 to 4 rows of x, plain [N, K] weight",
+  m.def("gemv", &tokenmill::gemv,
+        "x W^T (+ bias) for 1 to 8 rows of x, W plain [N, K] or oneDNN's packed bf16 [N / NB, K / 2, NB, 2]",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
+  m.def("vnni_gemv_available", &tokenmill::vnni_gemv_available,
+        "whether gemv reads oneDNN's packed bf16 layout (it needs AVX512-BF16)");
   m.def("pack_gemm_weight", &tokenmill::pack_gemm_weight, "a [N, K] weight as fp32 panels for packed_gemm");
   m.def("packed_gemm", &tokenmill::packed_gemm, "fp32 x W^T (+ bias), W from pack_gemm_weight, any number of rows",
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());

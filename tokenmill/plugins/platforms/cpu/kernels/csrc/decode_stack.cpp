@@ -50,8 +50,8 @@ void DecodeStack::add_layer(torch::Tensor input_norm, double norm_eps, torch::Te
                             c10::optional<torch::Tensor> down_bias, torch::Tensor key_cache, torch::Tensor value_cache,
                             double scale, int64_t window) {
   const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
-  TORCH_CHECK(qkv.size(0) == q_size + 2 * kv_size && o.size(1) == q_size, "decode stack: q/k/v sizes");
-  TORCH_CHECK(gate_up.size(0) == 2 * down.size(1), "decode stack: gate_up is [2 * intermediate, hidden]");
+  TORCH_CHECK(weight_rows(qkv) == q_size + 2 * kv_size && weight_cols(o) == q_size, "decode stack: q/k/v sizes");
+  TORCH_CHECK(weight_rows(gate_up) == 2 * weight_cols(down), "decode stack: gate_up is [2 * intermediate, hidden]");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() && key_cache.dim() == 4 &&
                   key_cache.size(2) * key_cache.size(3) == kv_size,
               "decode stack: caches [blocks, block_size, kv_heads, head_dim]");

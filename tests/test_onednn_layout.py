@@ -1,0 +1,112 @@
+"""One copy of a bf16 layer's weights: the GEMV reads oneDNN's packed copy in place.
+
+On a CPU with AVX512-BF16 (``vnni_gemv_available``), ``prepack_linear_weights`` recognises
+oneDNN's packed bf16 layout (``onednn_layout.vnni_view``) and drops the plain weight the GEMV
+used to stream; elsewhere the layer keeps both copies, as before.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import NEW_TOKENS, PROMPTS
+from tokenmill import LLM, SamplingParams
+from tokenmill.core.layers.linear import Linear
+from tokenmill.plugins.platforms.cpu import onednn_layout
+from tokenmill.plugins.platforms.cpu.kernels import cpu_kernels
+from tokenmill.plugins.platforms.cpu.onednn_layout import vnni_view
+from tokenmill.plugins.platforms.cpu.prepacked_linear import PrepackedLinearMethod, prepack_linear_weights
+from tokenmill.testing.hf_reference import assert_matches_reference, hf_greedy
+
+KERNELS = cpu_kernels()
+pytestmark = pytest.mark.skipif(KERNELS is None or not KERNELS.vnni_gemv_available(),
+                                reason="the GEMV reads oneDNN's packed bf16 layout on AVX512-BF16 CPUs only")
+
+
+def bf16_layer(outputs: list[int], width: int, bias: bool = True) -> Linear:
+    layer = Linear(width, outputs, bias=bias, dtype=torch.bfloat16)
+    layer.weight.copy_(torch.randn(sum(outputs), width))
+    if bias:
+        layer.bias.copy_(torch.randn(sum(outputs)))
+    return layer
+
+
+@pytest.mark.parametrize("shape", [(2816, 1024), (1024, 2816), (128, 64), (32000, 128)])
+def test_the_packed_bytes_are_the_weight_in_vnni_blocks(shape):
+    weight = torch.randn(*shape).to(torch.bfloat16)
+    view = vnni_view(torch.ops.mkldnn._reorder_linear_weight(weight), weight)
+    assert view is not None and view.dim() == 4 and view.shape[3] == 2
+    blocks, pairs, rows, _ = view.shape
+    assert blocks * rows == shape[0] and pairs * 2 == shape[1]
+    assert torch.equal(view.transpose(1, 2).reshape(shape), weight)  # every element where the layout says
+
+
+@pytest.mark.parametrize("rows", range(1, 9))
+@pytest.mark.parametrize("bias", [True, False])
+def test_gemv_on_the_packed_copy_matches_the_product(rows, bias):
+    torch.manual_seed(rows)
+    weight = torch.randn(192, 320).to(torch.bfloat16)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+    b = torch.randn(192).to(torch.bfloat16) if bias else None
+    x = torch.randn(rows, 320).to(torch.bfloat16)
+    got = KERNELS.gemv(x, vnni_view(packed, weight), b)
+    expected = x.double() @ weight.double().T + (b.double() if bias else 0)
+    # each product exact in fp32, fp32 sums, one bf16 rounding of the output (2^-9 relative)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 192)
+    torch.testing.assert_close(got.double(), expected, rtol=8e-3, atol=8e-3)
+    assert torch.equal(got, KERNELS.gemv(x, vnni_view(packed, weight), b))  # no state between calls
+
+
+def test_a_bf16_layer_keeps_one_copy_and_computes_as_before():
+    torch.manual_seed(0)
+    layer = bf16_layer([256, 128], 192)
+    expected = {rows: layer(torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16))
+                for rows in (1, 2, 5, 64)}
+    assert prepack_linear_weights(layer, KERNELS, gemv=True) == 1
+    assert not hasattr(layer, "weight") and layer.method.blocked is not None
+    start = torch.ops.mkldnn.data_ptr(layer.packed_weight)
+    assert layer.method.blocked.data_ptr() == start  # the GEMV reads oneDNN's bytes, no copy of them
+    for rows, want in expected.items():
+        x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+        torch.testing.assert_close(layer(x).float(), want.float(), rtol=2e-2, atol=5e-2)
+
+
+def test_a_weight_another_module_shares_stays_plain():
+    """A tied embedding looks its rows up in the weight: the output projection keeps it."""
+    layer = bf16_layer([128], 64, bias=False)
+    model = nn.ModuleDict({"embed": nn.Embedding(128, 64), "head": layer})
+    model["embed"].weight = layer.weight
+    assert prepack_linear_weights(model, KERNELS, gemv=True) == 1
+    assert layer.method.blocked is None and layer.weight is model["embed"].weight
+
+
+def test_mutation_a_layout_read_wrongly_keeps_the_plain_copy(monkeypatch):
+    """Blocks of 32 rows where oneDNN packed 64: the bytes do not match, so the layer keeps
+    its plain weight for the GEMV and its results stay right."""
+    monkeypatch.setattr(onednn_layout, "BLOCK_ROWS", (32,))
+    torch.manual_seed(1)
+    layer = bf16_layer([256], 192)
+    x = torch.randn(1, 192).to(torch.bfloat16)
+    expected = layer(x)
+    prepack_linear_weights(layer, KERNELS, gemv=True)
+    assert layer.method.blocked is None and hasattr(layer, "weight")
+    torch.testing.assert_close(layer(x).float(), expected.float(), rtol=2e-2, atol=5e-2)
+
+
+def test_a_bf16_engine_holds_one_copy_and_matches_hf_in_bf16(model_dir):
+    """The tiny Llama's layers are multiples of 64 wide: every one reads its packed copy,
+    through the decode stack and the layers alike. Tolerance: bf16's (the GPU suite's rule)."""
+    path = model_dir("llama")
+    llm = LLM(str(path), dtype="bfloat16", kv_cache_memory_bytes=2**24)
+    linears = [m for m in llm.llm_engine.runner.model.modules() if isinstance(getattr(m, "method", None),
+                                                                                PrepackedLinearMethod)]
+    assert linears and all(m.method.blocked is not None and not hasattr(m, "weight") for m in linears)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                           SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0),
+                           use_tqdm=False)
+    tokens = [o.outputs[0].token_ids for o in outputs]
+    logprobs = [[e[t].logprob for e, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outputs]
+    reference = hf_greedy(path, PROMPTS, NEW_TOKENS, dtype=torch.bfloat16)
+    assert_matches_reference(reference, tokens, logprobs, tie_tolerance=0.1, logprob_tolerance=0.1)
