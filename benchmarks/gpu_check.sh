@@ -6,15 +6,16 @@
 # .gpu-data/; both ignored). Then, on the GPU machine, from the repository root, with those
 # two folders carried along:  bash benchmarks/gpu_check.sh
 #
-# Stages, each under a hard cap (45 + 300 + 90 + 50 s), each run whatever the one before it
-# did, so a crash of one hides none of the others' results:
+# Stages, each under a hard cap (45 + 240 + 90 + 90 + 50 s), each run whatever the one before
+# it did, so a crash of one hides none of the others' results:
 #   0. install: the wheels with --no-index --no-deps, the project without its dependencies;
 #   1. the GPU suite (tests/gpu): the tests marked gpu_alone, then the rest on 4 workers;
 #      meanwhile the CPUs make the 1b model (TinyLlama-1.1B's shapes, random bf16 weights);
-#   2. offline throughput against HF transformers on it, 256 requests of 256 -> 128 tokens;
-#   3. batch-1 latency against HF on the same weights.
+#   2. the Triton attention against SDPA's FlashAttention, one layer call (gpu_attention.py);
+#   3. offline throughput against HF transformers on the 1b model, 256 requests of 256 -> 128 tokens;
+#   4. batch-1 latency against HF on the same weights.
 # It prints a summary and writes at most 8 files to $OUT. Exit status: the suite's.
-# Arguments name the stages to run after install (default: suite throughput latency), so a rerun
+# Arguments name the stages to run after install (default: suite attention throughput latency), so a rerun
 # within the same lease can spend its minutes on the suite alone.
 # A stage that reaches its cap gets SIGINT first: pytest then still prints the failures so far,
 # and suite.jsonl (pytest-reportlog) holds a line per test, traceback included, as each ends.
@@ -53,7 +54,7 @@ print('tokenmill', tokenmill.__version__, 'torch', torch.__version__, torch.cuda
 export -f install
 stage install 45 bash -c install
 export PYTHONPATH=/tmp/site
-stages=" ${*:-suite throughput latency} "
+stages=" ${*:-suite attention throughput latency} "
 
 model=/tmp/tokenmill-1b
 maker=
@@ -64,7 +65,7 @@ fi
 
 suite() {  # the tests that read the GPU's free memory alone, then 4 workers; a line per test
     local pytest=(python3 -m pytest -p no:cacheprovider -rfE --tb=short --timeout 150 -W ignore::FutureWarning tests/gpu)
-    "${pytest[@]}" -v -m gpu_alone --report-log "$OUT/suite-alone.jsonl"
+    "${pytest[@]}" -v -m gpu_alone --report-log "$OUT/suite-alone.jsonl"  # appended to suite.jsonl after
     local alone=$?
     "${pytest[@]}" -v -n 4 -m "gpu and not gpu_alone" --report-log "$OUT/suite.jsonl" || return $?
     return $alone
@@ -72,9 +73,11 @@ suite() {  # the tests that read the GPU's free memory alone, then 4 workers; a 
 export -f suite
 suite=0
 if [[ $stages == *" suite "* ]]; then
-    stage suite 300 bash -c suite
+    stage suite 240 bash -c suite
     suite=$?
+    cat "$OUT/suite-alone.jsonl" >>"$OUT/suite.jsonl" 2>/dev/null && rm -f "$OUT/suite-alone.jsonl"
 fi
+[[ $stages == *" attention "* ]] && stage attention 90 python3 benchmarks/gpu_attention.py
 
 if [[ -n $maker ]]; then
     wait "$maker" || summary+=("the 1b model was not made: $(tail -1 "$OUT/model.log")")
@@ -91,6 +94,7 @@ fi
     echo "$gpu"
     printf '%s\n' "${summary[@]}"
     grep -E "^(FAILED|ERROR) |(passed|failed|error|skipped|deselected)( |,|$)" "$OUT/suite.txt" 2>/dev/null | sed 's/^/suite: /' | tail -60
+    grep -E "^(case|decode|prefill) " "$OUT/attention.txt" 2>/dev/null
     grep -E "tok/s|x HF|TPOT|tokenmill|hf-generate" "$OUT/throughput.txt" "$OUT/latency.txt" 2>/dev/null | tail -12
     echo "total $((SECONDS - started)) s"
 } | tee "$OUT/summary.txt"

@@ -171,19 +171,23 @@ def test_cpu_kernels_read_a_bf16_cache_as_its_fp32_values(seed):
     assert torch.equal(narrow, wide)
 
 
-@pytest.mark.parametrize("head_dim,block_size", [(128, 128), (256, 64)])
+@pytest.mark.parametrize("head_dim,block_size", [(128, 128), (256, 64), (64, 4)])
 @pytest.mark.parametrize("window", [None, 20])
-def test_triton_decode_reads_large_blocks_in_parts(head_dim, block_size, window):
-    """A block of 128 x head 128 or 64 x head 256 is read 64 or 32 positions at a time (what
-    fits in registers): a window that starts inside a block leaves its first parts empty."""
+@pytest.mark.parametrize("heads,kv_heads", [(2, 1), (8, 2), (14, 2)])
+def test_triton_decode_tiles_span_blocks_and_serve_a_kv_heads_group(head_dim, block_size, window, heads, kv_heads):
+    """A decode tile is 32 or 64 positions gathered through the block table: part of a large
+    block, or many small ones; a window that starts inside a tile masks its first positions.
+    The query heads sharing a KV head are one dot's rows, padded to 16 (a group of 7 leaves
+    9 padding rows)."""
     import torch
 
     from tokenmill.plugins.attention.triton_paged.backend import TritonPagedAttention
-    from tokenmill.plugins.attention.triton_paged.kernels import decode_sub_block
+    from tokenmill.plugins.attention.triton_paged.kernels import decode_tiles
     from tokenmill.testing.attention_conformance import AttentionCase
 
-    assert decode_sub_block(block_size, head_dim) < block_size
-    case = AttentionCase(seed=3, num_heads=2, num_kv_heads=1, head_dim=head_dim, block_size=block_size,
+    group_pad, tile_n, _ = decode_tiles(heads // kv_heads, head_dim, ieee_fp32=True)
+    assert group_pad == 16 and (tile_n < block_size or tile_n > block_size)
+    case = AttentionCase(seed=3, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
                          dtype=torch.float32, requests=((150, 1), (70, 1), (0, 1)), sliding_window=window,
                          soft_cap=None)
     check_backend(TritonPagedAttention(), case)

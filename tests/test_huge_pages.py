@@ -75,3 +75,27 @@ def test_huge_pages_off_leaves_weights_in_place(model_dir, monkeypatch):
     monkeypatch.setattr(huge_pages, "MIN_BYTES", 1)
     model = make_llm(model_dir("llama"), huge_pages=False).llm_engine.runner.model
     assert not any(_advised_huge(p) for p in model.parameters())
+
+
+def test_collapse_in_place_advises_memory_it_does_not_own_and_keeps_its_values():
+    """oneDNN's packed weights cannot be copied elsewhere: their own pages are advised (and
+    collapsed where the kernel can), values untouched; under one huge page nothing is done."""
+    weight = torch.randn(4096, 2048).to(torch.bfloat16)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+    nbytes = torch.ops.mkldnn._nbytes(packed)
+    start = torch.ops.mkldnn.data_ptr(packed)
+    huge_pages.collapse_in_place(start, nbytes)
+    inner = -(-start // huge_pages.HUGE_PAGE_BYTES) * huge_pages.HUGE_PAGE_BYTES  # the first whole huge page
+    assert _advised_huge(_AtAddress(inner))
+    assert torch.equal(packed.to_dense(), weight)
+    assert not huge_pages.collapse_in_place(start, huge_pages.HUGE_PAGE_BYTES // 2)
+
+
+class _AtAddress:
+    """What ``_advised_huge`` reads of a tensor: its address."""
+
+    def __init__(self, address: int) -> None:
+        self.address = address
+
+    def data_ptr(self) -> int:
+        return self.address

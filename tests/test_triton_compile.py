@@ -49,8 +49,10 @@ def test_the_cases_cover_every_kernel_and_every_choice():
             for case in CASES if case.kernel == "prefill_attention"} == {
         (f"*{q}", f"*{c}", head) for q, c in (("fp32", "fp32"), ("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "bf16"))
         for head in (64, 80, 96, 112, 128, 256)}  # each with the tile the wrapper picks for it
-    assert {case.signature["cache_ptr"] for case in CASES if case.kernel == "paged_attention"} == \
-        {"*fp32", "*bf16", "*fp16"}
+    assert {(case.signature["q_ptr"], case.signature["cache_ptr"], case.constexprs["HEAD_DIM"])
+            for case in CASES if case.kernel == "paged_attention"} == {
+        (f"*{q}", f"*{c}", head) for q, c in (("fp32", "fp32"), ("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "bf16"))
+        for head in (64, 80, 96, 112, 128, 256)}  # each with the tile the wrapper picks for it
     assert {(c["BITS"], c["IEEE_FP32"]) for c in (case.constexprs for case in CASES if case.kernel == "dequant_gemm")} \
         == {(4, True), (8, True), (4, False), (8, False)}
     moe = [(case.signature["a_ptr"], case.constexprs) for case in CASES if case.kernel == "fused_moe"]

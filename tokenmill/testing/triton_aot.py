@@ -35,7 +35,7 @@ from tokenmill.plugins.attention.triton_paged.kernels import (
     _paged_attention_kernel,
     _prefill_attention_kernel,
     _write_kv_kernel,
-    decode_sub_block,
+    decode_tiles,
     prefill_tiles,
 )
 from tokenmill.plugins.models.triton_moe import _fused_moe_kernel, tiles_for
@@ -110,17 +110,20 @@ def kernel_cases() -> list[KernelCase]:
     # paged attention: the cache in the query's dtype, or bf16 under an fp32 model
     query_cache = (("fp32", "fp32"), ("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "bf16"))
     flags = tuple(itertools.product((False, True), repeat=2))
-    for head, block, group, splits, (query, cache), (soft_cap, window) in zip(
-            HEAD_DIMS, _cycle(BLOCK_SIZES, 6), _cycle(GROUPS, 6), _cycle(NUM_SPLITS, 6), _cycle(query_cache, 6),
-            _cycle(flags, 6)):
+    # decode: every head size with every query/cache dtype pair, each with the tile the wrapper picks
+    for (head, (query, cache)), block, group, splits, (soft_cap, window) in zip(
+            itertools.product(HEAD_DIMS, query_cache), _cycle(BLOCK_SIZES, 24), _cycle(GROUPS, 24),
+            _cycle(NUM_SPLITS, 24), _cycle(flags, 24)):
+        head_pad = triton.next_power_of_2(head)
+        group_pad, tile_n, num_warps = decode_tiles(group, head_pad, query == "fp32")
         cases.append(_case("paged_attention", _paged_attention_kernel,
                            {"q_ptr": f"*{query}", "cache_ptr": f"*{cache}", "block_table_ptr": "*i32",
                             "token_req_ptr": "*i32", "token_pos_ptr": "*i32", "part_acc_ptr": "*fp32",
                             "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "scale": "fp32", "soft_cap": "fp32"},
-                           {"GROUP": group, "BLOCK_SIZE": block, "HEAD_DIM": head,
-                            "HEAD_PAD": triton.next_power_of_2(head), "NUM_SPLITS": splits,
-                            "USE_SOFT_CAP": soft_cap, "USE_WINDOW": window,
-                            "SUB_BLOCK": decode_sub_block(block, triton.next_power_of_2(head))}))
+                           {"GROUP": group, "GROUP_PAD": group_pad, "BLOCK_SIZE": block, "HEAD_DIM": head,
+                            "HEAD_PAD": head_pad, "NUM_SPLITS": splits, "TILE_N": tile_n,
+                            "USE_SOFT_CAP": soft_cap, "USE_WINDOW": window, "IEEE_FP32": query == "fp32"},
+                           num_warps))
     # a recorded decode step (decode_graphs) reads the graph's int64 position buffer
     cases.append(dataclasses.replace(cases[-1], signature={**cases[-1].signature, "token_pos_ptr": "*i64"}))
     # prefill: the backend's GPU tile (32 query tokens) and the context step and warps the

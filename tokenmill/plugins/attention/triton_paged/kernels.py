@@ -6,8 +6,10 @@ A token at absolute position ``p`` attends to positions ``[max(0, p - window + 1
 its own request, read through the block table with an online softmax.
 
 ``paged_attention`` (decode rows: one query token per request) runs one program per
-(token, head, KV split); long contexts are split across ``num_splits`` programs whose
-partial (max, sum, accumulator) triples a second kernel merges (flash-decoding).
+(token, KV head, KV split), the query heads of the KV head's group as the rows of
+``tl.dot`` so that each K/V tile is read once for the group; long contexts are split across
+``num_splits`` programs whose partial (max, sum, accumulator) triples a second kernel
+merges (flash-decoding).
 ``prefill_attention`` (requests with several query tokens: prompt chunks over a cached
 prefix, speculative verification) runs one program per (tile of query tokens, head), in
 the manner of flash attention: each step multiplies the query tile by a tile of context
@@ -47,62 +49,71 @@ def _paged_attention_kernel(
     scale, soft_cap, window,
     stride_qt, stride_qh, stride_c_kv, stride_c_block, stride_c_off, stride_c_head, stride_bt,
     stride_pt, stride_ph, stride_ps,
-    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, USE_SOFT_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, SUB_BLOCK: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, TILE_N: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr, IEEE_FP32: tl.constexpr,
 ):
-    """One program per (decode token, head, split): online softmax over the split's cache
-    blocks, SUB_BLOCK positions of a block at a time (a whole large block of a large head
-    would not fit in registers)."""
+    """One program per (decode token, KV head, split): the GROUP query heads that share the KV
+    head are the rows of ``tl.dot`` (padded to GROUP_PAD, the dot's least), so each K/V tile is
+    read once for all of them; tiles of TILE_N positions gathered through the block table
+    (several small blocks, or part of a large one); online softmax per query head."""
     token = tl.program_id(0)
-    head = tl.program_id(1)
+    kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    kv_head = head // GROUP
     req = tl.load(token_req_ptr + token)
     pos = tl.load(token_pos_ptr + token)
+    rows = tl.arange(0, GROUP_PAD)
+    row_mask = rows < GROUP
+    heads = kv_head * GROUP + rows
     dims = tl.arange(0, HEAD_PAD)
     dim_mask = dims < HEAD_DIM
-    q = tl.load(q_ptr + token * stride_qt + head * stride_qh + dims, mask=dim_mask, other=0.0).to(tl.float32)
+    q = tl.load(q_ptr + token * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+                mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
 
     first = 0
     if USE_WINDOW:
         first = tl.maximum(pos - window + 1, 0)
-    first_block = first // BLOCK_SIZE
-    last_block = pos // BLOCK_SIZE
-    blocks = last_block - first_block + 1
-    per_split = (blocks + NUM_SPLITS - 1) // NUM_SPLITS
-    start = first_block + split * per_split
-    end = tl.minimum(start + per_split, last_block + 1)
+    # whole tiles a split: each split's tiles start on the split's own boundary
+    per_split = ((pos + 1 - first + NUM_SPLITS - 1) // NUM_SPLITS + TILE_N - 1) // TILE_N * TILE_N
+    start = first + split * per_split
+    end = tl.minimum(start + per_split, pos + 1)
 
-    m = -float("inf")
-    l = 0.0
-    acc = tl.zeros((HEAD_PAD,), dtype=tl.float32)
-    kv_mask = dim_mask[None, :]
-    for b in range(start, end):
-        physical = tl.load(block_table_ptr + req * stride_bt + b)
-        base = cache_ptr + physical * stride_c_block + kv_head * stride_c_head
-        for part in range(BLOCK_SIZE // SUB_BLOCK):
-            offsets = part * SUB_BLOCK + tl.arange(0, SUB_BLOCK)
-            k = tl.load(base + offsets[:, None] * stride_c_off + dims[None, :], mask=kv_mask,
-                        other=0.0).to(tl.float32)
-            scores = tl.sum(k * q[None, :], axis=1) * scale  # [SUB_BLOCK]
-            if USE_SOFT_CAP:
-                scores = soft_cap * (2.0 / (1.0 + tl.exp(-2.0 * scores / soft_cap)) - 1.0)  # soft_cap * tanh(s / cap)
-            positions = b * BLOCK_SIZE + offsets
-            valid = (positions <= pos) & (positions >= first)
-            scores = tl.where(valid, scores, -float("inf"))
-            m_new = tl.maximum(m, tl.max(scores, axis=0))
-            m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # nothing valid yet (a window's start)
-            alpha = tl.exp(m - m_safe)
-            p = tl.exp(scores - m_safe)
-            v = tl.load(base + stride_c_kv + offsets[:, None] * stride_c_off + dims[None, :], mask=kv_mask,
-                        other=0.0).to(tl.float32)
-            acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-            l = l * alpha + tl.sum(p, axis=0)
-            m = m_new
-    out = part_acc_ptr + token * stride_pt + head * stride_ph + split * stride_ps
-    tl.store(out + dims, acc, mask=dim_mask)
-    tl.store(part_m_ptr + (token * tl.num_programs(1) + head) * NUM_SPLITS + split, m)
-    tl.store(part_l_ptr + (token * tl.num_programs(1) + head) * NUM_SPLITS + split, l)
+    m = tl.full((GROUP_PAD,), -float("inf"), dtype=tl.float32)
+    l = tl.zeros((GROUP_PAD,), dtype=tl.float32)
+    acc = tl.zeros((GROUP_PAD, HEAD_PAD), dtype=tl.float32)
+    offsets = tl.arange(0, TILE_N)
+    for tile in range(start, end, TILE_N):
+        positions = tile + offsets
+        valid = positions < end
+        physical = tl.load(block_table_ptr + req * stride_bt + positions // BLOCK_SIZE, mask=valid, other=0)
+        rows_at = (cache_ptr + physical.to(tl.int64) * stride_c_block + (positions % BLOCK_SIZE) * stride_c_off
+                   + kv_head * stride_c_head)
+        kv_mask = valid[:, None] & dim_mask[None, :]
+        k = tl.load(rows_at[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        if IEEE_FP32:
+            scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(k))
+        scores = scores * scale
+        if USE_SOFT_CAP:
+            scores = soft_cap * (2.0 / (1.0 + tl.exp(-2.0 * scores / soft_cap)) - 1.0)  # soft_cap * tanh(s / cap)
+        scores = tl.where(valid[None, :], scores, -float("inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(scores - m_safe[:, None])
+        v = tl.load(rows_at[:, None] + stride_c_kv + dims[None, :], mask=kv_mask, other=0.0)
+        if IEEE_FP32:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        l = l * alpha + tl.sum(p, axis=1)
+        m = m_new
+    out = part_acc_ptr + token * stride_pt + heads[:, None] * stride_ph + split * stride_ps + dims[None, :]
+    tl.store(out, acc, mask=row_mask[:, None] & dim_mask[None, :])
+    stats = (token * tl.num_programs(1) * GROUP + heads) * NUM_SPLITS + split
+    tl.store(part_m_ptr + stats, m, mask=row_mask)
+    tl.store(part_l_ptr + stats, l, mask=row_mask)
 
 
 @triton.jit
@@ -129,10 +140,18 @@ def _merge_splits_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, stride_p
              mask=dim_mask)
 
 
-def decode_sub_block(block_size: int, head_pad: int) -> int:
-    """Cache positions the decode kernel holds at once: at most 8192 values of K (and of V),
-    64 registers a thread at 4 warps; more spills at block 128 x head 256."""
-    return min(block_size, max(1, 8192 // head_pad))
+def decode_tiles(group: int, head_pad: int, ieee_fp32: bool) -> tuple[int, int, int]:
+    """(GROUP_PAD, TILE_N, num_warps) of the decode kernel: the query heads of a KV head padded
+    to 16 (``tl.dot``'s least rows), cache positions a tile, and warps. A gathered tile holds
+    a 64-bit address per element, so the tiles are what fits without spilling on sm_80 and
+    sm_90 (tests/test_triton_compile.py): 64 positions of a 128-wide head over 8 warps (4
+    spilled), 32 of a 64-wide one over 4 (8 spilled a window's masks on sm_90) or of a 256-wide
+    one over 8, 16 where K and V are read as fp32."""
+    if ieee_fp32:
+        tile = 16
+    else:
+        tile = 64 if head_pad == 128 else 32
+    return max(16, triton.next_power_of_2(group)), tile, 4 if head_pad <= 64 else 8
 
 
 def write_kv(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -154,18 +173,20 @@ def paged_attention(query: torch.Tensor, cache: torch.Tensor, block_table: torch
     tokens, heads, head_dim = query.shape
     kv_heads = cache.shape[3]
     head_pad = triton.next_power_of_2(head_dim)
+    ieee = ieee_fp32_dots(query.dtype)
+    group_pad, tile_n, num_warps = decode_tiles(heads // kv_heads, head_pad, ieee)
     acc = torch.empty(tokens, heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
     m = torch.empty(tokens, heads, num_splits, dtype=torch.float32, device=query.device)
     l = torch.empty_like(m)
-    grid = (tokens, heads, num_splits)
+    grid = (tokens, kv_heads, num_splits)
     _paged_attention_kernel[grid](
         query, cache, block_table, token_req, token_pos, acc, m, l,
         scale, soft_cap or 1.0, window or 0,
         query.stride(0), query.stride(1), cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
         block_table.stride(0), acc.stride(0), acc.stride(1), acc.stride(2),
-        GROUP=heads // kv_heads, BLOCK_SIZE=cache.shape[2], HEAD_DIM=head_dim, HEAD_PAD=head_pad,
-        NUM_SPLITS=num_splits, USE_SOFT_CAP=soft_cap is not None, USE_WINDOW=window is not None,
-        SUB_BLOCK=decode_sub_block(cache.shape[2], head_pad),
+        GROUP=heads // kv_heads, GROUP_PAD=group_pad, BLOCK_SIZE=cache.shape[2], HEAD_DIM=head_dim,
+        HEAD_PAD=head_pad, NUM_SPLITS=num_splits, TILE_N=tile_n, USE_SOFT_CAP=soft_cap is not None,
+        USE_WINDOW=window is not None, IEEE_FP32=ieee, num_warps=num_warps,
     )
     out = torch.empty_like(query)
     _merge_splits_kernel[(tokens, heads)](acc, m, l, out, acc.stride(0), acc.stride(1), acc.stride(2),
