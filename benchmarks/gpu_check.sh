@@ -6,16 +6,17 @@
 # .gpu-data/; both ignored). Then, on the GPU machine, from the repository root, with those
 # two folders carried along:  bash benchmarks/gpu_check.sh
 #
-# Stages, each under a hard cap (45 + 240 + 90 + 90 + 50 s), each run whatever the one before
+# Stages, each under a hard cap (45 + 240 + 75 + 90 + 50 + 45 s), each run whatever the one before
 # it did, so a crash of one hides none of the others' results:
 #   0. install: the wheels with --no-index --no-deps, the project without its dependencies;
 #   1. the GPU suite (tests/gpu): the tests marked gpu_alone, then the rest on 4 workers;
 #      meanwhile the CPUs make the 1b model (TinyLlama-1.1B's shapes, random bf16 weights);
 #   2. the Triton attention against SDPA's FlashAttention, one layer call (gpu_attention.py);
 #   3. offline throughput against HF transformers on the 1b model, 256 requests of 256 -> 128 tokens;
-#   4. batch-1 latency against HF on the same weights.
-# It prints a summary and writes at most 8 files to $OUT. Exit status: the suite's.
-# Arguments name the stages to run after install (default: suite attention throughput latency), so a rerun
+#   4. batch-1 latency against HF on the same weights;
+#   5. where a step's time goes on the GPU (gpu_profile.py: kernel time, idle share, top kernels).
+# It prints a summary (last, on stdout) and writes at most 8 files to $OUT. Exit status: the suite's.
+# Arguments name the stages to run after install (default: suite attention throughput latency profile), so a rerun
 # within the same lease can spend its minutes on the suite alone.
 # A stage that reaches its cap gets SIGINT first: pytest then still prints the failures so far,
 # and suite.jsonl (pytest-reportlog) holds a line per test, traceback included, as each ends.
@@ -54,11 +55,11 @@ print('tokenmill', tokenmill.__version__, 'torch', torch.__version__, torch.cuda
 export -f install
 stage install 45 bash -c install
 export PYTHONPATH=/tmp/site
-stages=" ${*:-suite attention throughput latency} "
+stages=" ${*:-suite attention throughput latency profile} "
 
 model=/tmp/tokenmill-1b
 maker=
-if [[ $stages == *" throughput "* || $stages == *" latency "* ]]; then
+if [[ $stages == *" throughput "* || $stages == *" latency "* || $stages == *" profile "* ]]; then
     python3 -m tokenmill.cli make-model "$model" --preset 1b >"$OUT/model.log" 2>&1 &
     maker=$!
 fi
@@ -77,7 +78,7 @@ if [[ $stages == *" suite "* ]]; then
     suite=$?
     cat "$OUT/suite-alone.jsonl" >>"$OUT/suite.jsonl" 2>/dev/null && rm -f "$OUT/suite-alone.jsonl"
 fi
-[[ $stages == *" attention "* ]] && stage attention 90 python3 benchmarks/gpu_attention.py
+[[ $stages == *" attention "* ]] && stage attention 75 python3 benchmarks/gpu_attention.py
 
 if [[ -n $maker ]]; then
     wait "$maker" || summary+=("the 1b model was not made: $(tail -1 "$OUT/model.log")")
@@ -90,12 +91,15 @@ fi
 [[ $stages == *" latency "* ]] && stage latency 50 python3 -m tokenmill.cli bench latency --device cuda --model "$model" --dtype bfloat16 \
     --input-len 256 --output-len 128 --num-iters 3 --rounds 2
 
+[[ $stages == *" profile "* ]] && stage profile 45 python3 benchmarks/gpu_profile.py --model "$model"
+
 {
     echo "$gpu"
     printf '%s\n' "${summary[@]}"
     grep -E "^(FAILED|ERROR) |(passed|failed|error|skipped|deselected)( |,|$)" "$OUT/suite.txt" 2>/dev/null | sed 's/^/suite: /' | tail -60
     grep -E "^(case|decode|prefill) " "$OUT/attention.txt" 2>/dev/null
     grep -E "tok/s|x HF|TPOT|tokenmill|hf-generate" "$OUT/throughput.txt" "$OUT/latency.txt" 2>/dev/null | tail -12
+    grep -E "^(== |wall )" "$OUT/profile.txt" 2>/dev/null
     echo "total $((SECONDS - started)) s"
-} | tee "$OUT/summary.txt"
+}
 exit "$suite"

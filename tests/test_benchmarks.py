@@ -122,3 +122,29 @@ def test_speculative_benchmark_reports_each_proposer_against_none(tmp_path):
                 assert sum(positions) == pytest.approx(r["acceptance_rate"] * r["draft_tokens"])
     ceiling = results["ceiling"]
     assert ceiling["speedup"] == pytest.approx(ceiling["tpot_ms"]["none"] / ceiling["tpot_ms"]["oracle"])
+
+
+def test_gpu_attention_benchmark_checks_each_case_against_sdpa_before_timing(tmp_path):
+    """benchmarks/gpu_attention.py's dry run (the Triton interpreter, small shapes): the paged
+    cache, metadata and SDPA inputs it builds describe the same attention (bf16 agreement)."""
+    import os
+
+    out = tmp_path / "attention.json"
+    subprocess.run([sys.executable, str(Path(__file__).parents[1] / "benchmarks" / "gpu_attention.py"),
+                    "--device", "cpu", "--small", "--json", str(out)], check=True, timeout=600,
+                   env={**os.environ, "TRITON_INTERPRET": "1"})
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["case"].split()[0] for row in rows] == ["decode", "prefill"]
+    assert all(row["rel_error"] < 1e-2 for row in rows)  # bf16 rounding; a mis-built case is off by ~1
+
+
+def test_gpu_profile_benchmark_reports_each_workload(model_dir):
+    """benchmarks/gpu_profile.py on the CPU (no CUDA activity): a block per workload with the
+    wall per output token and the host ops."""
+    result = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "benchmarks" / "gpu_profile.py"),
+                             "--model", str(model_dir("llama")), "--device", "cpu", "--top", "3"],
+                            capture_output=True, text=True, check=True, timeout=600)
+    blocks = [line for line in result.stdout.splitlines() if line.startswith("== ")]
+    assert blocks == ["== batch 1: 1 x (256 -> 64), prompts included",
+                      "== batch 256: 256 x (256 -> 16), prompts included"]
+    assert result.stdout.count("ms per output token") == 2 and result.stdout.count("host op") == 2
