@@ -9,7 +9,12 @@ is timed (``triton.testing.do_bench``, medians). The HBM fraction is the K/V byt
 must read over the time, against this GPU's copy bandwidth measured here (bytes read plus
 written); prefill reports TFLOP/s (causal: half of 4 S^2 D per head).
 
+With ``--sweep`` it times the kernels' tile choices instead, at decode 64 x 4096 and 1 x 4096
+and prefill 1 x 4096: decode positions per tile and warps, prefill query tile (the backend's
+``block_m``), context step and warps; each against the default, fastest first.
+
     python benchmarks/gpu_attention.py
+    python benchmarks/gpu_attention.py --sweep
     TRITON_INTERPRET=1 python benchmarks/gpu_attention.py --device cpu --small   # a dry run of the code paths
 """
 
@@ -22,11 +27,15 @@ import torch
 import triton
 
 from tokenmill.interfaces.attention import AttentionLayerSpec, AttentionMetadata
+from tokenmill.plugins.attention.triton_paged import kernels
 from tokenmill.plugins.attention.triton_paged.backend import TritonPagedAttention
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 DECODE = [(1, 4096), (16, 2048), (64, 4096), (256, 1024)]  # (batch, context)
 PREFILL = [(1, 4096), (8, 1024)]  # (sequences, length)
+#: the sweep: decode (TILE_N, warps); prefill (block_m, BLOCK_N, warps)
+DECODE_TILES = [(n, w) for n in (16, 32, 64, 128) for w in (4, 8)]
+PREFILL_TILES = [(m, n, w) for m in (32, 64, 128) for n in (32, 64) for w in (4, 8)]
 
 
 def paged(lengths: list[int], new: list[int], device: str, dtype: torch.dtype, generator: torch.Generator):
@@ -85,13 +94,63 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() / (ms / 1e3)
 
 
+def sweep(device: str, small: bool, generator: torch.Generator) -> list[dict]:
+    """Each tile choice of the two kernels, timed (and checked against the default's output)."""
+    dtype, spec = torch.bfloat16, AttentionLayerSpec(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5)
+    rows = []
+    for batch, context in ([(2, 40)] if small else [(64, 4096), (1, 4096)]):
+        cache, common, _, _, _ = paged([context] * batch, [1] * batch, device, dtype, generator)
+        meta = TritonPagedAttention().build_metadata(common)
+        q = torch.randn(batch, HEADS, HEAD_DIM, generator=generator).to(dtype).to(device)
+
+        def decode(tiles):
+            return kernels.paged_attention(q, cache, meta.block_table, meta.decode_req, meta.decode_pos,
+                                           spec.scale, None, None, meta.num_splits, tiles=tiles)
+
+        expected = decode(None)
+        for tiles in DECODE_TILES[:2] if small else DECODE_TILES:
+            error = ((decode(tiles).float() - expected.float()).norm() / expected.float().norm()).item()
+            rows.append({"case": f"decode {batch} x {context}", "tiles": f"TILE_N={tiles[0]} warps={tiles[1]}",
+                         "ms": timed(lambda: decode(tiles), device), "rel_error": error})
+    length = 40 if small else 4096
+    cache, common, k_all, v_all, picks = paged([length], [length], device, dtype, generator)
+    kernels.write_kv(cache, k_all[picks], v_all[picks], common.slot_mapping)  # the prompt's own K/V
+    q = torch.randn(length, HEADS, HEAD_DIM, generator=generator).to(dtype).to(device)
+    expected = None
+    for block_m, block_n, warps in PREFILL_TILES[:2] if small else PREFILL_TILES:
+        meta = TritonPagedAttention(block_m=block_m).build_metadata(common)
+        out = torch.empty_like(q)
+
+        def prefill():
+            kernels.prefill_attention(q, cache, meta.block_table, out, meta.tile_req, meta.tile_start,
+                                      meta.query_start_loc, meta.seq_lens, spec.scale, None, None, block_m,
+                                      step=(block_n, warps))
+
+        prefill()
+        expected = out.clone() if expected is None else expected
+        error = ((out.float() - expected.float()).norm() / expected.float().norm()).item()
+        rows.append({"case": f"prefill 1 x {length}", "tiles": f"block_m={block_m} BLOCK_N={block_n} warps={warps}",
+                     "ms": timed(prefill, device), "rel_error": error})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--small", action="store_true", help="shapes an interpreter can run (a dry run)")
+    parser.add_argument("--sweep", action="store_true", help="time the kernels' tile choices instead")
     parser.add_argument("--json")
     args = parser.parse_args()
     device, dtype = args.device, torch.bfloat16
+    if args.sweep:
+        rows = sweep(device, args.small, torch.Generator().manual_seed(0))
+        print(f"{'case':<20} {'tiles':<34} {'ms':>8} {'rel err':>8}")
+        for row in sorted(rows, key=lambda r: (r["case"], r["ms"])):
+            print(f"{row['case']:<20} {row['tiles']:<34} {row['ms']:>8.3f} {row['rel_error']:>8.1e}")
+        if args.json:
+            with open(args.json, "w") as out:
+                json.dump({"rows": rows}, out, indent=1)
+        return
     decode, prefill = (DECODE, PREFILL) if not args.small else ([(2, 40)], [(1, 40)])
     generator = torch.Generator().manual_seed(0)
     backend = TritonPagedAttention()

@@ -14,7 +14,8 @@
 #   2. the Triton attention against SDPA's FlashAttention, one layer call (gpu_attention.py);
 #   3. offline throughput against HF transformers on the 1b model, 256 requests of 256 -> 128 tokens;
 #   4. batch-1 latency against HF on the same weights;
-#   5. where a step's time goes on the GPU (gpu_profile.py: kernel time, idle share, top kernels).
+#   5. where a step's time goes on the GPU (gpu_profile.py: kernel time, idle share, top kernels);
+#   and, named alone (not a default): sweep, the attention kernels' tile choices timed (150 s).
 # It prints a summary (last, on stdout) and writes at most 8 files to $OUT. Exit status: the suite's.
 # Arguments name the stages to run after install (default: suite attention throughput latency profile), so a rerun
 # within the same lease can spend its minutes on the suite alone.
@@ -79,6 +80,7 @@ if [[ $stages == *" suite "* ]]; then
     cat "$OUT/suite-alone.jsonl" >>"$OUT/suite.jsonl" 2>/dev/null && rm -f "$OUT/suite-alone.jsonl"
 fi
 [[ $stages == *" attention "* ]] && stage attention 75 python3 benchmarks/gpu_attention.py
+[[ $stages == *" sweep "* ]] && stage sweep 150 python3 benchmarks/gpu_attention.py --sweep  # asked for by name only
 
 if [[ -n $maker ]]; then
     wait "$maker" || summary+=("the 1b model was not made: $(tail -1 "$OUT/model.log")")
@@ -97,7 +99,7 @@ fi
     echo "$gpu"
     printf '%s\n' "${summary[@]}"
     grep -E "^(FAILED|ERROR) |(passed|failed|error|skipped|deselected)( |,|$)" "$OUT/suite.txt" 2>/dev/null | sed 's/^/suite: /' | tail -60
-    grep -E "^(case|decode|prefill) " "$OUT/attention.txt" 2>/dev/null
+    grep -E "^(case|decode|prefill) " "$OUT/attention.txt" "$OUT/sweep.txt" 2>/dev/null
     grep -E "tok/s|x HF|TPOT|tokenmill|hf-generate" "$OUT/throughput.txt" "$OUT/latency.txt" 2>/dev/null | tail -12
     grep -E "^(== |wall )" "$OUT/profile.txt" 2>/dev/null
     echo "total $((SECONDS - started)) s"

@@ -136,6 +136,12 @@ def test_gpu_attention_benchmark_checks_each_case_against_sdpa_before_timing(tmp
     rows = json.loads(out.read_text())["rows"]
     assert [row["case"].split()[0] for row in rows] == ["decode", "prefill"]
     assert all(row["rel_error"] < 1e-2 for row in rows)  # bf16 rounding; a mis-built case is off by ~1
+    subprocess.run([sys.executable, str(Path(__file__).parents[1] / "benchmarks" / "gpu_attention.py"),
+                    "--device", "cpu", "--small", "--sweep", "--json", str(out)], check=True, timeout=600,
+                   env={**os.environ, "TRITON_INTERPRET": "1"})
+    rows = json.loads(out.read_text())["rows"]
+    assert {row["case"].split()[0] for row in rows} == {"decode", "prefill"}
+    assert all(row["rel_error"] < 1e-2 for row in rows)  # every tile choice computes the default's result
 
 
 def test_gpu_profile_benchmark_reports_each_workload(model_dir):

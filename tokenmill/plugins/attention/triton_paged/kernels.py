@@ -19,6 +19,8 @@ tile rather than once per query token.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -169,12 +171,16 @@ def write_kv(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_m
 
 
 def paged_attention(query: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, token_req: torch.Tensor,
-                    token_pos: torch.Tensor, scale: float, soft_cap, window, num_splits: int) -> torch.Tensor:
+                    token_pos: torch.Tensor, scale: float, soft_cap, window, num_splits: int,
+                    tiles: Optional[tuple[int, int]] = None) -> torch.Tensor:
+    """``tiles``: (TILE_N, num_warps) in place of ``decode_tiles``' (benchmarks/gpu_attention.py's sweep)."""
     tokens, heads, head_dim = query.shape
     kv_heads = cache.shape[3]
     head_pad = triton.next_power_of_2(head_dim)
     ieee = ieee_fp32_dots(query.dtype)
     group_pad, tile_n, num_warps = decode_tiles(heads // kv_heads, head_pad, ieee)
+    if tiles is not None:
+        tile_n, num_warps = tiles
     acc = torch.empty(tokens, heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
     m = torch.empty(tokens, heads, num_splits, dtype=torch.float32, device=query.device)
     l = torch.empty_like(m)
@@ -267,9 +273,11 @@ def _prefill_attention_kernel(
 
 def prefill_attention(query: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, out: torch.Tensor,
                       tile_req: torch.Tensor, tile_start: torch.Tensor, query_start_loc: torch.Tensor,
-                      seq_lens: torch.Tensor, scale: float, soft_cap, window, block_m: int) -> None:
+                      seq_lens: torch.Tensor, scale: float, soft_cap, window, block_m: int,
+                      step: Optional[tuple[int, int]] = None) -> None:
     """Attention for the query tiles (``tile_req``, ``tile_start``: each tile's request and
-    first flat token), written into ``out`` at those tokens."""
+    first flat token), written into ``out`` at those tokens. ``step``: (BLOCK_N, num_warps)
+    in place of ``prefill_tiles``' (benchmarks/gpu_attention.py's sweep)."""
     tiles = tile_req.shape[0]
     if tiles == 0:
         return
@@ -277,6 +285,8 @@ def prefill_attention(query: torch.Tensor, cache: torch.Tensor, block_table: tor
     head_pad = max(16, triton.next_power_of_2(head_dim))
     ieee_fp32 = ieee_fp32_dots(query.dtype)
     block_n, num_warps = (32, 4) if INTERPRETED else prefill_tiles(ieee_fp32, head_pad)
+    if step is not None:
+        block_n, num_warps = step
     _prefill_attention_kernel[(tiles, heads)](
         query, cache, block_table, out, tile_req, tile_start, query_start_loc, seq_lens,
         scale, soft_cap or 1.0, window or 0,
