@@ -104,11 +104,14 @@ def test_bf16_checkpoint_in_fp32_streams_bf16_weights_and_matches_hf_fp32(tmp_pa
 
 
 def test_fp32_weights_that_are_not_bf16_stay_fp32(model_dir):
+    """The weights the GEMV streams (the plain ones, or oneDNN's packed copy read in place)."""
     from tokenmill.core.layers.linear import Linear
+    from tokenmill.plugins.platforms.cpu.prepacked_linear import PrepackedLinearMethod
 
     llm = make_llm(model_dir("llama"))
-    assert all(m.weight.dtype == torch.float32 for m in llm.llm_engine.runner.model.modules()
-               if isinstance(m, Linear))
+    linears = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, Linear)]
+    assert linears and all((m.method.gemv_weight(m) if isinstance(m.method, PrepackedLinearMethod) else m.weight)
+                           .dtype == torch.float32 for m in linears)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

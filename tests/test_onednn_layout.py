@@ -1,8 +1,8 @@
-"""One copy of a bf16 layer's weights: the GEMV reads oneDNN's packed copy in place.
+"""One copy of a layer's weights: the GEMV reads oneDNN's packed copy in place.
 
-On a CPU with AVX512-BF16 (``vnni_gemv_available``), ``prepack_linear_weights`` recognises
-oneDNN's packed bf16 layout (``onednn_layout.vnni_view``) and drops the plain weight the GEMV
-used to stream; elsewhere the layer keeps both copies, as before.
+On a CPU whose kernels read oneDNN's packed layout (``onednn_gemv_dtypes``: fp32 with AVX-512,
+bf16 with AVX512-BF16), ``prepack_linear_weights`` recognises it (``onednn_layout.packed_view``)
+and drops the plain weight the GEMV used to stream; elsewhere the layer keeps both copies.
 """
 
 from __future__ import annotations
@@ -16,17 +16,18 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.core.layers.linear import Linear
 from tokenmill.plugins.platforms.cpu import onednn_layout
 from tokenmill.plugins.platforms.cpu.kernels import cpu_kernels
-from tokenmill.plugins.platforms.cpu.onednn_layout import vnni_view
+from tokenmill.plugins.platforms.cpu.onednn_layout import packed_view
 from tokenmill.plugins.platforms.cpu.prepacked_linear import PrepackedLinearMethod, prepack_linear_weights
 from tokenmill.testing.hf_reference import assert_matches_reference, hf_greedy
 
 KERNELS = cpu_kernels()
-pytestmark = pytest.mark.skipif(KERNELS is None or not KERNELS.vnni_gemv_available(),
-                                reason="the GEMV reads oneDNN's packed bf16 layout on AVX512-BF16 CPUs only")
+IN_PLACE = [getattr(torch, name) for name in (KERNELS.onednn_gemv_dtypes() if KERNELS is not None else [])]
+pytestmark = pytest.mark.skipif(torch.bfloat16 not in IN_PLACE or torch.float32 not in IN_PLACE,
+                                reason="the GEMV reads oneDNN's packed layouts on AVX-512 (bf16: AVX512-BF16) CPUs")
 
 
-def bf16_layer(outputs: list[int], width: int, bias: bool = True) -> Linear:
-    layer = Linear(width, outputs, bias=bias, dtype=torch.bfloat16)
+def bf16_layer(outputs: list[int], width: int, bias: bool = True, dtype: torch.dtype = torch.bfloat16) -> Linear:
+    layer = Linear(width, outputs, bias=bias, dtype=dtype)
     layer.weight.copy_(torch.randn(sum(outputs), width))
     if bias:
         layer.bias.copy_(torch.randn(sum(outputs)))
@@ -34,43 +35,50 @@ def bf16_layer(outputs: list[int], width: int, bias: bool = True) -> Linear:
 
 
 @pytest.mark.parametrize("shape", [(2816, 1024), (1024, 2816), (128, 64), (32000, 128)])
-def test_the_packed_bytes_are_the_weight_in_vnni_blocks(shape):
-    weight = torch.randn(*shape).to(torch.bfloat16)
-    view = vnni_view(torch.ops.mkldnn._reorder_linear_weight(weight), weight)
-    assert view is not None and view.dim() == 4 and view.shape[3] == 2
-    blocks, pairs, rows, _ = view.shape
-    assert blocks * rows == shape[0] and pairs * 2 == shape[1]
-    assert torch.equal(view.transpose(1, 2).reshape(shape), weight)  # every element where the layout says
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_packed_bytes_are_the_weight_in_blocks_of_rows(shape, dtype):
+    weight = torch.randn(*shape).to(dtype)
+    view = packed_view(torch.ops.mkldnn._reorder_linear_weight(weight), weight)
+    assert view is not None and view.dim() == (4 if dtype == torch.bfloat16 else 3)
+    rows = view.shape[2]
+    assert view.shape[0] * rows == shape[0] and view.numel() == weight.numel()
+    plain = view.transpose(1, 2).reshape(shape)  # every element where the layout says
+    assert torch.equal(plain, weight)
 
 
 @pytest.mark.parametrize("rows", range(1, 9))
 @pytest.mark.parametrize("bias", [True, False])
-def test_gemv_on_the_packed_copy_matches_the_product(rows, bias):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gemv_on_the_packed_copy_matches_the_product(rows, bias, dtype):
     torch.manual_seed(rows)
-    weight = torch.randn(192, 320).to(torch.bfloat16)
+    weight = torch.randn(192, 320).to(dtype)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight)
-    b = torch.randn(192).to(torch.bfloat16) if bias else None
-    x = torch.randn(rows, 320).to(torch.bfloat16)
-    got = KERNELS.gemv(x, vnni_view(packed, weight), b)
+    b = torch.randn(192).to(dtype) if bias else None
+    x = torch.randn(rows, 320).to(dtype)
+    got = KERNELS.gemv(x, packed_view(packed, weight), b)
     expected = x.double() @ weight.double().T + (b.double() if bias else 0)
-    # each product exact in fp32, fp32 sums, one bf16 rounding of the output (2^-9 relative)
-    assert got.dtype == torch.bfloat16 and got.shape == (rows, 192)
-    torch.testing.assert_close(got.double(), expected, rtol=8e-3, atol=8e-3)
-    assert torch.equal(got, KERNELS.gemv(x, vnni_view(packed, weight), b))  # no state between calls
+    # bf16: each product exact in fp32, fp32 sums, one bf16 rounding of the output (2^-9
+    # relative); fp32: sums of 320 products of N(0, 1) values, in another order than fp64's
+    tolerance = dict(rtol=8e-3, atol=8e-3) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-4)
+    assert got.dtype == dtype and got.shape == (rows, 192)
+    torch.testing.assert_close(got.double(), expected, **tolerance)
+    assert torch.equal(got, KERNELS.gemv(x, packed_view(packed, weight), b))  # no state between calls
 
 
-def test_a_bf16_layer_keeps_one_copy_and_computes_as_before():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_layer_keeps_one_copy_and_computes_as_before(dtype):
     torch.manual_seed(0)
-    layer = bf16_layer([256, 128], 192)
-    expected = {rows: layer(torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16))
+    layer = bf16_layer([256, 128], 192, dtype=dtype)
+    expected = {rows: layer(torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows)).to(dtype))
                 for rows in (1, 2, 5, 64)}
     assert prepack_linear_weights(layer, KERNELS, gemv=True) == 1
     assert not hasattr(layer, "weight") and layer.method.blocked is not None
     start = torch.ops.mkldnn.data_ptr(layer.packed_weight)
     assert layer.method.blocked.data_ptr() == start  # the GEMV reads oneDNN's bytes, no copy of them
+    tolerance = dict(rtol=2e-2, atol=5e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-4)
     for rows, want in expected.items():
-        x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
-        torch.testing.assert_close(layer(x).float(), want.float(), rtol=2e-2, atol=5e-2)
+        x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows)).to(dtype)
+        torch.testing.assert_close(layer(x).float(), want.float(), **tolerance)
 
 
 def test_a_weight_another_module_shares_stays_plain():

@@ -11,6 +11,8 @@ Each step, tokens are grouped by adapter slot and each active adapter adds
 
 from __future__ import annotations
 
+import itertools
+
 import json
 import math
 from collections import OrderedDict
@@ -46,8 +48,9 @@ class LoRALayer:
         self.max_rank = max_rank
         dtype = linear.dtype
         parts = len(self.sizes)
-        # beside the base layer's weights (on the GPU, where the Triton kernel reads them)
-        device = next(linear.parameters()).device
+        # beside the base layer's weights (on the GPU, where the Triton kernel reads them; a
+        # CPU layer may hold only its packed copy, a buffer)
+        device = next(itertools.chain(linear.parameters(), linear.buffers())).device
         self.A = torch.zeros(slots, parts * max_rank, linear.input_size, dtype=dtype, device=device)
         self.B = torch.zeros(slots, sum(self.sizes), parts * max_rank, dtype=dtype, device=device)
         self.step = step

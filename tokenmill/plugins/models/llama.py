@@ -251,9 +251,9 @@ class LlamaForCausalLM(nn.Module):
         # a soft cap is monotonic but can round large logits to ties that the raw ones lack
         if self.final_logit_softcapping is not None:
             return None
-        if self.tie_word_embeddings:
-            return self.model.embed_tokens.weight
-        return getattr(self.lm_head, "weight", None)  # prepacking without the GEMV drops it
+        # a pipeline stage before the last holds no head; prepacking may drop a head's plain weight
+        head = getattr(self.model, "embed_tokens", None) if self.tie_word_embeddings else getattr(self, "lm_head", None)
+        return getattr(head, "weight", None)
 
     def checkpoint_skips(self) -> list[str]:
         """Checkpoint tensors this rank does not load: rotary caches, a tied head's copy, and

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from tokenmill.core.layers.linear import Linear, UnquantizedLinearMethod
-from tokenmill.plugins.platforms.cpu.onednn_layout import vnni_view
+from tokenmill.interfaces.models import OutputProjection
+from tokenmill.plugins.platforms.cpu.onednn_layout import packed_view
 
 
 class PrepackedLinearMethod:
@@ -28,11 +29,11 @@ class PrepackedLinearMethod:
 
     With ``gemv`` (the C++ kernels module), inputs of 1 or 2 rows go to the streaming
     GEMV kernel, which reads weights at the memory's bandwidth where oneDNN reaches about
-    two thirds of it (batch-1 decode is bound by that read). On AVX512-BF16 cores the GEMV
-    of a bf16 layer reads oneDNN's packed copy in place (``blocked``: onednn_layout.py), so
-    the layer holds one copy of its weights. Elsewhere the plain weight is kept beside the
-    packed one for the GEMV, a second copy; ``small_batch_gemv: false`` keeps only the
-    packed one.
+    two thirds of it (batch-1 decode is bound by that read). On AVX-512 cores the GEMV of an
+    fp32 layer, and on AVX512-BF16 cores of a bf16 one, reads oneDNN's packed copy in place
+    (``blocked``: onednn_layout.py), so the layer holds one copy of its weights. Elsewhere
+    the plain weight is kept beside the packed one for the GEMV, a second copy;
+    ``small_batch_gemv: false`` keeps only the packed one.
     """
 
     #: inputs with at most this many rows use the GEMV kernel (measured crossover: 3 rows)
@@ -46,8 +47,8 @@ class PrepackedLinearMethod:
         self.widen = widen
         self.panels = panels
         self.out_features = out_features
-        #: oneDNN's packed bf16 weight read in place as [N / NB, K / 2, NB, 2], where the
-        #: layer keeps no plain weight
+        #: oneDNN's packed weight read in place (bf16 [N / NB, K / 2, NB, 2], fp32
+        #: [N / NB, K, NB]), where the layer keeps no plain weight
         self.blocked: Optional[torch.Tensor] = None
 
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
@@ -92,9 +93,10 @@ def prepack_linear_weights(model: nn.Module, kernels: Optional[ModuleType] = Non
     ``kernels``: the C++ kernels module (None: oneDNN's packing only). With it, fp32 GEMMs
     use its packed GEMM where it is preferred on this CPU, and with ``gemv`` plain weights
     are kept for 1-2 row inputs (see PrepackedLinearMethod). ``widen_bf16`` (a CPU without
-    bf16 arithmetic) packs bf16 weights as fp32 GEMMs. A bf16 weight whose packed copy the
-    GEMV can read (AVX512-BF16, a layout onednn_layout.py knows) drops its plain copy, unless
-    another module shares it (a tied embedding looks rows up in it). An fp32 plain weight whose
+    bf16 arithmetic) packs bf16 weights as fp32 GEMMs. A weight whose packed copy the GEMV can
+    read (``kernels.onednn_gemv_dtypes()``, a layout onednn_layout.py knows) drops its plain
+    copy, unless another module shares it (a tied embedding looks rows up in it) or it is the
+    model's fp32 output projection (the greedy head recomputes candidate rows from it). An fp32 plain weight whose
     values are all bf16 (a bf16 checkpoint computed in fp32) is kept in
     bf16: the GEMV streams half the bytes and widens them exactly, so its results are
     unchanged. Quantized layers keep their own kernels; other dtypes (fp16) stay on ``F.linear``.
@@ -103,8 +105,11 @@ def prepack_linear_weights(model: nn.Module, kernels: Optional[ModuleType] = Non
     gemv_kernels = kernels if gemv else None
     panels = kernels if kernels is not None and kernels.packed_gemm_preferred() else None
     keep = getattr(model, "keeps_plain_weights", False)  # updates write into the plain weights
-    in_place = gemv_kernels is not None and getattr(gemv_kernels, "vnni_gemv_available", lambda: False)()
+    in_place = set(gemv_kernels.onednn_gemv_dtypes()) if gemv_kernels is not None else set()
     shared = {id(p) for m in model.modules() if not isinstance(m, Linear) for p in m._parameters.values()}
+    projection = model.output_projection() if isinstance(model, OutputProjection) else None
+    if projection is not None and projection.dtype == torch.float32:
+        shared.add(id(projection))
     for module in model.modules():
         if not isinstance(module, Linear) or type(module.method) is not UnquantizedLinearMethod:
             continue
@@ -116,13 +121,15 @@ def prepack_linear_weights(model: nn.Module, kernels: Optional[ModuleType] = Non
         method = PrepackedLinearMethod(gemv_kernels, widen, fp32_gemm, weight.shape[0])
         narrow = weight.to(torch.bfloat16) if gemv_kernels is not None and weight.dtype == torch.float32 else None
         module.register_buffer("packed_weight", method.pack(weight), persistent=False)
-        if in_place and not (keep or widen or id(module.weight) in shared):
-            method.blocked = vnni_view(module.packed_weight, weight)
+        bf16_exact = narrow is not None and torch.equal(narrow.float(), weight)  # streamed as bf16 instead
+        if str(weight.dtype).removeprefix("torch.") in in_place and not (keep or widen or bf16_exact
+                                                                          or id(module.weight) in shared):
+            method.blocked = packed_view(module.packed_weight, weight)
         if keep:
             pass
         elif gemv_kernels is None or method.blocked is not None:
             del module.weight
-        elif narrow is not None and torch.equal(narrow.float(), weight):
+        elif bf16_exact:
             # a new Parameter, not .data: a tied embedding keeps its own dtype
             module.weight = nn.Parameter(narrow, requires_grad=False)
         module.method = method

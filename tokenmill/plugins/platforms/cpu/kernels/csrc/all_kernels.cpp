@@ -8,7 +8,7 @@
 #include "paged_decode.cpp"
 #include "layer_ops.cpp"
 #include "gemv.cpp"
-#include "vnni_gemv.cpp"
+#include "onednn_gemv.cpp"
 #include "decode_stack.cpp"
 #include "paged_prefill.cpp"
 #include "screened_argmax.cpp"

@@ -8,10 +8,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "decode attention (one query row per sequence) over a paged KV cache");
   m.def("rms_norm", &tokenmill::rms_norm, "out = weight * x / rms(x), fp32 math");
   m.def("gemv", &tokenmill::gemv,
-        "x W^T (+ bias) for 1 to 8 rows of x, W plain [N, K] or oneDNN's packed bf16 [N / NB, K / 2, NB, 2]",
+        "x W^T (+ bias) for 1 to 8 rows of x, W plain [N, K] or oneDNN's packed layout "
+        "(bf16 [N / NB, K / 2, NB, 2], fp32 [N / NB, K, NB])",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
-  m.def("vnni_gemv_available", &tokenmill::vnni_gemv_available,
-        "whether gemv reads oneDNN's packed bf16 layout (it needs AVX512-BF16)");
+  m.def("onednn_gemv_dtypes", &tokenmill::onednn_gemv_dtypes,
+        "the dtypes whose oneDNN packed layout gemv reads on this CPU (fp32: AVX-512; bf16: AVX512-BF16)");
   m.def("pack_gemm_weight", &tokenmill::pack_gemm_weight, "a [N, K] weight as fp32 panels for packed_gemm");
   m.def("packed_gemm", &tokenmill::packed_gemm, "fp32 x W^T (+ bias), W from pack_gemm_weight, any number of rows",
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());

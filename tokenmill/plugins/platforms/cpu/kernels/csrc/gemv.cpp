@@ -161,10 +161,10 @@ void gemv_typed(const T* x, const W* w, const T* bias, T* out, int64_t rows, int
 
 // x and the output in x's dtype; the weight in x's dtype, or bf16 under fp32 x (weights whose
 // values are bf16, kept at half the bytes: batch-1 decode streams them, and widening bf16 is
-// exact, so the result is the fp32 GEMV's). A 4-D weight is oneDNN's packed bf16 layout
-// (vnni_gemv.cpp).
+// exact, so the result is the fp32 GEMV's). A 3-D or 4-D weight is oneDNN's packed layout
+// (onednn_gemv.cpp).
 torch::Tensor gemv(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
-  if (weight.dim() == 4) return vnni_gemv(x, weight, bias);
+  if (weight.dim() != 2) return onednn_gemv(x, weight, bias);
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "gemv: contiguous x and weight");
   const bool widened = x.scalar_type() == torch::kFloat && weight.scalar_type() == torch::kBFloat16;
   TORCH_CHECK(x.scalar_type() == weight.scalar_type() || widened,

@@ -1,0 +1,138 @@
+// out = x W^T (+ bias) for 1 to 8 rows of x, W in oneDNN's packed layout: the copy its GEMM
+// multiplies by, so that a layer keeps one copy of its weights, not that and a plain one for
+// the GEMV (prepacked_linear.py reads the layout off the packed bytes and passes it as a view).
+// Blocks of NB = 16 * V output rows, each holding all of K, so a block is one sequential stream:
+//   bf16: [N / NB, K / 2, NB, 2], pairs of adjacent k per row (AVX512-BF16's pair layout): one
+//         64-byte load gives 16 rows' next pair, which VDPBF16PS multiplies by the broadcast pair
+//         of x and adds to 16 fp32 accumulators (each product exact in fp32);
+//   fp32: [N / NB, K, NB]: one load gives 16 rows' next weight, times the broadcast x[k].
+// Each row of x has its own V accumulators, so a weight vector loaded once serves every row:
+// the GEMV of a speculative verify step (k + 1 rows) costs little more than one row's.
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+
+#include "attention_math.h"
+#include "kernels.h"
+#include "vec.h"
+
+namespace tokenmill {
+
+#if defined(__AVX512F__)
+namespace {
+
+// rows [m0, m0 + R) of x against block b: R * V accumulators, at most 24
+template <typename T, int R, int V>
+void block_rows(const T* x, const T* w, const T* bias, T* out, int64_t N, int64_t K, int64_t b, int64_t m0) {
+  constexpr int64_t NB = 16 * V;
+  __m512 acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
+  if constexpr (std::is_same_v<T, float>) {
+    const float* block = w + b * NB * K;
+    for (int64_t k = 0; k < K; ++k) {
+      __m512 wv[V];
+      for (int v = 0; v < V; ++v) wv[v] = _mm512_loadu_ps(block + k * NB + v * 16);
+      for (int r = 0; r < R; ++r) {
+        const __m512 xv = _mm512_set1_ps(x[(m0 + r) * K + k]);
+        for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(wv[v], xv, acc[r][v]);
+      }
+    }
+  } else {
+#if defined(__AVX512BF16__)
+    const __m512i* block = reinterpret_cast<const __m512i*>(w + b * NB * K);
+    const uint32_t* xp[R];
+    for (int r = 0; r < R; ++r) xp[r] = reinterpret_cast<const uint32_t*>(x + (m0 + r) * K);
+    for (int64_t p = 0; p < K / 2; ++p) {
+      __m512bh wv[V];
+      for (int v = 0; v < V; ++v) wv[v] = (__m512bh)_mm512_loadu_si512(block + p * V + v);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[r][p]));
+        for (int v = 0; v < V; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], wv[v], xv);
+      }
+    }
+#endif
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) {
+      alignas(64) float sums[16];
+      _mm512_store_ps(sums, acc[r][v]);
+      const int64_t n0 = b * NB + v * 16;
+      T* row = out + (m0 + r) * N + n0;
+      for (int i = 0; i < 16; ++i)
+        row[i] = static_cast<T>(bias != nullptr ? sums[i] + to_float(bias[n0 + i]) : sums[i]);
+    }
+}
+
+// all M rows of x against block b, as many rows a pass as 24 accumulators hold (a block's later
+// passes read it from L2: NB x K values are 64-360 KB at a 350M model's widths)
+template <typename T, int V>
+void block(const T* x, const T* w, const T* bias, T* out, int64_t M, int64_t N, int64_t K, int64_t b) {
+  constexpr int kRowsPerPass = std::min(8, 24 / V);
+  for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass)
+    with_constant_1_to_8(std::min<int64_t>(kRowsPerPass, M - m0), [&](auto r) {
+      constexpr int R = decltype(r)::value;
+      if constexpr (R <= kRowsPerPass) block_rows<T, R, V>(x, w, bias, out, N, K, b, m0);
+    });
+}
+
+template <typename T>
+void onednn_gemv_typed(const T* x, const T* w, const T* bias, T* out, int64_t M, int64_t N, int64_t K,
+                       int64_t blocks, int64_t NB) {
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      if (NB == 64) block<T, 4>(x, w, bias, out, M, N, K, b);
+      else if (NB == 32) block<T, 2>(x, w, bias, out, M, N, K, b);
+      else block<T, 1>(x, w, bias, out, M, N, K, b);
+    }
+  });
+}
+
+}  // namespace
+#endif
+
+std::vector<std::string> onednn_gemv_dtypes() {
+  std::vector<std::string> dtypes;
+#if defined(__AVX512F__)
+  dtypes.push_back("float32");
+#endif
+#if defined(__AVX512BF16__)
+  dtypes.push_back("bfloat16");
+#endif
+  return dtypes;
+}
+
+torch::Tensor onednn_gemv(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
+  const bool bf16 = weight.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(weight.is_contiguous() && ((bf16 && weight.dim() == 4 && weight.size(3) == 2) ||
+                                         (weight.scalar_type() == torch::kFloat && weight.dim() == 3)),
+              "onednn_gemv: a contiguous bf16 weight [N / NB, K / 2, NB, 2] or fp32 [N / NB, K, NB]");
+  const int64_t NB = weight.size(2), N = weight.size(0) * NB, K = weight_cols(weight);
+  TORCH_CHECK(NB == 16 || NB == 32 || NB == 64, "onednn_gemv: blocks of 16, 32 or 64 output rows");
+  const auto dtypes = onednn_gemv_dtypes();
+  TORCH_CHECK(std::find(dtypes.begin(), dtypes.end(), bf16 ? "bfloat16" : "float32") != dtypes.end(),
+              "onednn_gemv: not built for this dtype on this CPU");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type() && x.is_contiguous() && x.size(-1) == K,
+              "onednn_gemv: contiguous x of the weight's dtype and width");
+  const int64_t rows = x.numel() / K;
+  TORCH_CHECK(rows >= 1 && rows <= 8, "onednn_gemv: 1 to 8 rows");
+  const bool has_bias = bias.has_value() && bias->defined();
+  TORCH_CHECK(!has_bias || (bias->scalar_type() == x.scalar_type() && bias->is_contiguous() && bias->numel() == N),
+              "onednn_gemv: bias [N] in x's dtype");
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  torch::Tensor out = torch::empty(sizes, x.options());
+#if defined(__AVX512F__)
+  if (bf16)
+    onednn_gemv_typed<c10::BFloat16>(x.data_ptr<c10::BFloat16>(), weight.data_ptr<c10::BFloat16>(),
+                                     has_bias ? bias->data_ptr<c10::BFloat16>() : nullptr,
+                                     out.data_ptr<c10::BFloat16>(), rows, N, K, weight.size(0), NB);
+  else
+    onednn_gemv_typed<float>(x.data_ptr<float>(), weight.data_ptr<float>(),
+                             has_bias ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(), rows, N, K,
+                             weight.size(0), NB);
+#endif
+  return out;
+}
+
+}  // namespace tokenmill
