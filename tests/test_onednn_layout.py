@@ -22,11 +22,22 @@ from tokenmill.testing.hf_reference import assert_matches_reference, hf_greedy
 
 KERNELS = cpu_kernels()
 IN_PLACE = [getattr(torch, name) for name in (KERNELS.onednn_gemv_dtypes() if KERNELS is not None else [])]
-pytestmark = pytest.mark.skipif(torch.bfloat16 not in IN_PLACE or torch.float32 not in IN_PLACE,
-                                reason="the GEMV reads oneDNN's packed layouts on AVX-512 (bf16: AVX512-BF16) CPUs")
 
 
-def bf16_layer(outputs: list[int], width: int, bias: bool = True, dtype: torch.dtype = torch.bfloat16) -> Linear:
+def _recognised(dtype: torch.dtype) -> bool:
+    probe = torch.randn(128, 64).to(dtype)
+    return packed_view(torch.ops.mkldnn._reorder_linear_weight(probe), probe) is not None
+
+
+#: dtypes whose packed layout the GEMV reads on this CPU: AVX-512 (fp32) and AVX512-BF16 (bf16)
+#: cores where oneDNN packs in the blocks onednn_layout.py knows (an AMX core may pack bf16
+#: otherwise: there the plain copy stays, which test_mutation_... checks on every CPU)
+READ_IN_PLACE = [dtype for dtype in IN_PLACE if _recognised(dtype)]
+DTYPES = [pytest.param(dtype, marks=pytest.mark.skipif(dtype not in READ_IN_PLACE, reason=(
+    f"the GEMV does not read oneDNN's packed {dtype} on this CPU"))) for dtype in (torch.bfloat16, torch.float32)]
+
+
+def linear_layer(outputs: list[int], width: int, bias: bool = True, dtype: torch.dtype = torch.bfloat16) -> Linear:
     layer = Linear(width, outputs, bias=bias, dtype=dtype)
     layer.weight.copy_(torch.randn(sum(outputs), width))
     if bias:
@@ -35,7 +46,7 @@ def bf16_layer(outputs: list[int], width: int, bias: bool = True, dtype: torch.d
 
 
 @pytest.mark.parametrize("shape", [(2816, 1024), (1024, 2816), (128, 64), (32000, 128)])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_the_packed_bytes_are_the_weight_in_blocks_of_rows(shape, dtype):
     weight = torch.randn(*shape).to(dtype)
     view = packed_view(torch.ops.mkldnn._reorder_linear_weight(weight), weight)
@@ -48,7 +59,7 @@ def test_the_packed_bytes_are_the_weight_in_blocks_of_rows(shape, dtype):
 
 @pytest.mark.parametrize("rows", range(1, 9))
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_gemv_on_the_packed_copy_matches_the_product(rows, bias, dtype):
     torch.manual_seed(rows)
     weight = torch.randn(192, 320).to(dtype)
@@ -65,10 +76,10 @@ def test_gemv_on_the_packed_copy_matches_the_product(rows, bias, dtype):
     assert torch.equal(got, KERNELS.gemv(x, packed_view(packed, weight), b))  # no state between calls
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_a_layer_keeps_one_copy_and_computes_as_before(dtype):
     torch.manual_seed(0)
-    layer = bf16_layer([256, 128], 192, dtype=dtype)
+    layer = linear_layer([256, 128], 192, dtype=dtype)
     expected = {rows: layer(torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows)).to(dtype))
                 for rows in (1, 2, 5, 64)}
     assert prepack_linear_weights(layer, KERNELS, gemv=True) == 1
@@ -81,28 +92,31 @@ def test_a_layer_keeps_one_copy_and_computes_as_before(dtype):
         torch.testing.assert_close(layer(x).float(), want.float(), **tolerance)
 
 
+@pytest.mark.skipif(torch.bfloat16 not in READ_IN_PLACE, reason="no bf16 layer reads its packed copy here")
 def test_a_weight_another_module_shares_stays_plain():
     """A tied embedding looks its rows up in the weight: the output projection keeps it."""
-    layer = bf16_layer([128], 64, bias=False)
+    layer = linear_layer([128], 64, bias=False)
     model = nn.ModuleDict({"embed": nn.Embedding(128, 64), "head": layer})
     model["embed"].weight = layer.weight
     assert prepack_linear_weights(model, KERNELS, gemv=True) == 1
     assert layer.method.blocked is None and layer.weight is model["embed"].weight
 
 
-def test_mutation_a_layout_read_wrongly_keeps_the_plain_copy(monkeypatch):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mutation_a_layout_read_wrongly_keeps_the_plain_copy(monkeypatch, dtype):
     """Blocks of 32 rows where oneDNN packed 64: the bytes do not match, so the layer keeps
     its plain weight for the GEMV and its results stay right."""
     monkeypatch.setattr(onednn_layout, "BLOCK_ROWS", (32,))
     torch.manual_seed(1)
-    layer = bf16_layer([256], 192)
-    x = torch.randn(1, 192).to(torch.bfloat16)
+    layer = linear_layer([256], 192, dtype=dtype)
+    x = torch.randn(1, 192).to(dtype)
     expected = layer(x)
     prepack_linear_weights(layer, KERNELS, gemv=True)
     assert layer.method.blocked is None and hasattr(layer, "weight")
     torch.testing.assert_close(layer(x).float(), expected.float(), rtol=2e-2, atol=5e-2)
 
 
+@pytest.mark.skipif(torch.bfloat16 not in READ_IN_PLACE, reason="no bf16 layer reads its packed copy here")
 def test_a_bf16_engine_holds_one_copy_and_matches_hf_in_bf16(model_dir):
     """The tiny Llama's layers are multiples of 64 wide: every one reads its packed copy,
     through the decode stack and the layers alike. Tolerance: bf16's (the GPU suite's rule)."""
