@@ -30,7 +30,10 @@ class WorkerContext:
     tp_size: int
     pp_rank: int
     pp_size: int
-    #: this rank's part of the model (its tensor-parallel shard, its pipeline stage)
+    #: this rank's part of the model (its tensor-parallel shard, its pipeline stage). A
+    #: platform may keep a layer's weight only in its kernel's layout (the cpu platform's
+    #: oneDNN-packed ``packed_weight``) unless the engine keeps plain weights (weight
+    #: transfer, sleep mode)
     model: Any
     #: the torch.device its tensors live on
     device: Any

@@ -19,8 +19,18 @@ class WeightProbe(WorkerExtension):
                 "pid": os.getpid()}
 
     def parameter_sum(self, name: str) -> float:
+        """The sum of this rank's values of ``name``; a CPU layer that holds only oneDNN's
+        packed copy of its weight (``packed_weight``) is summed from that."""
+        model = self.context.model
         with torch.no_grad():
-            return float(dict(self.context.model.named_parameters())[name].double().sum())
+            tensor = dict(model.named_parameters()).get(name)
+            if tensor is None:
+                module, _, attribute = name.rpartition(".")
+                packed = getattr(model.get_submodule(module), f"packed_{attribute}", None)
+                if packed is None:
+                    raise KeyError(name)
+                tensor = packed.to_dense()
+            return float(tensor.double().sum())
 
     def fail_on_rank(self, rank: int, message: str) -> int:
         if self.context.rank == rank:
