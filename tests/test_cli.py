@@ -102,9 +102,9 @@ def test_compare_reports_identical_greedy_outputs_across_backends(tmp_path, mode
         assert row["agreement"]["exact"] == 3 and row["agreement"]["first_divergence"] is None
         assert row["agreement"]["max_logprob_diff"] < 1e-4
         assert row["tokens_per_s"] > 0 and row["peak_rss_mib"] > row["runtime_mib"] > 0
-        # the tiny Llama's fp32 checkpoint; 3 requests of 16 tokens fill 2 blocks each of its cache
+        # the tiny Llama's fp32 checkpoint, and the 16 MiB cache asked for (whole blocks of it)
         assert row["weights_mib"] == sum(f.stat().st_size for f in model_dir("llama").glob("*.safetensors")) / 2**20
-        assert 0 < row["kv_mib"] < 16
+        assert 15 < row["kv_mib"] <= 16
     assert "attention_backend=triton" in result.stdout
 
 

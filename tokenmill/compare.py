@@ -7,9 +7,9 @@ its own, on the same prompts (random token ids, fixed seed). The first
 variant is the baseline: the table shows exact token agreement, the first
 divergence and the largest logprob difference on the shared prefix, and
 tokens/s, TTFT and TPOT, and peak RSS beside what the run cannot do without:
-the checkpoint's weights plus the KV cache the requests fill (all of them at
-once, at most the cache's size). The ratio leaves out the process's RSS before
-the engine was built (the interpreter and torch's libraries, ~270 MiB).
+the checkpoint's weights plus the KV cache (as allocated: the cpu platform's
+``kv_cache_memory``, resident from the start). The ratio leaves out the process's
+RSS before the engine was built (the interpreter and torch's libraries, ~270 MiB).
 """
 
 from __future__ import annotations
@@ -71,15 +71,11 @@ def run_worker() -> None:
     ttft = sorted(o.metrics.first_token_time - o.metrics.arrival_time for o in outputs)
     tpot = sorted((o.metrics.finished_time - o.metrics.first_token_time) / max(1, len(o.outputs[0].token_ids) - 1)
                   for o in outputs)
-    engine = llm.llm_engine
-    num_blocks = engine.scheduler.kv_cache.pool.num_blocks
-    cache_bytes = sum(m.kv_cache.nbytes for m in engine.runner.model.modules()
-                      if isinstance(getattr(m, "kv_cache", None), torch.Tensor))
-    blocks_needed = spec["num_prompts"] * -(-(spec["input_len"] + spec["output_len"]) // engine.config.cache.block_size)
-    kv_bytes = cache_bytes * min(blocks_needed, num_blocks) / num_blocks
+    kv_bytes = sum(m.kv_cache.nbytes for m in llm.llm_engine.runner.model.modules()
+                   if isinstance(getattr(m, "kv_cache", None), torch.Tensor))
     print(json.dumps({
         "runtime_mib": runtime_mib,
-        "weights_mib": sum(f.stat().st_size for f in engine.model_config.path.glob("*.safetensors")) / 2**20,
+        "weights_mib": sum(f.stat().st_size for f in llm.llm_engine.model_config.path.glob("*.safetensors")) / 2**20,
         "kv_mib": kv_bytes / 2**20,
         "tokens": [o.outputs[0].token_ids for o in outputs],
         "logprobs": [[e[t].logprob for e, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outputs],

@@ -133,8 +133,9 @@ class Platform:
         """Where the loaded (and optimised) weights live: a device, huge pages, ..."""
 
     def release_memory(self) -> None:
-        """Hand memory freed by the process back to the system or device (after sleep frees
-        the KV cache or the weights), so that the release shows: the allocator's caches."""
+        """Hand memory freed by the process back to the system or device (once the engine is
+        built, and after sleep frees the KV cache or the weights), so that the release
+        shows: the allocator's caches."""
 
     def refresh_weights(self, model: torch.nn.Module) -> None:
         """The weights changed in place (a trainer's update, a wake from sleep) or were

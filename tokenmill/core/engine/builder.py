@@ -141,6 +141,9 @@ def _build_engine(config: EngineConfig, pm: PluginManager, components: Component
                        speculator)
     engine.control = EngineControl(engine, ControlPlane(local_control, group,
                                                         config.parallel.distributed_timeout_seconds))
+    # the build's temporaries (checkpoint tensors, plain weights replaced by packed ones, the
+    # greedy head's fp64 norms): 650 MiB of a 52M fp32 engine's 1.47 GiB stayed resident without
+    platform.release_memory()
     log.info("engine built", **platform.describe(), model=str(model_config.path),
              architecture=model_config.architecture,
              dtype=str(model_config.dtype).removeprefix("torch."), attention=built.backend.name,

@@ -107,6 +107,7 @@ def build_model(config: EngineConfig, components: Components, pm: PluginManager,
         dispatch_custom_ops(model, platform)
         platform.optimize_model(model)
     platform.place_model(model)
+    platform.release_memory()  # before the KV cache: the checkpoint's tensors, plain weights packed since
     _log_weight_memory(model, model_config, parallel)
     model.eval()
     adapters = None

@@ -22,13 +22,28 @@ import torch
 from tokenmill.interfaces.models import OutputProjection
 
 
+#: output rows quantized at a time: the fp64 residuals of a whole 32000-row projection are
+#: three 131 MB temporaries, which would stand on top of an engine's KV cache at startup
+ROWS_AT_ONCE = 2048
+
+
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Symmetric int8 per output row: (values, scales, residual norms |w - scale * values|)."""
     scales = weight.abs().amax(dim=1) / 127
     scales = torch.where(scales > 0, scales, torch.ones_like(scales))
-    values = torch.round(weight / scales[:, None]).clamp(-127, 127)
-    residuals = (weight.double() - scales.double()[:, None] * values.double()).norm(dim=1).float()
-    return values.to(torch.int8), scales, residuals
+    values = torch.empty(weight.shape, dtype=torch.int8)
+    residuals = torch.empty(weight.shape[0])
+    for rows in torch.arange(weight.shape[0]).split(ROWS_AT_ONCE):
+        part, scale = weight[rows], scales[rows, None]
+        rounded = torch.round(part / scale).clamp(-127, 127)
+        values[rows] = rounded.to(torch.int8)
+        residuals[rows] = (part.double() - scale.double() * rounded.double()).norm(dim=1).float()
+    return values, scales, residuals
+
+
+def row_norms(weight: torch.Tensor) -> torch.Tensor:
+    """Each row's fp64 norm, as fp32 (ROWS_AT_ONCE rows at a time)."""
+    return torch.cat([part.double().norm(dim=1).float() for part in weight.split(ROWS_AT_ONCE)])
 
 
 class GreedyHead:
@@ -39,7 +54,7 @@ class GreedyHead:
         self.weight = weight.detach().contiguous()
         self.kernels = kernels
         values, self.scales, self.residuals = quantize_rows(self.weight)
-        self.norms = self.weight.double().norm(dim=1).float()
+        self.norms = row_norms(self.weight)
         # the byte products take x unsigned: the kernel offsets x's values and takes back offset * sum(w)
         self.sums = values.int().sum(dim=1).int()
         # [ceil(N/16), ceil(K/4), 16 columns x 4 values]: per 16 outputs and 4 inputs, one AVX-512

@@ -63,7 +63,6 @@ class CpuPlatform(Platform):
 
     def optimize_model(self, model: torch.nn.Module) -> None:
         prepack_linear_weights(model, cpu_kernels(), gemv=self.options.small_batch_gemv, widen_bf16=not native_bf16())
-        self.release_memory()  # the plain weights prepacking dropped
         self._fuse_decoders(model)
 
     def release_memory(self) -> None:
