@@ -24,12 +24,11 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 import httpx
 
-from tokenmill.bench.common import add_common_args, prepare, wait_ready, write_json
+from tokenmill.bench.common import add_common_args, prepare, process_rss_mib, wait_ready, write_json
 
 KINDS = ("complete", "stream", "chat_stream", "n_best", "long", "abandon", "cancel", "reject")
 
@@ -186,14 +185,6 @@ async def soak(base_url: str, num_requests: int, concurrency: int, rss_mib: Call
         "requests_waiting_after": gauges.get("num_requests_waiting"),
         "health_after": health,
     }
-
-
-def process_rss_mib(pid: int) -> float:
-    """Resident memory of a process, from /proc (Linux)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmRSS for process {pid}")
 
 
 def main() -> int:

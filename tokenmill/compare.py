@@ -88,10 +88,11 @@ def run_worker() -> None:
 
 def _rss_mib() -> float:
     """This process's resident memory now (Linux; 0 elsewhere)."""
+    from tokenmill.bench.common import process_rss_mib  # the worker's import: torch and httpx
+
     try:
-        with open("/proc/self/status") as status:
-            return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1024
-    except (OSError, StopIteration):
+        return process_rss_mib()
+    except (OSError, RuntimeError):
         return 0.0
 
 

@@ -7,7 +7,6 @@ dtype and multiply with the block-FP8 Triton GEMM."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -19,8 +18,6 @@ from tokenmill.plugins.quantization.fp8 import FP8_MAX
 from tokenmill.testing.logits import prompt_logits
 
 CHECKPOINTS = QUANT_CHECKPOINTS
-
-
 PER_TENSOR_AND_CHANNEL = ["ct-fp8-channel-dynamic", "ct-fp8-tensor-static", "fp8-tensor-static"]
 
 

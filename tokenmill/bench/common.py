@@ -41,6 +41,14 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+def process_rss_mib(pid: int | str = "self") -> float:
+    """Resident memory of a process, from /proc (Linux)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for process {pid}")
+
+
 def add_common_args(parser: argparse.ArgumentParser, default_preset: str = "52m") -> None:
     parser.add_argument("--model", help="model directory (default: a preset made on first use)")
     parser.add_argument("--preset", choices=sorted(PRESETS), default=default_preset)

@@ -12,7 +12,6 @@ Each step, tokens are grouped by adapter slot and each active adapter adds
 from __future__ import annotations
 
 import itertools
-
 import json
 import math
 from collections import OrderedDict

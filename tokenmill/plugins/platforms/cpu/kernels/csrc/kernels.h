@@ -29,9 +29,7 @@ std::vector<std::string> onednn_gemv_dtypes();
 // a weight's output and input sizes: [N, K] plain, or oneDNN's packed layouts (onednn_gemv.cpp):
 // bf16 [N / NB, K / 2, NB, 2], fp32 [N / NB, K, NB]
 inline int64_t weight_rows(const torch::Tensor& w) { return w.dim() == 2 ? w.size(0) : w.size(0) * w.size(2); }
-inline int64_t weight_cols(const torch::Tensor& w) {
-  return w.dim() == 2 ? w.size(1) : w.dim() == 4 ? w.size(1) * 2 : w.size(1);
-}
+inline int64_t weight_cols(const torch::Tensor& w) { return w.dim() == 4 ? w.size(1) * 2 : w.size(1); }
 std::tuple<torch::Tensor, torch::Tensor> screened_argmax(torch::Tensor x, torch::Tensor weight, torch::Tensor packed,
                                                          torch::Tensor scales, torch::Tensor norms,
                                                          torch::Tensor residuals, torch::Tensor sums);
