@@ -44,8 +44,9 @@ class CpuPlatform(Platform):
 
     @classmethod
     def detect(cls) -> Detection:
-        isa = "AVX512-BF16/AMX" if native_bf16() else "no bf16 arithmetic"
-        return Detection(True, f"PyTorch's CPU backend ({isa}; {torch.get_num_threads()} threads available)")
+        bf16 = "bf16 arithmetic" if native_bf16() else "no bf16 arithmetic"
+        return Detection(True, f"PyTorch's CPU backend ({torch.backends.cpu.get_cpu_capability()}, {bf16}; "
+                               f"{torch.get_num_threads()} threads available)")
 
     def resolve_dtype(self, checkpoint_dtype: torch.dtype) -> torch.dtype:
         if checkpoint_dtype == torch.bfloat16 and not native_bf16():
@@ -98,4 +99,8 @@ class CpuPlatform(Platform):
         return GreedyHead.for_model(model, cpu_kernels())
 
     def describe(self) -> dict:
-        return {**super().describe(), "native_bf16": native_bf16(), "threads": torch.get_num_threads()}
+        kernels = cpu_kernels()
+        # the threads the C++ kernels really use: a build without OpenMP would say 1 here
+        kernel_threads = kernels.parallel_threads() if kernels is not None else None
+        return {**super().describe(), "native_bf16": native_bf16(), "threads": torch.get_num_threads(),
+                "kernel_threads": kernel_threads}

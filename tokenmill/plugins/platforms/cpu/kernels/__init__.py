@@ -40,8 +40,13 @@ MIXED_CACHE_DTYPES = ((torch.float32, torch.bfloat16),)
 _CSRC = Path(__file__).parent / "csrc"
 #: two units (all_kernels.cpp includes the kernel files: see its comment)
 _SOURCES = ("bindings.cpp", "all_kernels.cpp")
-#: -fassociative-math lets the compiler vectorize the scalar tails' reductions
-_CFLAGS = ["-O3", "-march=native", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
+#: -fassociative-math lets the compiler vectorize the scalar tails' reductions. -fopenmp makes
+#: ``at::parallel_for`` (inlined from ATen's headers) parallel: without it the pragma is ignored
+#: and every kernel runs on one thread whatever ``--num-threads`` says. The module then needs
+#: ``libgomp.so.1``, which resolves to the copy torch has already loaded: one OpenMP runtime,
+#: one thread pool, sized by ``torch.set_num_threads``.
+_CFLAGS = ["-O3", "-march=native", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-fopenmp"]
+_LDFLAGS = ["-fopenmp"]
 
 
 def _build_digest() -> str:
@@ -51,7 +56,8 @@ def _build_digest() -> str:
         flags = ""
     # the sources' directory too: ninja rebuilds when a build's paths change, so two checkouts
     # sharing one build directory would rebuild each other's kernels on every start
-    text = str(_CSRC) + flags + "".join(path.read_text() for path in sorted(_CSRC.iterdir()))
+    sources = "".join(path.read_text() for path in sorted(_CSRC.iterdir()))
+    text = str(_CSRC) + flags + " ".join(_CFLAGS + _LDFLAGS) + sources
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -97,7 +103,8 @@ def cpu_kernels() -> Optional[ModuleType]:
                          build_directory=str(build_dir))
             with build_progress(build_dir, len(_SOURCES)) if building else contextlib.nullcontext():
                 return load(name="tokenmill_cpu_kernels", sources=[str(_CSRC / name) for name in _SOURCES],
-                            extra_cflags=_CFLAGS, extra_include_paths=[str(_CSRC)], build_directory=str(build_dir),
+                            extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS, extra_include_paths=[str(_CSRC)],
+                            build_directory=str(build_dir),
                             verbose=False)
     except Exception as exc:  # no compiler or ninja, unsupported platform: PyTorch ops still work
         log.warning("C++ CPU kernels unavailable, using PyTorch ops", error=str(exc)[-2000:])

@@ -13,3 +13,4 @@
 #include "paged_prefill.cpp"
 #include "screened_argmax.cpp"
 #include "packed_gemm.cpp"
+#include "parallel_threads.cpp"

@@ -27,6 +27,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "greedy tokens of fp32 x W^T from int8 screening logits; returns (tokens, candidates per row)");
   m.def("screened_argmax_available", &tokenmill::screened_argmax_available,
         "whether screened_argmax was built (it needs AVX512-VNNI or AVX2)");
+  m.def("parallel_threads", &tokenmill::parallel_threads,
+        "the threads at::parallel_for runs the kernels on (1 where the build has no OpenMP)");
   pybind11::class_<tokenmill::DecodeStack>(m, "DecodeStack",
                                            "a Llama-style decoder stack for 1-2 decode rows in one call",
                                            pybind11::module_local())

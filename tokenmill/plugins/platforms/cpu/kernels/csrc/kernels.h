@@ -34,4 +34,5 @@ std::tuple<torch::Tensor, torch::Tensor> screened_argmax(torch::Tensor x, torch:
                                                          torch::Tensor scales, torch::Tensor norms,
                                                          torch::Tensor residuals, torch::Tensor sums);
 bool screened_argmax_available();
+int64_t parallel_threads();
 }  // namespace tokenmill
