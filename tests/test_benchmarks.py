@@ -56,6 +56,40 @@ def test_throughput_reports_medians_of_rounds(tmp_path):
         engines["tokenmill"]["output_tokens_per_s"] / engines["hf-generate"]["output_tokens_per_s"], rel=0.05)
 
 
+#: a `vllm` executable as tokenmill's benchmarks call it (vLLM itself, with its own torch, is not
+#: installed beside tokenmill): it checks the command line and environment it is given, and
+#: reports an elapsed time the way `vllm bench throughput --output-json` does
+_VLLM = """#!{python}
+import argparse, json, os, sys
+assert sys.argv[1:3] == ["bench", "throughput"], sys.argv
+parser = argparse.ArgumentParser()
+for flag in ("--model", "--dtype", "--dataset-name", "--random-input-len", "--random-output-len", "--num-prompts",
+             "--seed", "--num-warmups", "--output-json"):
+    parser.add_argument(flag, required=True)
+args = parser.parse_args(sys.argv[3:])
+assert (args.dtype, args.dataset_name, args.random_input_len, args.random_output_len, args.num_prompts) == (
+    "float32", "random", "16", "4", "4"), args
+assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0-1", os.environ["VLLM_CPU_OMP_THREADS_BIND"]
+with open(args.output_json, "w") as f:
+    json.dump({{"elapsed_time": 0.5 + int(args.seed), "num_requests": 4}}, f)
+"""
+
+
+@pytest.mark.slow
+def test_throughput_runs_vllm_as_a_peer(tmp_path):
+    """`--vllm`: one `vllm bench throughput` per round, in tokenmill's dtype and with one bound
+    core per thread, its elapsed time beside tokenmill's and the ratio of their medians."""
+    vllm = tmp_path / "vllm"
+    vllm.write_text(_VLLM.format(python=sys.executable))
+    vllm.chmod(0o755)
+    results = _run("throughput", tmp_path, "--num-prompts", "4", "--input-len", "16", "--output-len", "4",
+                   "--skip-hf", "--threads", "2", "--seed", "3", "--vllm", str(vllm))
+    engines = results["engines"]
+    assert engines["vllm"]["seconds_by_round"] == [3.5, 4.5]  # a new prompt seed per round
+    tokenmill = statistics.median(engines["tokenmill"]["seconds_by_round"])
+    assert results["ratio_tokenmill_vs_vllm"] == pytest.approx(4.0 / tokenmill, rel=0.01)
+
+
 @pytest.mark.slow
 def test_latency_reports_a_tpot_per_round(tmp_path):
     results = _run("latency", tmp_path, "--input-len", "16", "--output-len", "6", "--num-iters", "2")

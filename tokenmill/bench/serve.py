@@ -34,8 +34,9 @@ from typing import Optional, Sequence
 import httpx
 import numpy as np
 
-from tokenmill.bench.common import add_common_args, prepare, wait_ready, write_json
+from tokenmill.bench.common import add_common_args, hf_dtype, prepare, wait_ready, write_json
 from tokenmill.bench.llama_cpp import add_llama_cpp_args, server_command
+from tokenmill.bench.vllm_peer import vllm_dtype, vllm_env
 
 
 @dataclass
@@ -146,9 +147,10 @@ def launch(engine: str, model_path: str, port: int, threads: int, max_num_seqs: 
                    "--dtype", args.dtype, "--kv-cache-dtype", args.kv_cache_dtype, "--log-level", "warning"]
         if args.device != "cuda":
             command += ["--num-threads", str(threads)]
-    elif engine == "vllm":
+    elif engine == "vllm":  # in the dtype tokenmill computes in (vLLM's CPU "auto" takes fp32 to bf16)
+        env = vllm_env(threads)
         command = [args.vllm, "serve", model_path, "--port", str(port), "--served-model-name", "bench",
-                   "--max-num-seqs", str(max_num_seqs), "--dtype", args.dtype]
+                   "--max-num-seqs", str(max_num_seqs), "--dtype", vllm_dtype(hf_dtype(args.dtype, Path(model_path)))]
     elif engine == "transformers":
         command = ["transformers", "serve", model_path, "--port", str(port), "--continuous-batching"]
     elif engine == "llama.cpp":
@@ -169,7 +171,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--served-model", default="bench", help="the 'model' field to send")
     parser.add_argument("--launch", default="tokenmill",
                         help="comma-separated: tokenmill,transformers,vllm,llama.cpp")
-    parser.add_argument("--vllm", default="vllm", help="the vllm executable (e.g. in a venv of its own)")
+    parser.add_argument("--vllm", default="vllm", help="the vllm executable, or a wrapper such as benchmarks/vllm_cpu.sh")
     parser.add_argument("--device", default="auto", help="tokenmill's platform when launched (cpu, cuda)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="tokenmill's and vLLM's compute dtype when launched")

@@ -5,7 +5,8 @@ number of output tokens each (EOS ignored), all submitted at once. Prints
 requests/s, output tokens/s and total tokens/s for tokenmill and for
 ``transformers`` ``generate`` (static batches, KV cache on) on the same
 weights, in the same process, and their ratio; with ``--llama-cpp``, also
-llama.cpp's ``llama-batched-bench`` on the same weights (see llama_cpp.py).
+llama.cpp's ``llama-batched-bench`` on the same weights (see llama_cpp.py); with
+``--vllm``, also ``vllm bench throughput`` (see vllm_peer.py).
 With ``--rounds N`` the engines take turns N times (see common.interleaved_rounds):
 figures are medians, and each round's ratio is printed beside them. Each round
 draws new prompts (seed + round), the same for every engine: a repeated prompt
@@ -34,9 +35,10 @@ from transformers import AutoModelForCausalLM
 from tokenmill import LLM, SamplingParams
 from tokenmill.bench.common import add_common_args, hf_device, hf_dtype, interleaved_rounds, prepare, random_prompts, write_json
 from tokenmill.bench.llama_cpp import add_llama_cpp_args, batched_bench
+from tokenmill.bench.vllm_peer import add_vllm_args, throughput_seconds
 
 #: (engine, key in the JSON ratios, label) of the peers tokenmill is compared with
-PEERS = (("hf-generate", "hf", "HF generate"), ("llama.cpp", "llama_cpp", "llama.cpp"))
+PEERS = (("hf-generate", "hf", "HF generate"), ("vllm", "vllm", "vLLM"), ("llama.cpp", "llama_cpp", "llama.cpp"))
 
 
 def layout(name: str) -> tuple[int, int]:
@@ -105,6 +107,14 @@ def llama_cpp_pass(path, prompt_sets, output_len, args) -> Callable[[], float]:
     return lambda: batched_bench(path, args.llama_cpp, len(prompts[0]), output_len, len(prompts), args.threads)["t"]
 
 
+def vllm_pass(path, prompt_sets, output_len, args) -> Callable[[], float]:
+    """One ``vllm bench throughput`` process per round (its prompts drawn with the round's seed)."""
+    dtype = hf_dtype(args.dtype, path)  # what tokenmill computes in
+    rounds = iter(range(len(prompt_sets)))
+    return lambda: throughput_seconds(args.vllm, path, dtype, len(prompt_sets[0]), len(prompt_sets[0][0]),
+                                      output_len, args.threads, args.seed + next(rounds))
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="tokenmill bench throughput", description=__doc__.splitlines()[0])
     add_common_args(parser)
@@ -128,6 +138,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--parallel", default="tp1", help="tokenmill layouts, comma-separated (tp1,tp2,pp2): "
                                                           "one engine each; tp1 is the one peers are compared with")
     add_llama_cpp_args(parser)
+    add_vllm_args(parser)
     args = parser.parse_args(argv)
 
     path = prepare(args)
@@ -139,6 +150,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     makers = {("tokenmill" if shape == (1, 1) else f"tokenmill-{name}"):
               (lambda p, s, o, a, shape=shape: tokenmill_pass(p, s, o, a, *shape)) for name, shape in layouts.items()}
     makers.update({**({} if args.skip_hf else {"hf-generate": hf_pass}),
+                   **({"vllm": vllm_pass} if args.vllm else {}),
                    **({"llama.cpp": llama_cpp_pass} if args.llama_cpp else {})})
     passes = {name: make(path, prompt_sets, args.output_len, args) for name, make in makers.items()}
     seconds = interleaved_rounds(passes, args.rounds)
