@@ -13,9 +13,43 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tokenmill.bench.common import interleaved_rounds
+from tokenmill.bench.roofline import Machine, Workload, model_workload, offline_bound
 from tokenmill.demo_models import DEMO_MODEL
+
+
+def test_roofline_counts_the_checkpoints_tensors(model_dir):
+    """The workload's costs come from the checkpoint's shapes: every matrix but the embedding
+    table is read once per decode step (a tied embedding is the output projection too)."""
+    from safetensors import safe_open
+
+    path = model_dir("llama")
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        shapes = {name: f.get_slice(name).get_shape() for name in f.keys()}
+    config = json.loads((path / "config.json").read_text())
+    matrices = sum(a * b for name, (a, b) in ((n, s) for n, s in shapes.items() if len(s) == 2) if "embed" not in name)
+    head = config["vocab_size"] * config["hidden_size"]
+    if "lm_head.weight" not in shapes:
+        matrices += head
+    work = model_workload(path, torch.float32, torch.bfloat16)
+    assert work.weight_bytes == 4 * matrices and work.flops_per_token == 2 * matrices
+    assert work.head_flops_per_token == 2 * head
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    assert work.kv_bytes_per_token == 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 2
+
+
+def test_roofline_takes_each_step_at_its_slower_limit():
+    """Prefill at the compute peak (the output projection for a prompt's last token only);
+    each decode step the longer of its reads at the bandwidth and its FLOPs at the peak."""
+    work = Workload(weight_bytes=1000, flops_per_token=300, head_flops_per_token=100, kv_bytes_per_token=10,
+                    attention_flops_per_pair=1)
+    machine = Machine(bandwidth=1e4, peak_flops=1e5)
+    prefill = 2 * ((300 - 100) * 3 + 100 + 1 * (3 * 4 / 2)) / 1e5
+    decode = sum(max((1000 + 2 * (3 + s) * 10) / 1e4, 2 * (300 + 3 + s) / 1e5) for s in range(1, 4))
+    assert offline_bound(machine, work, num_prompts=2, input_len=3, output_len=4) == pytest.approx(
+        2 * 4 / (prefill + decode))
 
 
 def test_rounds_take_turns_and_rotate_the_first_engine():
@@ -54,6 +88,10 @@ def test_throughput_reports_medians_of_rounds(tmp_path):
     assert results["ratio_tokenmill_vs_hf_by_round"] == pytest.approx(by_round, rel=0.05)
     assert results["ratio_tokenmill_vs_hf"] == pytest.approx(
         engines["tokenmill"]["output_tokens_per_s"] / engines["hf-generate"]["output_tokens_per_s"], rel=0.05)
+    roofline = results["roofline"]
+    assert roofline["bandwidth_gb_s"] > 0 and roofline["peak_tflops"] > 0
+    assert roofline["tokenmill_share"] == pytest.approx(
+        engines["tokenmill"]["output_tokens_per_s"] / roofline["output_tokens_per_s"], rel=0.01, abs=1e-3)
 
 
 #: a `vllm` executable as tokenmill's benchmarks call it (vLLM itself, with its own torch, is not

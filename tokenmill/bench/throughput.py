@@ -35,6 +35,7 @@ from transformers import AutoModelForCausalLM
 from tokenmill import LLM, SamplingParams
 from tokenmill.bench.common import add_common_args, hf_device, hf_dtype, interleaved_rounds, prepare, random_prompts, write_json
 from tokenmill.bench.llama_cpp import add_llama_cpp_args, batched_bench
+from tokenmill.bench.roofline import measure_machine, model_workload, offline_bound
 from tokenmill.bench.vllm_peer import add_vllm_args, throughput_seconds
 
 #: (engine, key in the JSON ratios, label) of the peers tokenmill is compared with
@@ -115,6 +116,22 @@ def vllm_pass(path, prompt_sets, output_len, args) -> Callable[[], float]:
                                       output_len, args.threads, args.seed + next(rounds))
 
 
+def print_roofline(results: dict, path, args) -> None:
+    """The workload's bound on this machine (see roofline.py), measured after the timed rounds,
+    and tokenmill's share of it."""
+    dtype = hf_dtype(args.dtype, path)
+    kv_dtype = torch.bfloat16 if args.kv_cache_dtype == "bfloat16" else dtype
+    machine = measure_machine(dtype, hf_device(args.device))
+    bound = offline_bound(machine, model_workload(path, dtype, kv_dtype), args.num_prompts, args.input_len,
+                          args.output_len)
+    share = results["engines"]["tokenmill"]["output_tokens_per_s"] / bound
+    results["roofline"] = {"output_tokens_per_s": round(bound, 1), "bandwidth_gb_s": round(machine.bandwidth / 1e9, 2),
+                           "peak_tflops": round(machine.peak_flops / 1e12, 3), "tokenmill_share": round(share, 3)}
+    print(f"roofline: {bound:.1f} out tok/s at {args.threads} thread(s) ({machine.bandwidth / 1e9:.1f} GB/s read, "
+          f"{machine.peak_flops / 1e12:.2f} TFLOP/s {str(dtype).removeprefix('torch.')} GEMM, both measured here); "
+          f"tokenmill at {100 * share:.0f}% of it")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="tokenmill bench throughput", description=__doc__.splitlines()[0])
     add_common_args(parser)
@@ -181,6 +198,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             ratio = statistics.median(seconds["tokenmill"]) / statistics.median(seconds[name])
             results[f"ratio_{name}_vs_tokenmill"] = round(ratio, 3)
             print(f"{name} / tokenmill (output tok/s): {ratio:.2f}x")
+    if "tokenmill" in results["engines"]:
+        print_roofline(results, path, args)
     for peer, key, label in PEERS:
         if peer in seconds and "tokenmill" in seconds:
             # output tok/s ratio = inverse ratio of seconds

@@ -48,7 +48,7 @@ def throughput_seconds(vllm: str, model: Path, dtype: torch.dtype, num_prompts: 
                    "--dataset-name", "random", "--random-input-len", str(input_len),
                    "--random-output-len", str(output_len), "--num-prompts", str(num_prompts),
                    "--seed", str(seed), "--num-warmups", "2", "--output-json", str(out)]
-        done = subprocess.run(command, env=vllm_env(threads), capture_output=True, text=True, cwd=tmp)
+        done = subprocess.run(command, env=vllm_env(threads), capture_output=True, text=True)
         if done.returncode != 0 or not out.is_file():
             raise SystemExit(f"vllm bench throughput failed ({done.returncode}):\n{done.stderr[-3000:]}")
         return float(json.loads(out.read_text())["elapsed_time"])

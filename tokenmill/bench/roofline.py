@@ -1,0 +1,110 @@
+"""The roofline bound of an offline workload on this machine, printed beside measured throughput.
+
+A figure such as "485 output tok/s" says little without what the hardware allows. The bound
+here is what the workload would take if every step ran at this machine's limits, measured in
+the same process at the benchmark's thread count (not read off a data sheet):
+
+- memory bandwidth: a streaming read of a buffer far larger than the last-level cache;
+- compute peak: a large square GEMM in the compute dtype (oneDNN's best kernel for this CPU:
+  AMX tiles where the CPU has them, AVX512-BF16 or FMA otherwise; cuBLAS on a GPU).
+
+Each prompt is prefilled once (compute-bound: 2 FLOPs per weight per token, plus causal
+attention); then every request decodes together, one step per output token, each step
+taking the longer of reading the weights once plus every request's KV cache at the memory
+bandwidth, and its FLOPs at the compute peak. That is the most a batch-as-wide-as-the-
+workload engine could do: no scheduler, sampling or framework time, every byte read once.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from tokenmill.core.config.model_config import load_model_config
+
+
+@dataclass(frozen=True)
+class Machine:
+    bandwidth: float  #: bytes/s, streaming read
+    peak_flops: float  #: FLOP/s, square GEMM in the compute dtype
+
+
+@dataclass(frozen=True)
+class Workload:
+    weight_bytes: float  #: read once per step: every matrix but the embedding table
+    flops_per_token: float  #: 2 x the parameters a token multiplies (the output projection included)
+    head_flops_per_token: float  #: the output projection's share: a prompt computes it for its last token only
+    kv_bytes_per_token: float  #: a token's keys and values, all layers
+    attention_flops_per_pair: float  #: q.k and p.v over all layers and heads, per (query, key) pair
+
+
+def _timed(fn, device: torch.device, repeats: int) -> float:
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def measure_machine(dtype: torch.dtype, device: str = "cpu", buffer_mib: int = 512, gemm: int = 2048) -> Machine:
+    """Bandwidth and compute peak at the threads torch is set to (``torch.set_num_threads``)."""
+    dev = torch.device(device)
+    buffer = torch.ones(buffer_mib * 2**20 // 4, device=dev)
+    bandwidth = buffer.nbytes / _timed(buffer.sum, dev, 5)
+    a = torch.randn(gemm, gemm, device=dev).to(dtype)
+    b = torch.randn(gemm, gemm, device=dev).to(dtype)
+    peak = 2 * gemm**3 / _timed(lambda: torch.mm(a, b), dev, 5)
+    return Machine(bandwidth, peak)
+
+
+def model_workload(model: Path, dtype: torch.dtype, kv_dtype: torch.dtype) -> Workload:
+    """A decoder's per-token costs, from its checkpoint's tensor shapes (not its values)."""
+    config = load_model_config(model)
+    matrices = embedding = head = 0
+    for file in sorted(Path(model).glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            for name in f.keys():
+                shape = f.get_slice(name).get_shape()
+                if len(shape) != 2:
+                    continue
+                count = shape[0] * shape[1]
+                if "embed_tokens" in name:
+                    embedding = count
+                else:
+                    matrices += count
+                    head = count if name.startswith("lm_head") else head
+    if not head:  # tied: the embedding is also the output projection
+        head = embedding
+        matrices += embedding
+    itemsize = torch.finfo(dtype).bits // 8
+    kv_itemsize = torch.finfo(kv_dtype).bits // 8
+    layers, heads, kv_heads, head_dim = config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim
+    return Workload(weight_bytes=matrices * itemsize, flops_per_token=2 * matrices, head_flops_per_token=2 * head,
+                    kv_bytes_per_token=2 * layers * kv_heads * head_dim * kv_itemsize,
+                    attention_flops_per_pair=4 * layers * heads * head_dim)
+
+
+def offline_bound(machine: Machine, work: Workload, num_prompts: int, input_len: int, output_len: int) -> float:
+    """The bound on output tokens/s for ``num_prompts`` requests of ``input_len`` -> ``output_len``
+    (the first output token comes from the prefill)."""
+    prefill_pairs = input_len * (input_len + 1) / 2
+    prefill_flops = (work.flops_per_token - work.head_flops_per_token) * input_len + work.head_flops_per_token \
+        + work.attention_flops_per_pair * prefill_pairs
+    seconds = num_prompts * prefill_flops / machine.peak_flops
+    for step in range(1, output_len):
+        context = input_len + step
+        read = work.weight_bytes + num_prompts * context * work.kv_bytes_per_token
+        flops = num_prompts * (work.flops_per_token + work.attention_flops_per_pair * context)
+        seconds += max(read / machine.bandwidth, flops / machine.peak_flops)
+    return num_prompts * output_len / seconds
