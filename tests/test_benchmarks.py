@@ -102,6 +102,7 @@ import argparse, json, os, sys
 assert sys.argv[1:3] == ["bench", "throughput"], sys.argv
 parser = argparse.ArgumentParser()
 for flag in ("--model", "--dtype", "--dataset-name", "--random-input-len", "--random-output-len", "--num-prompts",
+             "--kv-cache-memory-bytes",
              "--seed", "--num-warmups", "--output-json"):
     parser.add_argument(flag, required=True)
 args = parser.parse_args(sys.argv[3:])
@@ -110,13 +111,16 @@ assert (args.dtype, args.dataset_name, args.random_input_len, args.random_output
 assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0-1", os.environ["VLLM_CPU_OMP_THREADS_BIND"]
 with open(args.output_json, "w") as f:
     json.dump({{"elapsed_time": 0.5 + int(args.seed), "num_requests": 4}}, f)
+with open(os.path.join(os.path.dirname(sys.argv[0]), "kv_cache_memory_bytes"), "w") as f:
+    f.write(args.kv_cache_memory_bytes)
 """
 
 
 @pytest.mark.slow
 def test_throughput_runs_vllm_as_a_peer(tmp_path):
-    """`--vllm`: one `vllm bench throughput` per round, in tokenmill's dtype and with one bound
-    core per thread, its elapsed time beside tokenmill's and the ratio of their medians."""
+    """`--vllm`: one `vllm bench throughput` per round, in tokenmill's dtype, with one bound
+    core per thread and tokenmill's KV cache size (by default what every request needs at
+    once), its elapsed time beside tokenmill's and the ratio of their medians."""
     vllm = tmp_path / "vllm"
     vllm.write_text(_VLLM.format(python=sys.executable))
     vllm.chmod(0o755)
@@ -124,6 +128,8 @@ def test_throughput_runs_vllm_as_a_peer(tmp_path):
                    "--skip-hf", "--threads", "2", "--seed", "3", "--vllm", str(vllm))
     engines = results["engines"]
     assert engines["vllm"]["seconds_by_round"] == [3.5, 4.5]  # a new prompt seed per round
+    per_token = model_workload(tmp_path / "tiny-float32", torch.float32, torch.float32).kv_bytes_per_token
+    assert int((tmp_path / "kv_cache_memory_bytes").read_text()) == (512 + 16) * per_token  # max_model_len's
     tokenmill = statistics.median(engines["tokenmill"]["seconds_by_round"])
     assert results["ratio_tokenmill_vs_vllm"] == pytest.approx(4.0 / tokenmill, rel=0.01)
 

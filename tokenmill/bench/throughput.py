@@ -33,10 +33,19 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.bench.common import add_common_args, hf_device, hf_dtype, interleaved_rounds, prepare, random_prompts, write_json
+from tokenmill.bench.common import (
+    add_common_args,
+    hf_device,
+    hf_dtype,
+    interleaved_rounds,
+    prepare,
+    random_prompts,
+    write_json,
+)
 from tokenmill.bench.llama_cpp import add_llama_cpp_args, batched_bench
 from tokenmill.bench.roofline import measure_machine, model_workload, offline_bound
 from tokenmill.bench.vllm_peer import add_vllm_args, throughput_seconds
+from tokenmill.core.config.model_config import load_model_config
 
 #: (engine, key in the JSON ratios, label) of the peers tokenmill is compared with
 PEERS = (("hf-generate", "hf", "HF generate"), ("vllm", "vllm", "vLLM"), ("llama.cpp", "llama_cpp", "llama.cpp"))
@@ -55,7 +64,8 @@ def tokenmill_pass(path, prompt_sets, output_len, args, tp: int = 1, pp: int = 1
     llm = LLM(str(path), dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
               enforce_eager=args.enforce_eager, num_threads=args.threads, kv_cache_dtype=args.kv_cache_dtype,
-              tensor_parallel_size=tp, pipeline_parallel_size=pp, device=args.device)
+              tensor_parallel_size=tp, pipeline_parallel_size=pp, device=args.device,
+              **({"kv_cache_memory_bytes": args.kv_cache_memory_bytes} if args.kv_cache_memory_bytes else {}))
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in prompt_sets[-1][:2]], params, use_tqdm=False)
     rounds = iter(prompt_sets)
@@ -113,14 +123,27 @@ def vllm_pass(path, prompt_sets, output_len, args) -> Callable[[], float]:
     dtype = hf_dtype(args.dtype, path)  # what tokenmill computes in
     rounds = iter(range(len(prompt_sets)))
     return lambda: throughput_seconds(args.vllm, path, dtype, len(prompt_sets[0]), len(prompt_sets[0][0]),
-                                      output_len, args.threads, args.seed + next(rounds))
+                                      output_len, args.threads, args.seed + next(rounds), args.kv_cache_memory_bytes)
+
+
+def compute_dtypes(path, args) -> tuple[torch.dtype, torch.dtype]:
+    """What tokenmill computes in, and its KV cache's dtype."""
+    dtype = hf_dtype(args.dtype, path)
+    return dtype, torch.bfloat16 if args.kv_cache_dtype == "bfloat16" else dtype
+
+
+def workload_kv_bytes(path, args) -> int:
+    """The KV cache every request holds at once (its prompt and reply, plus a block of
+    slack), and at least one sequence of the model's full length, as both engines require."""
+    tokens = args.num_prompts * (-(-(args.input_len + args.output_len) // 16) * 16 + 16)
+    tokens = max(tokens, load_model_config(path).max_model_len + 16)
+    return int(tokens * model_workload(path, *compute_dtypes(path, args)).kv_bytes_per_token)
 
 
 def print_roofline(results: dict, path, args) -> None:
     """The workload's bound on this machine (see roofline.py), measured after the timed rounds,
     and tokenmill's share of it."""
-    dtype = hf_dtype(args.dtype, path)
-    kv_dtype = torch.bfloat16 if args.kv_cache_dtype == "bfloat16" else dtype
+    dtype, kv_dtype = compute_dtypes(path, args)
     machine = measure_machine(dtype, hf_device(args.device))
     bound = offline_bound(machine, model_workload(path, dtype, kv_dtype), args.num_prompts, args.input_len,
                           args.output_len)
@@ -146,6 +169,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--enforce-eager", action="store_true", help="tokenmill without prepacked/fused ops")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16"],
                         help="tokenmill's KV cache: auto is the compute dtype")
+    parser.add_argument("--kv-cache-memory-bytes", type=int,
+                        help="the KV cache of tokenmill and of the vLLM peer on a CPU (default: what every request "
+                             "needs at once, so that neither engine preempts; on a GPU each engine's own rule)")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
     parser.add_argument("--attention-backend", default="auto")
@@ -159,6 +185,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parser.parse_args(argv)
 
     path = prepare(args)
+    if args.kv_cache_memory_bytes is None and hf_device(args.device) == "cpu":
+        args.kv_cache_memory_bytes = workload_kv_bytes(path, args)
     # one set per round, and the last for warm-ups
     prompt_sets = [random_prompts(args.num_prompts, args.input_len, path, args.seed + r) for r in range(args.rounds + 1)]
     total_in, total_out = args.num_prompts * args.input_len, args.num_prompts * args.output_len

@@ -18,6 +18,7 @@ import os
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -40,14 +41,17 @@ def vllm_dtype(dtype: torch.dtype) -> str:
 
 
 def throughput_seconds(vllm: str, model: Path, dtype: torch.dtype, num_prompts: int, input_len: int,
-                       output_len: int, threads: int, seed: int) -> float:
-    """One ``vllm bench throughput`` run: the seconds its ``generate`` over all requests took."""
+                       output_len: int, threads: int, seed: int, kv_cache_bytes: Optional[int]) -> float:
+    """One ``vllm bench throughput`` run: the seconds its ``generate`` over all requests took.
+    ``kv_cache_bytes``: its KV cache, the same as tokenmill's (None: vLLM's own rule)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "throughput.json"
         command = [vllm, "bench", "throughput", "--model", str(model), "--dtype", vllm_dtype(dtype),
                    "--dataset-name", "random", "--random-input-len", str(input_len),
                    "--random-output-len", str(output_len), "--num-prompts", str(num_prompts),
                    "--seed", str(seed), "--num-warmups", "2", "--output-json", str(out)]
+        if kv_cache_bytes is not None:
+            command += ["--kv-cache-memory-bytes", str(kv_cache_bytes)]
         done = subprocess.run(command, env=vllm_env(threads), capture_output=True, text=True)
         if done.returncode != 0 or not out.is_file():
             raise SystemExit(f"vllm bench throughput failed ({done.returncode}):\n{done.stderr[-3000:]}")
