@@ -13,7 +13,7 @@ proposer replays the reply the engine without speculation generated (acceptance 
 bigger model (``--preset``, default the 52M Llama; or ``--model``), at batch 1. It shows how
 the cost of a verification step compares with a plain decode step at that size.
 
-    taskset -c 0 python benchmarks/speculative.py --threads 1 --rounds 3 --json out.json
+    taskset -c 0 python benchmarks/speculative.py --threads 1 --rounds 5 --json out.json
 """
 
 from __future__ import annotations
@@ -106,7 +106,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser)
     parser.add_argument("--num-prompts", type=int, default=32, help="requests per pass (the saturation batch)")
-    parser.add_argument("--batch1-prompts", type=int, default=8, help="requests run one at a time per pass")
+    parser.add_argument("--batch1-prompts", type=int, default=16, help="requests run one at a time per pass (enough that one slow "
+                        "stretch of a shared host does not decide the batch-1 ratio)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     args = parser.parse_args()
