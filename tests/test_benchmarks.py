@@ -29,7 +29,7 @@ def test_roofline_counts_the_checkpoints_tensors(model_dir):
     with safe_open(str(path / "model.safetensors"), "pt") as f:
         shapes = {name: f.get_slice(name).get_shape() for name in f.keys()}
     config = json.loads((path / "config.json").read_text())
-    matrices = sum(a * b for name, (a, b) in ((n, s) for n, s in shapes.items() if len(s) == 2) if "embed" not in name)
+    matrices = sum(s[0] * s[1] for name, s in shapes.items() if len(s) == 2 and "embed" not in name)
     head = config["vocab_size"] * config["hidden_size"]
     if "lm_head.weight" not in shapes:
         matrices += head

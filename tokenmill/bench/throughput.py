@@ -33,17 +33,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.bench.common import (
-    add_common_args,
-    hf_device,
-    hf_dtype,
-    interleaved_rounds,
-    prepare,
-    random_prompts,
-    write_json,
-)
+from tokenmill.bench.common import add_common_args, hf_device, hf_dtype, interleaved_rounds, prepare, random_prompts, write_json
 from tokenmill.bench.llama_cpp import add_llama_cpp_args, batched_bench
-from tokenmill.bench.roofline import measure_machine, model_workload, offline_bound
+from tokenmill.bench.roofline import Workload, measure_machine, model_workload, offline_bound
 from tokenmill.bench.vllm_peer import add_vllm_args, throughput_seconds
 from tokenmill.core.config.model_config import load_model_config
 
@@ -126,27 +118,19 @@ def vllm_pass(path, prompt_sets, output_len, args) -> Callable[[], float]:
                                       output_len, args.threads, args.seed + next(rounds), args.kv_cache_memory_bytes)
 
 
-def compute_dtypes(path, args) -> tuple[torch.dtype, torch.dtype]:
-    """What tokenmill computes in, and its KV cache's dtype."""
-    dtype = hf_dtype(args.dtype, path)
-    return dtype, torch.bfloat16 if args.kv_cache_dtype == "bfloat16" else dtype
-
-
-def workload_kv_bytes(path, args) -> int:
+def workload_kv_bytes(work: Workload, path, args) -> int:
     """The KV cache every request holds at once (its prompt and reply, plus a block of
     slack), and at least one sequence of the model's full length, as both engines require."""
     tokens = args.num_prompts * (-(-(args.input_len + args.output_len) // 16) * 16 + 16)
     tokens = max(tokens, load_model_config(path).max_model_len + 16)
-    return int(tokens * model_workload(path, *compute_dtypes(path, args)).kv_bytes_per_token)
+    return int(tokens * work.kv_bytes_per_token)
 
 
-def print_roofline(results: dict, path, args) -> None:
+def print_roofline(results: dict, work: Workload, dtype: torch.dtype, args) -> None:
     """The workload's bound on this machine (see roofline.py), measured after the timed rounds,
     and tokenmill's share of it."""
-    dtype, kv_dtype = compute_dtypes(path, args)
     machine = measure_machine(dtype, hf_device(args.device))
-    bound = offline_bound(machine, model_workload(path, dtype, kv_dtype), args.num_prompts, args.input_len,
-                          args.output_len)
+    bound = offline_bound(machine, work, args.num_prompts, args.input_len, args.output_len)
     share = results["engines"]["tokenmill"]["output_tokens_per_s"] / bound
     results["roofline"] = {"output_tokens_per_s": round(bound, 1), "bandwidth_gb_s": round(machine.bandwidth / 1e9, 2),
                            "peak_tflops": round(machine.peak_flops / 1e12, 3), "tokenmill_share": round(share, 3)}
@@ -185,8 +169,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parser.parse_args(argv)
 
     path = prepare(args)
+    dtype = hf_dtype(args.dtype, path)  # what tokenmill computes in
+    work = model_workload(path, dtype, torch.bfloat16 if args.kv_cache_dtype == "bfloat16" else dtype)
     if args.kv_cache_memory_bytes is None and hf_device(args.device) == "cpu":
-        args.kv_cache_memory_bytes = workload_kv_bytes(path, args)
+        args.kv_cache_memory_bytes = workload_kv_bytes(work, path, args)
     # one set per round, and the last for warm-ups
     prompt_sets = [random_prompts(args.num_prompts, args.input_len, path, args.seed + r) for r in range(args.rounds + 1)]
     total_in, total_out = args.num_prompts * args.input_len, args.num_prompts * args.output_len
@@ -227,7 +213,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             results[f"ratio_{name}_vs_tokenmill"] = round(ratio, 3)
             print(f"{name} / tokenmill (output tok/s): {ratio:.2f}x")
     if "tokenmill" in results["engines"]:
-        print_roofline(results, path, args)
+        print_roofline(results, work, dtype, args)
     for peer, key, label in PEERS:
         if peer in seconds and "tokenmill" in seconds:
             # output tok/s ratio = inverse ratio of seconds
