@@ -27,6 +27,8 @@ def test_a_snapshot_counts_what_the_generate_calls_did(model_dir):
     assert metrics["tokenmill:num_requests_running"].value == 0
     ttft = metrics["tokenmill:time_to_first_token_seconds"]
     assert isinstance(ttft, Histogram) and ttft.count == 4 and ttft.buckets["+Inf"] == 4 and ttft.sum > 0
+    # generate returns final outputs only; every step still counts: 3 tokens, 2 gaps per request
+    assert metrics["tokenmill:inter_token_latency_seconds"].count == 4 * 2
 
 
 def test_an_embedding_model_has_none(model_dir):

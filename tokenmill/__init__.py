@@ -17,6 +17,7 @@ from tokenmill.interfaces.types import (
     FinishReason,
     Logprob,
     RequestOutput,
+    RequestOutputKind,
     SamplingParams,
 )
 
@@ -27,6 +28,7 @@ __all__ = [
     "BeamSearchParams",
     "StructuredOutputsParams",
     "RequestOutput",
+    "RequestOutputKind",
     "CompletionOutput",
     "Logprob",
     "FinishReason",

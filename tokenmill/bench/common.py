@@ -25,6 +25,10 @@ from tokenmill.testing.tiny_models import make_tiny_model
 #: shapes of the issue tracker's reference workloads (random weights, Llama family)
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(),
+    # a forward that costs next to nothing (heads of 64, which vLLM's CPU attention takes): the
+    # throughput is the engine's host work per token (scheduling, inputs, sampling, outputs)
+    "host": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                 intermediate_size=256, max_position_embeddings=2048),
     "52m": dict(hidden_size=512, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=8,
                 intermediate_size=1408, vocab_size=32000, max_position_embeddings=2048,
                 initializer_range=0.02),

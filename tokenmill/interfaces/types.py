@@ -23,6 +23,20 @@ SEED_RANGE = (-(2**63), 2**63 - 1)
 MAX_LOGIT_BIAS = 100.0
 
 
+class RequestOutputKind(enum.IntEnum):
+    """What each of a request's RequestOutputs holds (vLLM's enum, names and values)."""
+
+    #: everything so far, after every step that advanced the request
+    CUMULATIVE = 0
+    #: only what is new since the request's previous output: each sequence's new text,
+    #: tokens and logprobs (``cumulative_logprob`` stays the running total); the prompt's
+    #: logprobs in the first output only
+    DELTA = 1
+    #: one output, once the request finished: what ``LLM.generate`` returns, and no
+    #: output built at the steps before
+    FINAL_ONLY = 2
+
+
 class FinishReason(str, enum.Enum):
     """Why a sequence stopped; the values are the OpenAI ``finish_reason`` strings."""
 
@@ -78,6 +92,8 @@ class SamplingParams:
     extra_args: Optional[Mapping[str, Any]] = None
     #: a JSON schema, regex, choice or grammar the output must follow (vLLM's structured_outputs)
     structured_outputs: Optional[StructuredOutputsParams] = None
+    #: what each RequestOutput of the request holds (``LLM.generate`` asks for FINAL_ONLY)
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     #: the largest ``logprobs``/``prompt_logprobs`` accepted (vLLM's default cap)
     MAX_LOGPROBS = 20
@@ -100,6 +116,8 @@ class SamplingParams:
         object.__setattr__(self, "bad_words", tuple(self.bad_words or ()))
         if isinstance(self.allowed_token_ids, (list, range)):
             object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        if is_int(self.output_kind) and self.output_kind in tuple(RequestOutputKind):
+            object.__setattr__(self, "output_kind", RequestOutputKind(self.output_kind))
         if isinstance(self.structured_outputs, Mapping):
             object.__setattr__(self, "structured_outputs", StructuredOutputsParams(**self.structured_outputs))
         self._validate()
@@ -194,6 +212,8 @@ class SamplingParams:
             # masks of their own: with the constraint's they can leave a row no token at all
             check(self.allowed_token_ids is None, "allowed_token_ids", "cannot be combined with structured outputs")
             check(not self.bad_words, "bad_words", "cannot be combined with structured outputs")
+        check(isinstance(self.output_kind, RequestOutputKind), "output_kind",
+              f"must be one of {', '.join(f'{k.value} ({k.name})' for k in RequestOutputKind)}, got {self.output_kind!r}")
         if self.extra_args is not None:
             check(isinstance(self.extra_args, Mapping) and all(isinstance(k, str) for k in self.extra_args),
                   "extra_args", "must map names to values")

@@ -21,6 +21,7 @@ import tokenmill
 from tokenmill.core.config.server_config import ServerConfig
 from tokenmill.core.engine.async_llm import AsyncLLM
 from tokenmill.core.engine.embedding_engine import EmbeddingEngine
+from tokenmill.core.engine.gc_heap import freeze_startup_heap
 from tokenmill.core.plugin_host.registry import import_class_path
 from tokenmill.interfaces.errors import ConfigError
 from tokenmill.server.adapters import add_adapter_routes
@@ -135,6 +136,7 @@ def create_app(llm: AsyncLLM | EmbeddingEngine, config: Optional[ServerConfig] =
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        freeze_startup_heap()  # the app's routes and schemas too, now that they exist
         watcher = None
         if generating and on_engine_stopped is not None:
             watcher = asyncio.get_running_loop().create_task(_watch_engine(llm, on_engine_stopped))

@@ -80,7 +80,7 @@ async def gather_beam_searches(ctx: ServingContext, internal_id: str, prompts: l
         pending = [search.pending() for search in live]
         requests = [({"prompt": None, "prompt_token_ids": tokens, **salt}, step) for beams in pending for tokens in beams]
         streams = ctx.start(f"{internal_id}-beam{round_index}", requests, priority=body.priority, user=body.user,
-                            adapter=adapter)
+                            adapter=adapter, final_only=True)
         finals: list[Any] = [None] * len(requests)
         async for index, output in merge_streams(streams):
             if output.finished:

@@ -105,7 +105,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
             else response
     await ctx.llm.compile_constraint(params)
     [stream] = ctx.start(internal_id, [(prompt, params)], priority=body.priority, user=body.user,
-                         adapter=adapter)
+                         adapter=adapter, final_only=not body.stream)
     if body.stream:
         return StreamingResponse(_stream(body, request_id, model, created, stream, params, echo, make_reply,
                                          ctx, role), media_type="text/event-stream")

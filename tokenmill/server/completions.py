@@ -101,7 +101,7 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
         return beam_search_stream(response, "text_completion", body) if body.stream else response
     await ctx.llm.compile_constraint(params[0])  # every prompt's constraint is the same one
     streams = ctx.start(internal_id, list(zip(prompts, params)), priority=body.priority, user=body.user,
-                        adapter=adapter)
+                        adapter=adapter, final_only=not body.stream)
     if body.stream:
         return StreamingResponse(_stream(body, ctx, request_id, model, created, prompts, streams),
                                  media_type="text/event-stream")

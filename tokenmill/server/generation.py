@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Optional, Sequence
 
 from fastapi import Request
 
 from tokenmill.core.engine.async_llm import AsyncLLM
-from tokenmill.interfaces.types import PositionLogprobs, RequestOutput, SamplingParams, truncate_prompt
+from tokenmill.interfaces.types import (
+    PositionLogprobs,
+    RequestOutput,
+    RequestOutputKind,
+    SamplingParams,
+    truncate_prompt,
+)
 from tokenmill.server.errors import APIError
 from tokenmill.server.responses import LOGPROB_FLOOR
 
@@ -55,14 +61,19 @@ class ServingContext:
         return sum(output.num_cached_tokens for output in outputs) if self.prompt_tokens_details else None
 
     def start(self, internal_id: str, requests: list[tuple[dict, SamplingParams]], priority: int,
-              user: Optional[str], adapter: Optional[str] = None) -> list[AsyncIterator[RequestOutput]]:
+              user: Optional[str], adapter: Optional[str] = None,
+              final_only: bool = False) -> list[AsyncIterator[RequestOutput]]:
         """Admit several engine requests at once: all of them, or (on an error) none.
 
         Their engine ids are ``{internal_id}-{i}``: made by the server, so no id a client
-        chooses can collide with another request's.
+        chooses can collide with another request's. ``final_only``: a response that is not
+        streamed needs only each request's last output, and no other is built or delivered.
         """
         streams: list[AsyncIterator[RequestOutput]] = []
         ids = [f"{internal_id}-{i}" for i in range(len(requests))]
+        if final_only:
+            requests = [(prompt, replace(params, output_kind=RequestOutputKind.FINAL_ONLY))
+                        for prompt, params in requests]
         try:
             for request_id, (prompt, params) in zip(ids, requests):
                 streams.append(self.llm.generate(request_id, prompt, params, priority=priority, user=user,

@@ -35,17 +35,16 @@ def configure_logging(level: str = "info", fmt: str = "auto") -> None:
 
 def log_finished_requests(engine: LLMEngine, outputs: list[RequestOutput]) -> None:
     """StepObserver: one line per finished request, with its latency figures."""
-    for output in outputs:
-        if not output.finished:
+    for progress in engine.last_step_progress:
+        if progress.finish_reasons is None:
             continue
-        m = output.metrics
+        m = progress.metrics
         ttft = None if m.first_token_time is None else round(m.first_token_time - m.arrival_time, 4)
         e2e = None if m.finished_time is None else round(m.finished_time - m.arrival_time, 4)
-        log.info("request finished", request_id=output.request_id,
-                 prompt_tokens=len(output.prompt_token_ids),
-                 generation_tokens=sum(len(o.token_ids) for o in output.outputs),
-                 cached_tokens=output.num_cached_tokens, ttft_s=ttft, e2e_s=e2e,
-                 finish_reason=[o.finish_reason for o in output.outputs],
+        log.info("request finished", request_id=progress.request_id,
+                 prompt_tokens=m.num_prompt_tokens, generation_tokens=m.num_generation_tokens,
+                 cached_tokens=progress.num_cached_tokens, ttft_s=ttft, e2e_s=e2e,
+                 finish_reason=list(progress.finish_reasons),
                  preemptions=m.num_preemptions,
                  **({"spec_draft_tokens": m.num_draft_tokens, "spec_accepted_tokens": m.num_accepted_tokens}
                     if m.num_draft_tokens else {}))

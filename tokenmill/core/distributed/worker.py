@@ -40,6 +40,7 @@ from tokenmill.core.distributed.messages import (
     decode_from_driver,
     encode,
 )
+from tokenmill.core.engine.gc_heap import freeze_startup_heap
 from tokenmill.core.plugin_host.components import collect_components
 from tokenmill.core.plugin_host.platform_selection import select_platform
 from tokenmill.core.plugin_host.plugin_manager import make_plugin_manager
@@ -64,6 +65,7 @@ def run_worker(spec_json: str, rank: int) -> None:
         except OSError:
             pass
         raise
+    freeze_startup_heap()
     _serve(step, control, rank, connection)
 
 

@@ -22,6 +22,7 @@ from tokenmill.core.distributed.communicator import Communicator
 from tokenmill.core.distributed.driver import DistributedAdapters, DistributedModelStep, WorkerGroup
 from tokenmill.core.distributed.messages import Setup
 from tokenmill.core.engine.embedding_engine import EmbeddingEngine
+from tokenmill.core.engine.gc_heap import freeze_startup_heap
 from tokenmill.core.engine.control_plane import ControlPlane
 from tokenmill.core.engine.llm_engine import LLMEngine
 from tokenmill.core.engine.rollout import EngineControl
@@ -71,11 +72,13 @@ def build_engine(config: EngineConfig, pm: Optional[PluginManager] = None) -> LL
     else:
         group, parallel = _start_workers(config, components, platform)
     try:
-        return _build_engine(config, pm, components, platform, parallel, group)
+        engine = _build_engine(config, pm, components, platform, parallel, group)
     except BaseException:
         if group is not None:
             group.shutdown()
         raise
+    freeze_startup_heap()
+    return engine
 
 
 def _build_engine(config: EngineConfig, pm: PluginManager, components: Components, platform: Platform,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from pathlib import Path
@@ -29,6 +30,7 @@ from tokenmill.interfaces.types import (
     PoolingOutput,
     PoolingRequestOutput,
     RequestOutput,
+    RequestOutputKind,
     SamplingParams,
     ScoringOutput,
     ScoringRequestOutput,
@@ -308,6 +310,10 @@ class LLM:
              loras: list[Optional[LoRARequest]], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         order: dict[str, int] = {}
+        # only final outputs are returned: none is built at the steps before (vLLM does the same)
+        final: dict[int, SamplingParams] = {}
+        params = [final.setdefault(id(sp), dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY))
+                  if sp.output_kind is not RequestOutputKind.FINAL_ONLY else sp for sp in params]
         for index, (prompt, sp, prio, lora) in enumerate(zip(prompts, params, priorities, loras)):
             request_id = str(next(self._ids))
             # load each adapter just before its request, so the cache never evicts one in use

@@ -21,7 +21,7 @@ import structlog
 from tokenmill.core.config.engine_config import EngineConfig
 from tokenmill.core.config.model_config import ModelConfig
 from tokenmill.core.distributed.driver import WorkerGroup
-from tokenmill.core.engine.output_processor import OutputProcessor
+from tokenmill.core.engine.output_processor import OutputProcessor, RequestProgress
 from tokenmill.core.engine.request import Request
 from tokenmill.core.plugin_host.plugin_manager import PluginManager
 from tokenmill.core.sched.scheduler import Scheduler
@@ -91,6 +91,10 @@ class LLMEngine:
         self._warned_priority = False
         #: the queue after the latest step (for metrics and observers)
         self.last_scheduler_stats: Optional[SchedulerStats] = None
+        #: the user requests the last step (or abort) advanced, finished or failed: metrics
+        #: and logs count from these, since a step returns no output of a FINAL_ONLY request
+        #: until it ends
+        self.last_step_progress: list[RequestProgress] = []
         #: the training-loop API: worker RPCs, weight updates, sleep (set by the builder)
         self.control: Optional["EngineControl"] = None
 
@@ -228,12 +232,13 @@ class LLMEngine:
         """Abort user requests (all their sequences) and free their blocks at once."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
-        outputs = []
+        outputs, self.last_step_progress = [], []
         for request_id in request_ids:
             children = self.outputs.child_ids(request_id)
             for request in self.scheduler.finish_requests(children, FinishReason.ABORT):
                 self.outputs.finish(request)
             if children:
+                self.last_step_progress.append(self.outputs.progress(request_id))
                 outputs.append(self._emit(request_id))
         return outputs
 
@@ -257,6 +262,7 @@ class LLMEngine:
         Under pipeline parallelism up to ``pipeline_parallel_size`` batches are in flight: a
         step launches the next batch (its requests are none of those in flight) before it
         samples the oldest one, so every stage has work while the last one finishes."""
+        self.last_step_progress = []
         if self.scheduler.pipeline_depth > 1:
             return self._step_pipelined()
         batch = self._schedule()
@@ -331,7 +337,9 @@ class LLMEngine:
         touched.update(failed)
         if self.speculator is not None:
             self.speculator.propose(self.scheduler)
-        return [self._emit(request_id) for request_id in touched]
+        self.last_step_progress = [self.outputs.progress(request_id) for request_id in touched]
+        outputs = [self._emit(request_id) for request_id in touched]
+        return [output for output in outputs if output is not None]
 
     def _add_tokens(self, request: Request, num_tokens: int, result: ModelRunnerOutput) -> Optional[str]:
         """Hand a request's new tokens to its output one at a time; the first stop string
@@ -399,9 +407,9 @@ class LLMEngine:
         self.scheduler.finish_requests(self.outputs.child_ids(parent), FinishReason.ERROR)
         failed[parent] = None
 
-    def _emit(self, request_id: str) -> RequestOutput:
+    def _emit(self, request_id: str) -> Optional[RequestOutput]:
         output = self.outputs.output(request_id)
-        if output.finished:
+        if output is not None and output.finished:
             try:
                 self.plugin_manager.hook.request_finished(output=output, metrics=output.metrics)
             except Exception:  # a plugin's bookkeeping must not take the engine down

@@ -2,8 +2,9 @@
 
 Each app has its own CollectorRegistry, so several servers (or tests) in one
 process never share counters. Engine-wide gauges are sampled after every
-step by a StepObserver on the loop thread; per-request latencies are
-recorded as outputs arrive.
+step by a StepObserver on the loop thread; per-request latencies from the
+requests each step advanced (``last_step_progress``), whatever outputs their
+``output_kind`` let the step return.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Optional
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from tokenmill.core.engine.llm_engine import LLMEngine
+from tokenmill.core.engine.output_processor import RequestProgress
 from tokenmill.core.sched.spec_decode_stats import SpecDecodingStats
 from tokenmill.interfaces.types import RequestOutput
 
@@ -75,7 +77,7 @@ class EngineMetrics:
         self.waiting.set(len(scheduler.waiting))
         self.swapped.set(scheduler.num_swapped)
         stats = engine.last_scheduler_stats
-        if stats is not None and outputs:
+        if stats is not None and engine.last_step_progress:
             self.batch_tokens.observe(stats.num_scheduled_tokens)
         kv = scheduler.kv_cache
         self.kv_usage.set(kv.pool.usage())
@@ -87,8 +89,8 @@ class EngineMetrics:
         self._seen_prefix = (kv.prefix_queries, kv.prefix_hits)
         self._observe_spec(scheduler.spec_stats)
         now = time.monotonic()
-        for output in outputs:
-            self._observe_request(output, now)
+        for progress in engine.last_step_progress:
+            self._observe_request(progress, now)
 
     def _observe_spec(self, stats: SpecDecodingStats) -> None:
         new = stats.since(self._seen_spec)
@@ -101,13 +103,13 @@ class EngineMetrics:
             self._spec_per_position.labels(self.model_name, str(position)).inc(count)
         self._seen_spec = stats.snapshot()
 
-    def _observe_request(self, output: RequestOutput, now: float) -> None:
-        metrics = output.metrics
-        generated = sum(len(o.token_ids) for o in output.outputs)
-        last: Optional[tuple[float, int]] = self._last_token_time.get(output.request_id)
+    def _observe_request(self, progress: RequestProgress, now: float) -> None:
+        metrics = progress.metrics
+        generated = metrics.num_generation_tokens
+        last: Optional[tuple[float, int]] = self._last_token_time.get(progress.request_id)
         if last is None:
             if generated and metrics.first_token_time is not None:
-                self.prompt_tokens.inc(len(output.prompt_token_ids))
+                self.prompt_tokens.inc(metrics.num_prompt_tokens)
                 self.ttft.observe(metrics.first_token_time - metrics.arrival_time)
                 if metrics.first_scheduled_time is not None:
                     self.queue_time.observe(metrics.first_scheduled_time - metrics.arrival_time)
@@ -115,10 +117,10 @@ class EngineMetrics:
             self.itl.observe((now - last[0]) / (generated - last[1]))
         previous = last[1] if last else 0
         self.generation_tokens.inc(max(0, generated - previous))
-        if output.finished:
-            self._last_token_time.pop(output.request_id, None)
-            for completion in output.outputs:
-                self._success.labels(self.model_name, completion.finish_reason or "abort").inc()
+        if progress.finish_reasons is not None:
+            self._last_token_time.pop(progress.request_id, None)
+            for reason in progress.finish_reasons:
+                self._success.labels(self.model_name, reason).inc()
             self.e2e.observe(now - metrics.arrival_time)
         elif generated:
-            self._last_token_time[output.request_id] = (now, generated)
+            self._last_token_time[progress.request_id] = (now, generated)

@@ -1,7 +1,8 @@
 """Turns per-step token updates into vLLM-shaped RequestOutputs.
 
 Owns the per-request output state: detokenizers, logprobs, stop strings and
-the fan-in of ``n > 1`` child sequences into one RequestOutput.
+the fan-in of ``n > 1`` child sequences into one RequestOutput, shaped by the
+request's ``output_kind``: everything so far, what is new, or one final output.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from tokenmill.interfaces.types import (
     PositionLogprobs,
     RequestMetrics,
     RequestOutput,
+    RequestOutputKind,
     SamplingParams,
 )
 
@@ -32,6 +34,10 @@ class _Sequence:
     cumulative_logprob: Optional[float] = None
     finish_reason: Optional[str] = None
     stop_reason: int | str | None = None
+    #: what earlier DELTA outputs held: tokens, characters of text, and the finish
+    sent_tokens: int = 0
+    sent_text: int = 0
+    sent_finish: bool = False
 
 
 @dataclass
@@ -48,10 +54,25 @@ class RequestState:
     num_cached_tokens: int = 0
     #: why processing this request failed, once it did
     error: Optional[str] = None
+    #: an output went out already (DELTA sends the prompt's logprobs once)
+    sent: bool = False
 
     @property
     def finished(self) -> bool:
         return all(seq.finish_reason is not None for seq in self.sequences.values())
+
+
+@dataclass(frozen=True, slots=True)
+class RequestProgress:
+    """A user request that a step advanced, finished or failed, whatever its ``output_kind``
+    let the step return: what metrics and logs count."""
+
+    request_id: str
+    #: shared with the request's outputs: times, prompt and generated token counts
+    metrics: RequestMetrics
+    num_cached_tokens: int
+    #: each sequence's finish reason, once every sequence finished (else None)
+    finish_reasons: Optional[tuple[str, ...]]
 
 
 class OutputProcessor:
@@ -123,37 +144,67 @@ class OutputProcessor:
         state.metrics.num_draft_tokens += request.metrics.num_draft_tokens
         state.metrics.num_accepted_tokens += request.metrics.num_accepted_tokens
 
-    def output(self, request_id: str) -> RequestOutput:
-        """The request's cumulative output; forgets the request once it finished."""
+    def progress(self, request_id: str) -> RequestProgress:
+        state = self.states[request_id]
+        reasons = tuple(seq.finish_reason for seq in state.sequences.values())
+        return RequestProgress(request_id, state.metrics, state.num_cached_tokens,
+                               reasons if None not in reasons else None)
+
+    def output(self, request_id: str) -> Optional[RequestOutput]:
+        """The request's output as its ``output_kind`` shapes it, or None where that kind has
+        nothing to say yet (FINAL_ONLY before the end); forgets the request once it finished."""
         state = self.states[request_id]
         finished = state.finished
-        outputs = [
-            CompletionOutput(
-                index=seq.index,
-                text=seq.detokenizer.visible_text(seq.finish_reason is not None),
-                token_ids=list(seq.token_ids),
-                cumulative_logprob=seq.cumulative_logprob,
-                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
-                finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason,
-            )
-            for seq in state.sequences.values()
-        ]
+        kind = state.params.output_kind
+        if kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = kind is RequestOutputKind.DELTA
+        outputs = [output for seq in state.sequences.values()
+                   if (output := self._completion(seq, delta)) is not None]
         if finished:
             state.metrics.finished_time = time.monotonic()
             del self.states[request_id]
             for child in state.sequences:
                 del self._parent_of[child]
+        prompt_logprobs = None
+        if state.prompt_logprobs is not None and not (delta and state.sent):
+            prompt_logprobs = list(state.prompt_logprobs)
+        state.sent = True
         return RequestOutput(
             request_id=request_id,
             prompt=state.prompt,
             prompt_token_ids=state.prompt_token_ids,
-            prompt_logprobs=list(state.prompt_logprobs) if state.prompt_logprobs is not None else None,
+            prompt_logprobs=prompt_logprobs,
             outputs=outputs,
             finished=finished,
             num_cached_tokens=state.num_cached_tokens,
             metrics=state.metrics,
             error=state.error,
+        )
+
+    @staticmethod
+    def _completion(seq: _Sequence, delta: bool) -> Optional[CompletionOutput]:
+        """A sequence's CompletionOutput: all of it, or (``delta``) what is new since the last
+        one, None where nothing is."""
+        finished = seq.finish_reason is not None
+        text = seq.detokenizer.visible_text(finished)
+        tokens, logprobs = seq.token_ids, seq.logprobs
+        if delta:
+            if seq.sent_tokens == len(tokens) and seq.sent_text == len(text) and (seq.sent_finish or not finished):
+                return None
+            text, tokens = text[seq.sent_text:], tokens[seq.sent_tokens:]
+            logprobs = logprobs[seq.sent_tokens:] if logprobs is not None else None
+            seq.sent_tokens, seq.sent_text, seq.sent_finish = len(seq.token_ids), seq.sent_text + len(text), finished
+        else:
+            tokens, logprobs = list(tokens), list(logprobs) if logprobs is not None else None
+        return CompletionOutput(
+            index=seq.index,
+            text=text,
+            token_ids=tokens,
+            cumulative_logprob=seq.cumulative_logprob,
+            logprobs=logprobs,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
         )
 
     def _decode_logprob_tokens(self, entries: list[Optional[PositionLogprobs]]) -> None:

@@ -31,13 +31,15 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self._blocks: dict[str, list[KVBlock]] = {}
+        #: the same tables as block ids: every scheduled request's table goes out each step
+        self._block_ids: dict[str, list[int]] = {}
         self._num_cached_blocks: dict[str, int] = {}
         #: prompt tokens looked up in / served by the prefix cache (vLLM's metrics)
         self.prefix_queries = 0
         self.prefix_hits = 0
 
     def block_ids(self, request_id: str) -> tuple[int, ...]:
-        return tuple(block.block_id for block in self._blocks.get(request_id, ()))
+        return tuple(self._block_ids.get(request_id, ()))
 
     def num_blocks_of(self, request_id: str) -> int:
         return len(self._blocks.get(request_id, ()))
@@ -71,6 +73,8 @@ class KVCacheManager:
         blocks = self._blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(computed) * self.block_size
         needed = -(-(num_computed + num_new_tokens) // self.block_size)
+        if not computed and needed <= len(blocks):
+            return True  # most decode steps: the last block has room
         num_new_blocks = max(0, needed - len(blocks) - len(computed))
         evictable_hits = sum(1 for block in computed if block.ref_count == 0)
         if num_new_blocks + evictable_hits > self.pool.num_free_blocks:
@@ -78,6 +82,7 @@ class KVCacheManager:
         self.pool.touch(computed)
         blocks.extend(computed)
         blocks.extend(self.pool.allocate(num_new_blocks))
+        self._block_ids[request.request_id] = [block.block_id for block in blocks]
         if computed:
             self._num_cached_blocks[request.request_id] = len(blocks) - num_new_blocks
         return True
@@ -104,11 +109,13 @@ class KVCacheManager:
         if len(blocks) > keep:
             tail = blocks[keep:]
             del blocks[keep:]
+            del self._block_ids[request.request_id][keep:]
             self.pool.free(reversed(tail))
 
     def free(self, request: Request) -> None:
         """Release a request's blocks, tail first, so its prefix stays cached longest."""
         blocks = self._blocks.pop(request.request_id, [])
+        self._block_ids.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
         self.pool.free(reversed(blocks))
 

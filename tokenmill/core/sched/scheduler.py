@@ -138,6 +138,8 @@ class Scheduler:
 
     def _preempt_for_waiting(self, step: "_Step") -> None:
         """Let waiting requests the policy ranks higher take a full batch's seats or blocks."""
+        if not self.waiting:
+            return
         seats = self.config.max_num_seqs - len(self.running)
         # blocks left once the running requests have grown by this step's tokens
         free_blocks = self.kv_cache.pool.num_free_blocks - sum(map(self._blocks_to_grow, self.running))
