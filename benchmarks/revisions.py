@@ -7,6 +7,7 @@ dependencies) into a directory put first on ``PYTHONPATH``: its own package meta
 matters, because plugins are found through the installed distribution's entry points. The
 figure compared is tokenmill's own (``--metric``, a path into the script's JSON); the peer
 the script also runs (``--skip-hf`` to leave it out) stays a sanity check of the host.
+Each run starts in an empty directory, so paths among the script's arguments are absolute.
 
     taskset -c 0 python benchmarks/revisions.py --base 2fe6256 --rounds 4 \\
         throughput --preset 52m --num-prompts 64 --input-len 128 --output-len 64 --skip-hf
@@ -49,8 +50,10 @@ def run(tree: Path, site: Path, benchmark: str, benchmark_args: list[str], metri
     # `tokenmill bench`, or the script it was before it shipped with the package
     script = tree / "benchmarks" / f"{benchmark}.py"
     command = [str(script)] if script.is_file() else ["-m", "tokenmill.cli", "bench", benchmark]
-    with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        subprocess.run([sys.executable, *command, *benchmark_args, "--json", out.name],
+    # run from an empty directory: `python -m` puts the working directory first on sys.path,
+    # and from this checkout's root the base would import the head's package
+    with tempfile.NamedTemporaryFile(suffix=".json") as out, tempfile.TemporaryDirectory() as cwd:
+        subprocess.run([sys.executable, *command, *benchmark_args, "--json", out.name], cwd=cwd,
                        check=True, env={**os.environ, "PYTHONPATH": str(site)}, stdout=subprocess.DEVNULL)
         value = json.loads(Path(out.name).read_text())
     for key in metric.split("."):
