@@ -19,7 +19,6 @@ from schemathesis.checks import (
     response_schema_conformance,
     status_code_conformance,
 )
-from schemathesis.config import GenerationConfig
 from schemathesis.generation import GenerationMode
 
 from conftest import make_llm

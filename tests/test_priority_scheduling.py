@@ -78,9 +78,9 @@ def test_high_priority_preempts_when_kv_blocks_are_full():
 def test_preempted_requests_resume_in_priority_then_arrival_order():
     """Victims keep their priority and arrival; they come back best-first, oldest-first."""
     scheduler = make_scheduler(max_num_seqs=3)
-    a = add(scheduler, "a", 2, max_tokens=30, arrival=1.0)
-    b = add(scheduler, "b", 1, max_tokens=30, arrival=2.0)
-    c = add(scheduler, "c", 2, max_tokens=30, arrival=3.0)
+    add(scheduler, "a", 2, max_tokens=30, arrival=1.0)
+    add(scheduler, "b", 1, max_tokens=30, arrival=2.0)
+    add(scheduler, "c", 2, max_tokens=30, arrival=3.0)
     step(scheduler)
     for i in range(3):
         add(scheduler, f"u{i}", 0, max_tokens=2, arrival=10.0 + i)

@@ -148,7 +148,8 @@ class AsyncLLM:
         user: Optional[str] = None,
         adapter_name: Optional[str] = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Admit a request now and return its stream of cumulative RequestOutputs.
+        """Admit a request now and return its stream of RequestOutputs (as ``params.output_kind``
+        shapes them: cumulative, deltas, or the final one alone).
 
         Admission errors (overload, a dead engine, a duplicate id, token ids outside the
         vocabulary) raise here, before any response starts. The returned iterator must be
