@@ -146,9 +146,8 @@ class OutputProcessor:
 
     def progress(self, request_id: str) -> RequestProgress:
         state = self.states[request_id]
-        reasons = tuple(seq.finish_reason for seq in state.sequences.values())
-        return RequestProgress(request_id, state.metrics, state.num_cached_tokens,
-                               reasons if None not in reasons else None)
+        reasons = tuple(seq.finish_reason for seq in state.sequences.values()) if state.finished else None
+        return RequestProgress(request_id, state.metrics, state.num_cached_tokens, reasons)
 
     def output(self, request_id: str) -> Optional[RequestOutput]:
         """The request's output as its ``output_kind`` shapes it, or None where that kind has

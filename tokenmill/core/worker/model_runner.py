@@ -168,10 +168,13 @@ class ModelRunner:
         prompt_logprobs: dict[str, list[Optional[PositionLogprobs]]] = {}
         if result.tokens is not None:
             targets = [result.tokens[row] for row in row_index]
-            starts = row_starts(drafts)
-            for request_drafts, start, end in zip(drafts, starts, starts[1:]):
-                tokens = accept_greedy(targets[start:end], request_drafts)
-                verified.append((tokens, [None] * len(tokens)))
+            if not any(drafts):  # one row, one token per request
+                verified = [([token], [None]) for token in targets]
+            else:
+                starts = row_starts(drafts)
+                for request_drafts, start, end in zip(drafts, starts, starts[1:]):
+                    tokens = accept_greedy(targets[start:end], request_drafts)
+                    verified.append((tokens, [None] * len(tokens)))
         else:
             logits = result.logits
             prompt_logprobs = self._prompt_logprobs(logits, spans)
