@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 METRICS = {
     "throughput": ("engines.tokenmill.output_tokens_per_s", True),
     "latency": ("engines.tokenmill.tpot_ms_median", False),
+    "serve": ("engines.tokenmill.output_throughput", True),
 }
 
 

@@ -250,8 +250,7 @@ class AsyncLLM:
                     continue
                 outputs = engine.step()
                 self._observe(outputs)
-                for output in outputs:
-                    self._deliver(output.request_id, output, final=output.finished)
+                self._deliver_step(outputs)
         except BaseException as exc:  # the loop must never die silently
             self.error = exc
             log.exception("engine loop failed")
@@ -338,12 +337,32 @@ class AsyncLLM:
             loop, stream = target
             loop.call_soon_threadsafe(stream.put_nowait, item)
 
+    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs to their streams with one wake-up of each event loop, not one per
+        output: each ``call_soon_threadsafe`` writes to the loop's self-pipe, and with hundreds
+        of streams that was a system call per request per step."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        with self._lock:
+            for output in outputs:
+                request_id = output.request_id
+                target = self._streams.pop(request_id, None) if output.finished else self._streams.get(request_id)
+                if target is not None:
+                    batches.setdefault(target[0], []).append((target[1], output))
+        for loop, items in batches.items():
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(_put_all, items)
+
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:
             streams, self._streams = self._streams, {}
         for loop, stream in streams.values():
             if not loop.is_closed():
                 loop.call_soon_threadsafe(stream.put_nowait, exc)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for stream, item in items:
+        stream.put_nowait(item)
 
 
 def _settle(future: asyncio.Future, result: object, error: Optional[BaseException]) -> None:
