@@ -16,7 +16,7 @@ from typing import Any, Literal, Mapping, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tokenmill.core.engine.llm_engine import MAX_CACHE_SALT_CHARS
+from tokenmill.core.engine.prompt_input import MAX_CACHE_SALT_CHARS
 from tokenmill.interfaces.errors import InvalidRequest
 from tokenmill.interfaces.structured_output import StructuredOutputsParams
 from tokenmill.interfaces.types import SEED_RANGE, SamplingParams

@@ -19,7 +19,8 @@ from typing import AsyncIterator, Callable, Optional
 
 import structlog
 
-from tokenmill.core.engine.llm_engine import LLMEngine, PromptType
+from tokenmill.core.engine.llm_engine import LLMEngine
+from tokenmill.core.engine.prompt_input import PromptType
 from tokenmill.interfaces.errors import InvalidRequest, TokenmillError
 from tokenmill.interfaces.types import RequestOutput, SamplingParams
 

@@ -15,11 +15,12 @@ from tokenmill.core.engine.beam_search import BeamSearch, BeamSearchOutput, Beam
 from tokenmill.core.engine.builder import build_engine
 from tokenmill.core.engine.chat_template import render_chat
 from tokenmill.core.engine.embedding_engine import EmbeddingEngine
-from tokenmill.core.engine.llm_engine import LLMEngine, PromptType
+from tokenmill.core.engine.llm_engine import LLMEngine
 from tokenmill.core.engine.metrics import EngineMetrics
 from tokenmill.core.engine.metrics_reader import Metric, read_metrics
 from tokenmill.core.engine import pooling
 from tokenmill.core.engine.pooling import PoolingInput
+from tokenmill.core.engine.prompt_input import PromptType
 from tokenmill.core.engine.rollout import EngineControl
 from tokenmill.core.plugin_host.plugin_manager import PluginManager
 from tokenmill.interfaces.adapters import LoRARequest

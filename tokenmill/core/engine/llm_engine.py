@@ -14,7 +14,7 @@ import itertools
 import time
 import weakref
 from collections import deque
-from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import structlog
 
@@ -22,6 +22,7 @@ from tokenmill.core.config.engine_config import EngineConfig
 from tokenmill.core.config.model_config import ModelConfig
 from tokenmill.core.distributed.driver import WorkerGroup
 from tokenmill.core.engine.output_processor import OutputProcessor, RequestProgress
+from tokenmill.core.engine.prompt_input import PromptType, cache_salt, tokenize_prompt
 from tokenmill.core.engine.request import Request
 from tokenmill.core.plugin_host.plugin_manager import PluginManager
 from tokenmill.core.sched.scheduler import Scheduler
@@ -41,11 +42,6 @@ log = structlog.get_logger("tokenmill.engine")
 
 #: a step that produced nothing
 _NOTHING = ModelRunnerOutput({}, {}, {})
-
-#: a prompt: text, token ids, or vLLM's dict forms
-PromptType = Union[str, Sequence[int], dict]
-#: a cache_salt is hashed into every block of its request; bounded like every request field
-MAX_CACHE_SALT_CHARS = 1024
 
 
 class LLMEngine:
@@ -109,25 +105,8 @@ class LLMEngine:
 
     # --- requests ----------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptType, add_special_tokens: bool = True) -> tuple[Optional[str], list[int]]:
-        """(text or None, token ids) for any accepted prompt form, validated. ``add_special_tokens``
-        (vLLM's name) lets a text prompt go without the BOS its tokenizer would add."""
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), self._check_token_ids(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise InvalidRequest("prompt", "a dict prompt needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, str):
-            try:
-                prompt.encode("utf-8")
-            except UnicodeEncodeError:
-                raise InvalidRequest("prompt", "the prompt is not valid Unicode (it has a lone surrogate)") from None
-            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-            if not ids:
-                raise InvalidRequest("prompt", "the prompt is empty")
-            return prompt, list(ids)
-        return None, self._check_token_ids(prompt)
+        """(text or None, token ids) for any accepted prompt form, validated against this model."""
+        return tokenize_prompt(self.tokenizer, prompt, self.model_config.vocab_size, add_special_tokens)
 
     def check_params(self, params: SamplingParams) -> None:
         """What a request's parameters must satisfy for this model (token ids in its vocabulary).
@@ -151,18 +130,6 @@ class LLMEngine:
             except (ValueError, TypeError) as exc:  # vLLM's processors refuse with ValueError
                 raise InvalidRequest("vllm_xargs", f"{type(processor).__name__}: {exc}") from None
 
-    def _check_token_ids(self, ids: Any) -> list[int]:
-        if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
-            raise InvalidRequest("prompt_token_ids", "must be a list of integers")
-        ids = list(ids)
-        if not ids:
-            raise InvalidRequest("prompt_token_ids", "the prompt is empty")
-        vocab = self.model_config.vocab_size
-        for token in ids:
-            if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab:
-                raise InvalidRequest("prompt_token_ids", f"token ids must be integers in [0, {vocab}), got {token!r}")
-        return ids
-
     def add_request(
         self,
         request_id: str,
@@ -181,7 +148,7 @@ class LLMEngine:
             raise InvalidRequest("model", f"{self.model_config.architecture} classifies: it generates nothing (use "
                                           "classify, score, or the /classify, /v1/score and /pooling routes)")
         text, token_ids = self.tokenize_prompt(prompt)
-        cache_salt = _cache_salt(prompt)
+        salt = cache_salt(prompt)
         self.check_params(params)
         if params.structured_outputs is not None:  # compiled now unless the caller compiled it already
             self.structured_outputs.compiled(params.structured_outputs)
@@ -224,7 +191,7 @@ class LLMEngine:
                 seed=seed,
                 adapter_name=adapter_name,
                 adapter_key=adapter_key,
-                cache_salt=cache_salt,
+                cache_salt=salt,
                 user=user,
             ))
 
@@ -415,13 +382,3 @@ class LLMEngine:
             except Exception:  # a plugin's bookkeeping must not take the engine down
                 log.exception("a request_finished hook failed", request_id=request_id)
         return output
-
-
-def _cache_salt(prompt: PromptType) -> Optional[str]:
-    """A prompt dict's ``cache_salt`` (vLLM's name): its requests share prefix-cache blocks only
-    with requests of the same salt."""
-    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-    if salt is not None and (not isinstance(salt, str) or not salt or len(salt) > MAX_CACHE_SALT_CHARS):
-        raise InvalidRequest("cache_salt", f"must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters")
-    return salt
-
