@@ -62,10 +62,11 @@ class RequestState:
         return all(seq.finish_reason is not None for seq in self.sequences.values())
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RequestProgress:
     """A user request that a step advanced, finished or failed, whatever its ``output_kind``
-    let the step return: what metrics and logs count."""
+    let the step return: what metrics and logs count. Read-only by convention, not frozen: one
+    is made per request per step, and a frozen dataclass's constructor costs three times as much."""
 
     request_id: str
     #: shared with the request's outputs: times, prompt and generated token counts

@@ -249,7 +249,8 @@ class Scheduler:
         return max(0, min(self.num_lookahead_slots, request.max_model_len - start - num_new))
 
     def _emit(self, request: Request, num_new: int, step: "_Step", drafts: tuple[int, ...] = ()) -> None:
-        request.spec_token_ids = []
+        if request.spec_token_ids:
+            request.spec_token_ids = []
         start = request.num_computed_tokens
         if request.request_id not in self._known_to_runner:
             self._known_to_runner.add(request.request_id)
