@@ -11,6 +11,7 @@ A step whose rows all decode replays a recorded graph where the engine captured 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -161,9 +162,11 @@ class HostInputs:
         num_tokens = int(query_start[-1])
         request_index = np.repeat(np.arange(len(rows)), query_lens)
         positions = computed[request_index] + np.arange(num_tokens) - query_start[:-1][request_index]
-        block_table = np.zeros((len(rows), max(len(r.block_ids) for r in rows)), dtype=np.int32)
-        for i, r in enumerate(rows):
-            block_table[i, : len(r.block_ids)] = r.block_ids
+        num_blocks = np.fromiter((len(r.block_ids) for r in rows), np.int64, len(rows))
+        block_table = np.zeros((len(rows), int(num_blocks.max())), dtype=np.int32)
+        # each row's ids fill its leading columns, in one assignment rather than one per row
+        block_table[np.arange(block_table.shape[1]) < num_blocks[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(r.block_ids for r in rows), np.int32, int(num_blocks.sum()))
         slots = block_table[request_index, positions // bs].astype(np.int64) * bs + positions % bs
         token_ids = np.fromiter((t for r in rows for t in r.token_ids), np.int64, num_tokens)
         return cls(token_ids, positions, query_lens, query_start, computed + query_lens, block_table, slots)
