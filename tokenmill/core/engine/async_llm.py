@@ -333,7 +333,7 @@ class AsyncLLM:
 
     def _deliver(self, request_id: str, item: object, final: bool) -> None:
         with self._lock:
-            target = self._streams.pop(request_id, None) if final else self._streams.get(request_id)
+            target = self._stream_of(request_id, final)
         if target is not None:
             loop, stream = target
             loop.call_soon_threadsafe(stream.put_nowait, item)
@@ -345,13 +345,16 @@ class AsyncLLM:
         batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         with self._lock:
             for output in outputs:
-                request_id = output.request_id
-                target = self._streams.pop(request_id, None) if output.finished else self._streams.get(request_id)
+                target = self._stream_of(output.request_id, output.finished)
                 if target is not None:
                     batches.setdefault(target[0], []).append((target[1], output))
         for loop, items in batches.items():
             if not loop.is_closed():
                 loop.call_soon_threadsafe(_put_all, items)
+
+    def _stream_of(self, request_id: str, final: bool) -> Optional[tuple[asyncio.AbstractEventLoop, asyncio.Queue]]:
+        """A request's (loop, stream), forgotten with its final item; hold ``_lock``."""
+        return self._streams.pop(request_id, None) if final else self._streams.get(request_id)
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:
