@@ -24,7 +24,9 @@ from safetensors.torch import load_file
 from conftest import PROMPTS, QUANT_CHECKPOINTS, with_platforms
 from tokenmill import LLM, SamplingParams, load_config
 from tokenmill.core.distributed.messages import Row, Step
+from tokenmill.core.layers.custom_op import CustomOp
 from tokenmill.core.worker import memory_profile
+from tokenmill.plugins.platforms.cuda.fused_ops import FUSED_OPS
 from tokenmill.plugins.quantization import fp8
 from tokenmill.testing.device_graphs import FreedTensorError
 from tokenmill.testing.fake_cuda import DeviceMismatchError, DeviceTensor, fake_cuda
@@ -57,14 +59,17 @@ def greedy(llm: LLM, prompts, max_tokens: list[int]):
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_every_family_runs_on_the_device_stand_in_at_hf_parity(arch, model_dir):
     """Build (weights made on the device, the profiling forward), prompt steps through the
-    staging buffers, decode steps replayed from recorded graphs (buckets 4, 2 and 1): no host
-    tensor meets a device one, and the tokens and logprobs are HF's."""
+    staging buffers, the elementwise layers on the platform's Triton kernels, decode steps
+    replayed from recorded graphs (buckets 4, 2 and 1): no host tensor meets a device one, and
+    the tokens and logprobs are HF's."""
     prompts, max_tokens = [p[:14] for p in PROMPTS[:3]], [6, 4, 2]
     with fake_cuda():
         llm = fake_cuda_llm(model_dir(arch))
         engine = llm.llm_engine
         assert engine.platform.profiled == 1
         assert isinstance(next(engine.runner.model.parameters()), DeviceTensor)
+        ops = [m for m in engine.runner.model.modules() if isinstance(m, CustomOp)]
+        assert all(m.op_impl in FUSED_OPS.values() for m in ops)  # every elementwise op on its Triton kernel
         tokens, logprobs = greedy(llm, prompts, max_tokens)
         graphs = engine.runner.model_step.graphs.graphs
         assert graphs[4].replays > 0 and graphs[2].replays > 0 and graphs[1].replays > 0

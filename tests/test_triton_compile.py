@@ -33,7 +33,8 @@ def compiled() -> dict:
 
 def test_the_cases_cover_every_kernel_and_every_choice():
     assert {case.kernel for case in CASES} == {"write_kv", "paged_attention", "prefill_attention", "merge_splits",
-                                               "dequant_gemm", "bgmv", "fused_moe", "block_fp8_gemm"}
+                                               "dequant_gemm", "bgmv", "fused_moe", "block_fp8_gemm",
+                                               "rms_norm", "act_and_mul", "rotary"}
     attention = [case.constexprs for case in CASES if case.kernel == "paged_attention"]
     assert {c["BLOCK_SIZE"] for c in attention} == {4, 8, 16, 32, 64, 128}
     assert {c["HEAD_DIM"] for c in attention} == {64, 80, 96, 112, 128, 256}

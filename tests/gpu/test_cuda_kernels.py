@@ -67,3 +67,58 @@ def test_mixtral_decodes_alike_on_the_fused_and_loop_moe_paths(model_dir):
                 assert top[0] - top[1] <= 0.1, f"diverges at step {step} on no tie"
                 break
             assert abs(fused.outputs[0].logprobs[step][a].logprob - entries[b].logprob) < 0.1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_elementwise_ops_match_eager_and_replay_in_a_cuda_graph(dtype):
+    """The cuda platform's RMSNorm (Llama's and Gemma's), SiLU/GELU-and-mul and rotary kernels
+    against each layer's eager code at Llama-3-8B's widths: a GPU rounds fp32 -> bf16 to nearest,
+    as torch does, so the two agree to the last bit but for a reduction's order or ``exp``'s
+    last bits (an ulp of an intermediate, in a small share of the values; GELU's tail below -3,
+    where torch's ``1 + tanh`` cancels, in more of them). Then the same calls replay from a graph."""
+    from tokenmill.core.layers.activation import GatedActivation
+    from tokenmill.core.layers.norm import GemmaRMSNorm, RMSNorm
+    from tokenmill.core.layers.rotary import ApplyRotary
+    from tokenmill.plugins.platforms.cuda.fused_ops import act_and_mul, rms_norm, rotary_embedding
+
+    torch.manual_seed(0)
+    tokens, hidden, head = 300, 4096, 128
+    eps = torch.finfo(dtype).eps
+    norms = [RMSNorm(hidden, 1e-5, dtype).cuda(), GemmaRMSNorm(hidden, 1e-5, dtype).cuda()]
+    for norm in norms:
+        norm.weight.data.normal_(1 if isinstance(norm, RMSNorm) else 0, 0.2)
+    acts = [GatedActivation("silu"), GatedActivation("gelu_pytorch_tanh")]
+    rotary = ApplyRotary(head)
+    x = torch.randn(tokens, hidden, device="cuda", dtype=dtype) * 3
+    gate_up = torch.randn(tokens, 2 * 14336, device="cuda", dtype=dtype) * 3
+    qkv = torch.randn(tokens, (32 + 8 + 8) * head, device="cuda", dtype=dtype)
+    angles = torch.rand(tokens, head // 2, device="cuda") * 100
+    cos, sin = (torch.cat([f(angles)] * 2, dim=-1).to(dtype) for f in (torch.cos, torch.sin))
+
+    def fused():
+        q, k = qkv[:, :32 * head].view(tokens, 32, head), qkv[:, 32 * head:40 * head].view(tokens, 8, head)
+        q_in, k_in = q.clone(), k.clone()
+        rotated = rotary_embedding(rotary, q_in, k_in, cos, sin)
+        return [rms_norm(n, x) for n in norms] + [act_and_mul(a, gate_up) for a in acts] + list(rotated)
+
+    def eager():
+        q, k = qkv[:, :32 * head].view(tokens, 32, head), qkv[:, 32 * head:40 * head].view(tokens, 8, head)
+        return ([n.forward_native(x) for n in norms] + [a.forward_native(gate_up) for a in acts]
+                + list(rotary.forward_native(q, k, cos, sin)))
+
+    def check(got, want):
+        for index, (a, b) in enumerate(zip(got, want)):
+            # an ulp of an intermediate (the activation, before ``* up``) is several of the result's
+            torch.testing.assert_close(a.float(), b.float(), rtol=4 * eps, atol=1e-5,
+                                       msg=lambda m, i=index: f"output {i}: {m}")
+            share = (a != b).float().mean().item()
+            assert share <= (0.1 if index == 3 else 0.01), f"output {index}: {share:.1%} of the values differ"
+
+    check(fused(), eager())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = fused()
+    for tensor in (x, gate_up, qkv):
+        tensor.copy_(torch.randn_like(tensor) * 3)
+    graph.replay()
+    check(outputs, eager())

@@ -39,6 +39,15 @@ from tokenmill.plugins.attention.triton_paged.kernels import (
     prefill_tiles,
 )
 from tokenmill.plugins.models.triton_moe import _fused_moe_kernel, tiles_for
+from tokenmill.plugins.platforms.cuda.fused_ops import (
+    ACT_TILE,
+    RMS_NORM_TILE,
+    _act_and_mul_kernel,
+    _rms_norm_kernel,
+    _rotary_kernel,
+    rms_norm_warps,
+    rotary_warps,
+)
 from tokenmill.plugins.quantization.triton_block_fp8 import _block_fp8_gemm_kernel, gpu_tiles
 from tokenmill.plugins.quantization.triton_gemm import _dequant_gemm_kernel, gemm_block_k
 
@@ -179,6 +188,23 @@ def kernel_cases() -> list[KernelCase]:
                                 "num_padded_ptr": "*i32"},
                                {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
                                 "MUL_ROUTED_WEIGHT": routed, "IEEE_FP32": dtype == "fp32"}))
+        # the elementwise ops: RMSNorm (q/k head norms to an 8B model's rows in one pass, wider
+        # rows in two; Llama's and Gemma's weights), both gated activations, and rotary over
+        # each head size's half (Phi's partial rotary: 16 of 32) with up to 64 query heads
+        for (hidden, one_pass), gemma in zip(((64, True), (128, True), (2048, True), (4096, True),
+                                              (RMS_NORM_TILE, True), (RMS_NORM_TILE, False)), _cycle((False, True), 6)):
+            cases.append(_case("rms_norm", _rms_norm_kernel,
+                               {"x_ptr": f"*{dtype}", "weight_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "eps": "fp32"},
+                               {"BLOCK": hidden, "ONE_PASS": one_pass, "GEMMA": gemma}, rms_norm_warps(hidden)))
+        for act in (0, 1):
+            cases.append(_case("act_and_mul", _act_and_mul_kernel, {"x_ptr": f"*{dtype}", "out_ptr": f"*{dtype}"},
+                               {"ACT": act, "BLOCK": ACT_TILE}))
+        for half, q_heads, k_heads in ((16, 32, 32), (32, 16, 8), (40, 32, 8), (64, 64, 8), (128, 16, 8)):
+            cases.append(_case("rotary", _rotary_kernel,
+                               {"q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "cos_ptr": f"*{dtype}",
+                                "sin_ptr": f"*{dtype}"},
+                               {"HALF": half, "HALF_PAD": triton.next_power_of_2(half), "Q_HEADS_PAD": q_heads,
+                                "K_HEADS_PAD": k_heads}, rotary_warps(q_heads * triton.next_power_of_2(half))))
     return cases
 
 

@@ -25,15 +25,18 @@ class RMSNorm(CustomOp):
         return self.weight * h.to(dtype)
 
 
-class GemmaRMSNorm(nn.Module):
-    """Gemma's RMSNorm: the weight is an offset from 1, applied in float32 before the cast."""
+class GemmaRMSNorm(CustomOp):
+    """Gemma's RMSNorm: the weight is an offset from 1, applied in float32 before the cast. A
+    platform may fuse it (op ``gemma_rms_norm``)."""
+
+    op_name = "gemma_rms_norm"
 
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.zeros(hidden_size, dtype=dtype), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (h * (1.0 + self.weight.float())).type_as(x)

@@ -9,7 +9,8 @@ What it decides (options in ``platform.cuda``):
   pass's activations; swap space and input staging in pinned host memory, so copies to and
   from the device are asynchronous;
 - decode steps recorded as CUDA graphs (``capture_graph``), all in one memory pool;
-- mixture-of-experts layers on the Triton fused-MoE kernel (``custom_op``);
+- the elementwise layers (RMSNorm, rotary embeddings, SiLU/GELU-and-mul) and mixture-of-experts
+  layers on Triton kernels (``custom_op``: ``fused_ops``);
 - a CUDA error that poisons the context stops the engine (``is_fatal_error``); running out
   of memory fails only that step's requests.
 """
@@ -24,7 +25,7 @@ import torch
 
 from tokenmill.interfaces.errors import ConfigError
 from tokenmill.interfaces.platform import Detection, DeviceGraph, Platform
-from tokenmill.plugins.models.triton_moe import fused_moe
+from tokenmill.plugins.platforms.cuda.fused_ops import FUSED_OPS
 from tokenmill.plugins.platforms.cuda.options import CudaOptions
 
 
@@ -118,9 +119,10 @@ class CudaPlatform(Platform):
                                           "device-side assert", "cudaError")))
 
     def custom_op(self, layer: torch.nn.Module) -> Optional[Callable[..., Any]]:
-        """Mixture-of-experts layers route on the device (Triton grouped GEMMs over tokens sorted
-        by expert): no host synchronisation per layer, so their decode steps record as graphs."""
-        return fused_moe if layer.op_name == "fused_moe" else None
+        """One Triton kernel per elementwise layer, where eager runs several; mixture-of-experts
+        layers route on the device (Triton grouped GEMMs over tokens sorted by expert): no host
+        synchronisation per layer, so their decode steps record as graphs."""
+        return FUSED_OPS.get(layer.op_name)
 
     def place_model(self, model: torch.nn.Module) -> None:
         model.to(self.device_type)
