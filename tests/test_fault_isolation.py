@@ -123,16 +123,16 @@ def test_a_step_failing_after_sampling_is_retried_with_the_generators_wound_back
     """The failure comes after the seeded rows drew their samples: the retry rewinds their
     generators, so a seeded batch-mate samples exactly what a clean run gives it."""
     from tokenmill import SamplingParams
-    from tokenmill.core.sample import sampler
+    from tokenmill.core.sample.sampler import LogprobValues
 
-    gather = sampler.gather_logprobs
+    entries = LogprobValues.entries
 
-    def failing_gather(logprobs, token_ids, ks):
+    def failing_entries(self, token_ids, ks):
         if 7 in ks:
             raise RuntimeError("injected logprobs failure")
-        return gather(logprobs, token_ids, ks)
+        return entries(self, token_ids, ks)
 
-    monkeypatch.setattr(sampler, "gather_logprobs", failing_gather)
+    monkeypatch.setattr(LogprobValues, "entries", failing_entries)
     seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=8, ignore_eos=True)
     clean = make_llm(model_dir("llama")).generate([{"prompt_token_ids": [11, 12, 13]}], seeded, use_tqdm=False)
     engine = make_llm(model_dir("llama")).llm_engine

@@ -11,6 +11,10 @@ from typing import Optional
 
 from tokenmill.interfaces.types import PositionLogprobs, SamplingParams
 
+#: in ``ScheduledRequest.new_token_ids`` under async scheduling: the token the request's step
+#: still in flight samples, which the runner puts in place on the device
+PLACEHOLDER_TOKEN = -1
+
 
 @dataclass(frozen=True, slots=True)
 class NewRequestData:
@@ -26,7 +30,9 @@ class NewRequestData:
 
 @dataclass(frozen=True, slots=True)
 class ScheduledRequest:
-    """One request's work in a step: compute ``new_token_ids`` at positions from ``num_computed_tokens``."""
+    """One request's work in a step: compute ``new_token_ids`` at positions from ``num_computed_tokens``
+    (under async scheduling, positions after those its step in flight computes; its one new
+    token then may be ``PLACEHOLDER_TOKEN``)."""
 
     request_id: str
     new_token_ids: tuple[int, ...]

@@ -139,8 +139,6 @@ REFUSED: dict[str, str] = {
         "--max-num-active-seqs", "--max-num-queued-tokens", "--prefill-schedule-interval",
         "--scheduler-reserve-full-isl", "--prefix-cache-retention-interval", "--prefix-caching-hash-algo",
         "--prefix-match-unit", "--kv-sharing-fast-prefill", "--disable-cascade-attn", "--kv-cache-dtype-skip-layers")},
-    "--async-scheduling": "the engine schedules each step once the last one's outputs are processed; overlapping "
-                          "the two is not supported",
     "--max-num-queued-reqs": "use --max-queued-requests (requests beyond it get 503)",
     "--scheduler-cls": "scheduling policies are plugins: --scheduling-policy NAME (see `tokenmill plugins`)",
     "--stream-interval": "streams send every step's tokens",

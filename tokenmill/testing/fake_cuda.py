@@ -19,6 +19,8 @@ to be on the same device". Under ``fake_cuda()``:
 Values are real, so an engine on ``FakeCudaPlatform`` can be compared with Hugging Face.
 What it does not model: streams and asynchrony (every copy completes at once), memory
 limits, and the address-level faults of recorded graphs (``device_graphs`` has those).
+What it records instead (``host_syncs()``): each point where a GPU's host would wait for the
+device, so that code meant to run ahead of the device (async scheduling) can be held to it.
 Why a tensor subclass and not ``FakeTensorMode``: fake tensors have no values (the engine
 could not sample), and on a CPU-only build their ``.to("cuda")``, cross-device
 ``copy_``, host-index indexing and pinning all raise although each is legal on a GPU.
@@ -26,6 +28,7 @@ could not sample), and on a CPU-only build their ``.to("cuda")``, cross-device
 
 from __future__ import annotations
 
+import threading
 from contextlib import ExitStack, contextmanager
 from typing import Any, Callable, Iterator, Optional
 
@@ -50,6 +53,31 @@ class DeviceMismatchError(RuntimeError):
     """A host tensor met a device tensor in an operation CUDA refuses."""
 
 
+_syncs = threading.local()
+
+
+@contextmanager
+def host_syncs() -> Iterator[list[str]]:
+    """The host's waits for the device inside the block, one line each: a read back
+    (``.tolist()``, ``.item()``, ``bool()``, ``int()``), a copy to the host, and a blocking copy
+    to the device, which on a GPU waits for every kernel queued before it (``.to("cuda")``
+    or ``copy_`` without ``non_blocking``, ``torch.tensor(..., device="cuda")``, a host index
+    or a list indexing a device tensor)."""
+    outer = getattr(_syncs, "events", None)
+    events: list[str] = []
+    _syncs.events = events
+    try:
+        yield events
+    finally:
+        _syncs.events = outer
+
+
+def _synced(what: str) -> None:
+    events = getattr(_syncs, "events", None)
+    if events is not None:
+        events.append(what)
+
+
 class DeviceTensor(torch.Tensor):
     """A tensor on ``cuda:0`` whose values are the host tensor ``elem``."""
 
@@ -72,6 +100,8 @@ class DeviceTensor(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         check_devices(func, args, kwargs)
+        if func is aten._local_scalar_dense.default:
+            _synced("item() of a device tensor")
         to_device = _wants_device(kwargs)
         if to_device is None and any(isinstance(a, torch.device) for a in args):  # aten.to.device
             to_device = next(a for a in args if isinstance(a, torch.device)).type == "cuda"
@@ -141,8 +171,11 @@ def _to(func: Any, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Ten
         if isinstance(tensor, DeviceTensor):
             moved = tensor.elem.to(**options, copy=bool(kwargs.get("copy")))
             return tensor if moved is tensor.elem else DeviceTensor(moved)
+        if not kwargs.get("non_blocking"):
+            _synced(f"blocking copy of a host tensor {tuple(tensor.shape)} to the device")
         return DeviceTensor(tensor.to(**options, copy=True))
     if isinstance(tensor, DeviceTensor):
+        _synced(f"copy of a device tensor {tuple(tensor.shape)} to the host")
         return tensor.elem.to(device, **options, copy=True)
     return func(tensor, *args, **kwargs)
 
@@ -164,11 +197,15 @@ class _Placement(TorchFunctionMode):
         if name == "is_pinned":
             return False
         if name == "copy_" and any(isinstance(x, DeviceTensor) for x in args[:2]):
+            if isinstance(args[0], DeviceTensor) != isinstance(args[1], DeviceTensor) and (
+                    not isinstance(args[0], DeviceTensor) or not kwargs.get("non_blocking")):
+                _synced("blocking copy_ between the host and the device")
             return aten.copy_.default(args[0], args[1])  # the binding's device guard needs CUDA
         if name == "contiguous" and isinstance(args[0], DeviceTensor):  # its binding's guard needs CUDA
             contiguous = args[0].elem.contiguous(*args[1:], **kwargs)
             return args[0] if contiguous is args[0].elem else DeviceTensor(contiguous)
         if name in ("tolist", "__int__", "__float__", "__bool__", "__index__") and isinstance(args[0], DeviceTensor):
+            _synced(f"{name} of a device tensor")
             return getattr(args[0].elem, name)()  # read back (a synchronisation), as CUDA does
         if name in ("numpy", "__array__") and isinstance(args[0], DeviceTensor):
             raise TypeError("can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy the tensor "
@@ -178,6 +215,8 @@ class _Placement(TorchFunctionMode):
         if name == "__setitem__" and isinstance(args[0], DeviceTensor):
             return self._setitem(*args)
         if _wants_device(kwargs) and name != "device":  # factories, new_*, *_like
+            if name in ("tensor", "as_tensor"):
+                _synced(f"torch.{name}(..., device=cuda): a blocking copy of host data")
             return _wrap(func(*tree_map(host_value, args), **{**kwargs, "device": torch.device("cpu")}))
         return func(*args, **kwargs)
 
@@ -185,13 +224,23 @@ class _Placement(TorchFunctionMode):
     def _getitem(tensor: DeviceTensor, index: Any) -> torch.Tensor:
         flat = [x for x in tree_flatten(index)[0] if isinstance(x, torch.Tensor)]
         check_devices(aten.index.Tensor, (tensor, flat), {})
+        _host_index(index)
         return DeviceTensor(tensor.elem[tree_map(host_value, index)])
 
     @staticmethod
     def _setitem(tensor: DeviceTensor, index: Any, value: Any) -> None:
         if isinstance(value, torch.Tensor):
             check_devices(aten.index_put_.default, (tensor, [], value), {})
+        _host_index(index)
         tensor.elem[tree_map(host_value, index)] = host_value(value)
+
+
+def _host_index(index: Any) -> None:
+    """CUDA copies a host index tensor (or a list) to the device with a blocking copy."""
+    parts = index if isinstance(index, tuple) else (index,)
+    if any(isinstance(part, list) or (isinstance(part, torch.Tensor) and not isinstance(part, DeviceTensor)
+                                      and part.dim() > 0) for part in parts):
+        _synced("indexing a device tensor with host indices")
 
 
 def _triton_launch(kernel: Any, grid: Any, args: tuple, kwargs: dict, launch: Callable[[tuple, dict], Any]) -> Any:

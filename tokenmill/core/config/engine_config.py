@@ -42,6 +42,11 @@ class SchedulerConfig(BaseModel):
     preemption_mode: Literal["recompute", "swap"] = "recompute"
     #: options of the chosen policy, validated by the policy itself
     policy_config: dict[str, Any] = {}
+    #: schedule and launch step N+1 before step N's result is read, its decode rows taking
+    #: N's sampled tokens on the device (vLLM: async_scheduling), so that a GPU runs N+1 while
+    #: the host reads, detokenizes and schedules; one process, no speculative decoding (the
+    #: rules: core/sched/scheduler.py)
+    async_scheduling: bool = False
 
 
 class CacheConfig(BaseModel):
@@ -263,6 +268,7 @@ VLLM_NAMES: dict[str, str] = {
     "long_prefill_token_threshold": "scheduler.long_prefill_token_threshold",
     "scheduling_policy": "scheduler.policy",
     "preemption_mode": "scheduler.preemption_mode",
+    "async_scheduling": "scheduler.async_scheduling",
     "attention_backend": "attention.backend",
     "quantization": "quantization.method",
     "enable_lora": "adapters.enable_lora",

@@ -250,7 +250,8 @@ class DistributedModelStep:
     def parallel(self):
         return self.local.parallel
 
-    def run(self, step: Step, wait: bool = True) -> Optional[StepResult]:
+    def run(self, step: Step, wait: bool = True, placeholders: None = None) -> Optional[StepResult]:
+        """``placeholders``: none (async scheduling, which fills them, runs in one process only)."""
         if self.group.broken is not None:
             raise WorkerFailed(self.group.broken)
         self.group.send(step)

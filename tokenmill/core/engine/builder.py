@@ -63,6 +63,7 @@ def build_engine(config: EngineConfig, pm: Optional[PluginManager] = None) -> LL
     """A generation engine, or an embedding engine when the architecture is an encoder."""
     if config.model is None:
         raise ConfigError("model", "no model given: pass a model directory or set 'model' in the YAML")
+    _check_async_scheduling(config)
     pm = pm or make_plugin_manager()
     components = collect_components(pm)
     platform = select_platform(components.platforms, config)
@@ -79,6 +80,21 @@ def build_engine(config: EngineConfig, pm: Optional[PluginManager] = None) -> LL
         raise
     freeze_startup_heap()
     return engine
+
+
+def _check_async_scheduling(config: EngineConfig) -> None:
+    """What async scheduling cannot serve yet: drafts need the verified tokens on the host
+    before the next step, and the ranks of a multi-process model would each need the tokens
+    that only the driver samples."""
+    if not config.scheduler.async_scheduling:
+        return
+    if config.speculative.enabled:
+        raise ConfigError("async_scheduling", "async scheduling does not work with speculative decoding yet: "
+                                              "turn one of them off")
+    if config.parallel.world_size > 1:
+        raise ConfigError("async_scheduling", "async scheduling needs one process: tensor_parallel_size and "
+                                              "pipeline_parallel_size must be 1 (pipeline parallelism keeps "
+                                              "several batches in flight of its own)")
 
 
 def _build_engine(config: EngineConfig, pm: PluginManager, components: Components, platform: Platform,
@@ -126,7 +142,8 @@ def _build_engine(config: EngineConfig, pm: PluginManager, components: Component
                                            config.cache.block_size, model_config.max_model_len,
                                            scheduler.num_lookahead_slots)
     model_step = ModelStep(model, built.backend, config.cache.block_size, model_config.vocab_size, parallel,
-                           swap_caches, adapters, greedy_head, InputStaging.for_platform(platform),
+                           swap_caches, adapters, greedy_head,
+                           InputStaging.for_platform(platform, sets=2 if config.scheduler.async_scheduling else 1),
                            record_graphs() if record_graphs is not None else None)
     local_control = WorkerControl(RankParts(config, components, platform, built, model_step, num_blocks,
                                             host_blocks, record_graphs))
@@ -139,7 +156,7 @@ def _build_engine(config: EngineConfig, pm: PluginManager, components: Component
     structured = _structured_outputs(config, components, context)
     processors = ((StructuredOutput(context, structured),) if structured else ()) + _logits_processors(
         config, components, context)
-    runner = ModelRunner(model_step, config.seed, processors, config.logprobs_mode)
+    runner = ModelRunner(model_step, config.seed, processors, config.logprobs_mode, config.scheduler.async_scheduling)
     engine = LLMEngine(config, model_config, tokenizer, scheduler, runner, pm, adapters, platform, structured, group,
                        speculator)
     engine.control = EngineControl(engine, ControlPlane(local_control, group,

@@ -82,8 +82,10 @@ class LLMEngine:
             adapters.in_use = lambda name: any(r.adapter_name == name for r in scheduler.requests.values())
         self.outputs = OutputProcessor(tokenizer)
         self._arrivals = itertools.count()
-        #: launched batches whose results are not in yet (pipeline parallelism), oldest first
+        #: launched batches whose results are not in yet (pipeline parallelism, async
+        #: scheduling), oldest first, and how many are launched before the oldest is sampled
         self._in_flight: deque[tuple[SchedulerOutput, LaunchedStep]] = deque()
+        self._depth = max(scheduler.pipeline_depth, 2 if scheduler.async_scheduling else 1)
         self._warned_priority = False
         #: the queue after the latest step (for metrics and observers)
         self.last_scheduler_stats: Optional[SchedulerStats] = None
@@ -162,6 +164,10 @@ class LLMEngine:
                 f"{self.max_model_len} tokens, so at most {self.max_model_len - 1} fit",
             )
         child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
+        # under async scheduling the last step of a request that just finished may still be in
+        # flight under its id: a new sequence that would reuse it takes another, so that
+        # step's result cannot reach it
+        child_ids = [f"{c}\x00{next(self._arrivals)}" if c in self.scheduler.in_flight else c for c in child_ids]
         if request_id in self.outputs.states or any(self.outputs.parent_of(c) or c in self.scheduler.requests
                                                     for c in child_ids):
             raise InvalidRequest("request_id", f"request id {request_id!r} is already in use")
@@ -207,6 +213,10 @@ class LLMEngine:
             if children:
                 self.last_step_progress.append(self.outputs.progress(request_id))
                 outputs.append(self._emit(request_id))
+        progress = self.last_step_progress
+        while self._in_flight and not self.scheduler.has_unfinished_requests():
+            self._finish_oldest()  # steps of aborted requests only: the engine is idle once they land
+        self.last_step_progress = progress
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -230,9 +240,10 @@ class LLMEngine:
         step launches the next batch (its requests are none of those in flight) before it
         samples the oldest one, so every stage has work while the last one finishes."""
         self.last_step_progress = []
-        if self.scheduler.pipeline_depth > 1:
+        if self._depth > 1:
             return self._step_pipelined()
         batch = self._schedule()
+        self.runner.prepare(batch)
         result, failures = self._execute(batch)
         return self._advance(batch, result, failures)
 
@@ -244,22 +255,40 @@ class LLMEngine:
         return batch
 
     def _step_pipelined(self) -> list[RequestOutput]:
+        """Launch the next batch, then sample and apply the oldest in flight once ``_depth``
+        are (pipeline parallelism; async scheduling, with a depth of two)."""
         batch = self._schedule()
         self.runner.prepare(batch)
         if not batch.is_empty:
+            generators = self.runner.generator_states(batch)
             try:
                 launched = self.runner.launch(batch)
             except WorkerFailed:
                 raise
-            except Exception as exc:  # this batch fails; the ones in flight go on
+            except Exception as exc:
                 self._raise_if_fatal(exc)
-                return self._advance(batch, _NOTHING, {item.request_id: exc for item in batch.scheduled})
+                if not self.scheduler.async_scheduling:  # this batch fails; the ones in flight go on
+                    return self._advance(batch, _NOTHING, {item.request_id: exc for item in batch.scheduled})
+                # the step in flight first (this batch's placeholders are its tokens), then this
+                # batch one request at a time, so that only the requests that fail end
+                outputs = self._finish_oldest() if self._in_flight else []
+                progress = self.last_step_progress
+                result, failures = self._isolate(batch, exc, generators)
+                outputs += self._advance(batch, result, failures)
+                self.last_step_progress = progress + self.last_step_progress
+                return outputs
             self._in_flight.append((batch, launched))
-            self.scheduler.in_flight.update(item.request_id for item in batch.scheduled)
-        if not self._in_flight or (len(self._in_flight) < self.scheduler.pipeline_depth and not batch.is_empty):
+            self.scheduler.in_flight.update((item.request_id, item) for item in batch.scheduled)
+        if not self._in_flight or (len(self._in_flight) < self._depth and not batch.is_empty):
             return []
+        return self._finish_oldest()
+
+    def _finish_oldest(self) -> list[RequestOutput]:
         batch, launched = self._in_flight.popleft()
-        self.scheduler.in_flight.difference_update(item.request_id for item in batch.scheduled)
+        in_flight = self.scheduler.in_flight
+        for item in batch.scheduled:
+            if in_flight.get(item.request_id) is item:
+                del in_flight[item.request_id]
         try:
             result, failures = self.runner.finish(launched), {}
         except WorkerFailed:
@@ -322,12 +351,9 @@ class LLMEngine:
     def _execute(self, batch: SchedulerOutput) -> tuple[ModelRunnerOutput, dict[str, BaseException]]:
         """Run the batch; if that raises, run its requests one at a time to find the ones that fail.
 
-        The runner's bookkeeping (new requests, swap copies) comes first and is the engine's
-        own: its failure propagates. A retry recomputes the same KV into the same slots, and
-        the generators are wound back first, so every request that succeeds samples what a
-        clean step would have given it.
+        The runner's bookkeeping (new requests, swap copies: ``runner.prepare``) comes first,
+        in the caller, and is the engine's own: its failure propagates.
         """
-        self.runner.prepare(batch)
         generators = self.runner.generator_states(batch)
         try:
             return self.runner.execute(batch), {}
@@ -335,8 +361,15 @@ class LLMEngine:
             raise
         except Exception as exc:
             self._raise_if_fatal(exc)
-            if len(batch.scheduled) <= 1:
-                return _NOTHING, {item.request_id: exc for item in batch.scheduled}
+            return self._isolate(batch, exc, generators)
+
+    def _isolate(self, batch: SchedulerOutput, exc: BaseException,
+                 generators: list) -> tuple[ModelRunnerOutput, dict[str, BaseException]]:
+        """Run the requests of a batch that raised ``exc`` one at a time. A retry recomputes the
+        same KV into the same slots, and the generators are wound back first, so every request
+        that succeeds samples what a clean step would have given it."""
+        if len(batch.scheduled) <= 1:
+            return _NOTHING, {item.request_id: exc for item in batch.scheduled}
         sampled, logprobs, prompt_logprobs, failures = {}, {}, {}, {}
         self.runner.restore_generators(generators)  # each seeded generator serves one request only
         for item in batch.scheduled:

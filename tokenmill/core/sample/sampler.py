@@ -50,18 +50,26 @@ class Sampler:
         self, logits: torch.Tensor, rows: Sequence[SamplingRow]
     ) -> tuple[list[int], list[Optional[PositionLogprobs]]]:
         """``logits`` [num_rows, vocab] float32 -> (token ids, per-row logprobs or None)."""
-        want_logprobs = any(row.params.logprobs is not None for row in rows)
+        tokens, values = self.sample(logits, rows)
+        token_list = tokens.tolist()
+        if values is None:
+            return token_list, [None] * len(rows)
+        return token_list, values.entries(token_list, [row.params.logprobs for row in rows])
+
+    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]
+               ) -> tuple[torch.Tensor, Optional["LogprobValues"]]:
+        """The rows' tokens and, where a row asks for logprobs, their values: tensors on the
+        logits' device, computed without waiting for it (the caller reads them later)."""
         processed, greedy = self.process(logits, rows)
         tokens = processed.argmax(dim=-1)  # the greedy rows' tokens; the sampling rows' are drawn
         random_index = [i for i, g in enumerate(greedy) if not g]
         if random_index:
-            tokens[random_index] = self.draw(processed[random_index].softmax(dim=-1),
-                                             [rows[i].generator for i in random_index])
-        token_list = tokens.tolist()
-        if not want_logprobs:
-            return token_list, [None] * len(rows)
+            index = _on(logits.device, random_index, torch.long)
+            tokens[index] = self.draw(processed[index].softmax(dim=-1), [rows[i].generator for i in random_index])
         ks = [row.params.logprobs for row in rows]
-        return token_list, gather_logprobs(self.reported(logits, processed), tokens, ks)
+        if all(k is None for k in ks):
+            return tokens, None
+        return tokens, LogprobValues.of(self.reported(logits, processed), tokens, ks)
 
     def reported(self, raw: torch.Tensor, processed: torch.Tensor) -> torch.Tensor:
         """The values logprobs report, per ``logprobs_mode`` (ranks follow them too)."""
@@ -81,14 +89,15 @@ class Sampler:
         greedy = [row.params.greedy for row in rows]
         if all(greedy):
             return logits, greedy
-        temperature = torch.tensor([row.params.temperature or 1.0 for row in rows], device=logits.device).unsqueeze(1)
+        temperature = _on(logits.device, [row.params.temperature or 1.0 for row in rows], logits.dtype).unsqueeze(1)
         logits = logits / temperature
         for processor in self._argmax_invariant:
             if processor.is_active():
                 logits = processor.apply(logits)
         random_index = [i for i, g in enumerate(greedy) if not g]
         random_rows = [rows[i] for i in random_index]
-        logits[random_index] = self._truncate(logits[random_index], random_rows)
+        index = _on(logits.device, random_index, torch.long)
+        logits[index] = self._truncate(logits[index], random_rows)
         return logits, greedy
 
     def argmax_only(self, rows: Sequence[SamplingRow]) -> bool:
@@ -102,8 +111,8 @@ class Sampler:
     @staticmethod
     def _truncate(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """min-p, then top-k and top-p, on logits already divided by each row's temperature."""
-        min_p = torch.tensor([row.params.min_p for row in rows], device=logits.device)
-        if (min_p > 0).any():
+        if any(row.params.min_p > 0 for row in rows):
+            min_p = _on(logits.device, [row.params.min_p for row in rows], logits.dtype)
             probs = logits.softmax(dim=-1)
             threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
             logits = logits.masked_fill(probs < threshold, float("-inf"))
@@ -126,7 +135,7 @@ class Sampler:
         for i, generator in enumerate(generators):
             if generator is not None:
                 q[i].exponential_(generator=generator)
-        return (probs / q.to(probs.device, non_blocking=True)).argmax(dim=-1)
+        return (probs / _on(probs.device, q)).argmax(dim=-1)
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -161,6 +170,14 @@ def _token_counts(token_lists: Sequence[Sequence[int]], like: torch.Tensor) -> t
                              torch.ones(len(ids), dtype=like.dtype, device=like.device), accumulate=True)
 
 
+def reads_output_history(params: SamplingParams) -> bool:
+    """Whether sampling a request's next token reads the tokens it generated so far (penalties,
+    min_tokens, bad_words, a grammar, a plugin's processor through ``extra_args``): under async
+    scheduling such a request waits for its last token to reach the host."""
+    return (_penalized(params) or params.min_tokens > 0 or bool(params.bad_words)
+            or params.structured_outputs is not None or bool(params.extra_args))
+
+
 def _penalized(params: SamplingParams) -> bool:
     return (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
             or params.frequency_penalty != 0.0)
@@ -169,10 +186,11 @@ def _penalized(params: SamplingParams) -> bool:
 def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
     """Mask everything outside each row's top-k and top-p nucleus to -inf."""
     vocab = logits.shape[1]
-    k = torch.tensor([vocab if v == ALL_TOKENS else min(v, vocab) for v in top_k], device=logits.device)
-    p = torch.tensor(top_p, dtype=logits.dtype, device=logits.device)
-    if bool((k == vocab).all()) and bool((p >= 1.0).all()):
+    top_k = [vocab if v == ALL_TOKENS else min(v, vocab) for v in top_k]
+    if all(v == vocab for v in top_k) and all(v >= 1.0 for v in top_p):
         return logits
+    k = _on(logits.device, top_k, torch.long)
+    p = _on(logits.device, top_p, logits.dtype)
     sorted_logits, order = logits.sort(dim=-1, descending=False)
     kth = sorted_logits.gather(1, (vocab - k).unsqueeze(1))
     sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
@@ -183,28 +201,56 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+def _on(device: torch.device, values: Sequence | torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Host values on ``device`` without waiting for it: a plain ``torch.tensor(..., device=)``
+    (or a list index into a device tensor) is a blocking copy, which on a GPU waits for every
+    kernel queued before it."""
+    tensor = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    return tensor.to(device, non_blocking=True)
+
+
+@dataclass(slots=True)
+class LogprobValues:
+    """What logprobs report for a batch of rows, still on the device: the chosen tokens'
+    values and ranks, and each row's top-k (k: the largest any row asked for)."""
+
+    chosen: torch.Tensor  # [n]
+    ranks: torch.Tensor  # [n]
+    top_values: Optional[torch.Tensor]  # [n, k]
+    top_ids: Optional[torch.Tensor]
+
+    @classmethod
+    def of(cls, logprobs: torch.Tensor, token_ids: torch.Tensor, ks: Sequence[Optional[int]]) -> "LogprobValues":
+        """``logprobs`` [n, vocab] (log-softmax, or what logprobs_mode reports), ``token_ids`` [n]."""
+        chosen = logprobs.gather(1, token_ids.unsqueeze(1))  # [n, 1]
+        ranks = (logprobs > chosen).sum(dim=1) + 1
+        max_k = max((k for k in ks if k is not None), default=0)
+        top_values, top_ids = logprobs.topk(max_k, dim=-1) if max_k else (None, None)
+        return cls(chosen.squeeze(1), ranks, top_values, top_ids)
+
+    def entries(self, token_ids: Sequence[int], ks: Sequence[Optional[int]]) -> list[Optional[PositionLogprobs]]:
+        """Per row: ``{token: Logprob}`` for its token and its top-k (vLLM's shape); reads the device."""
+        chosen_l, ranks_l = self.chosen.tolist(), self.ranks.tolist()
+        top_v = self.top_values.tolist() if self.top_values is not None else None
+        top_i = self.top_ids.tolist() if self.top_ids is not None else None
+        result: list[Optional[PositionLogprobs]] = []
+        for i, k in enumerate(ks):
+            if k is None:
+                result.append(None)
+                continue
+            entry = {token_ids[i]: Logprob(chosen_l[i], ranks_l[i])}
+            for rank in range(k):
+                token = top_i[i][rank]
+                if token not in entry:
+                    entry[token] = Logprob(top_v[i][rank], rank + 1)
+            result.append(entry)
+        return result
+
+
 def gather_logprobs(
     logprobs: torch.Tensor,  # [n, vocab] log-softmax
     token_ids: torch.Tensor,  # [n] the tokens to report
     ks: Sequence[Optional[int]],  # per row: top-k to add, None = report nothing
 ) -> list[Optional[PositionLogprobs]]:
     """Per row: ``{token: Logprob}`` for the given token and the row's top-k (vLLM's shape)."""
-    chosen = logprobs.gather(1, token_ids.unsqueeze(1))  # [n, 1]
-    ranks = (logprobs > chosen).sum(dim=1) + 1
-    max_k = max((k for k in ks if k is not None), default=0)
-    top_values, top_ids = logprobs.topk(max_k, dim=-1) if max_k else (None, None)
-    chosen_l, ranks_l, ids_l = chosen.squeeze(1).tolist(), ranks.tolist(), token_ids.tolist()
-    top_v = top_values.tolist() if top_values is not None else None
-    top_i = top_ids.tolist() if top_ids is not None else None
-    result: list[Optional[PositionLogprobs]] = []
-    for i, k in enumerate(ks):
-        if k is None:
-            result.append(None)
-            continue
-        entry = {ids_l[i]: Logprob(chosen_l[i], ranks_l[i])}
-        for rank in range(k):
-            token = top_i[i][rank]
-            if token not in entry:
-                entry[token] = Logprob(top_v[i][rank], rank + 1)
-        result.append(entry)
-    return result
+    return LogprobValues.of(logprobs, token_ids, ks).entries(token_ids.tolist(), ks)

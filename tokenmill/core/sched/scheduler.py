@@ -14,6 +14,15 @@ Under pipeline parallelism ``pipeline_depth`` batches are in flight at once: a b
 an even share of the requests, never one in flight in another batch (its next tokens are
 not known yet), and a request in flight is never preempted.
 
+Under async scheduling one batch is in flight while the next is scheduled, and its requests
+go on: a prompt chunk's successor chunk follows it, and a decoding request's next token is
+``PLACEHOLDER_TOKEN``, the one its step in flight samples (the runner fills it in on the
+device). Not one whose sampling reads its output history on the host (penalties, a grammar,
+a logits processor's state; they run every other step), nor one whose step in flight may
+produce its last token by length. A request that stops on a token the host has not seen yet
+runs one step too many, whose token is dropped. Preemption never takes a request in flight:
+a request that finds no blocks and no victim waits a step.
+
 Speculative decoding: a decoding request's draft tokens ride after its last token, within
 the token budget (drafts are cut, never preempted for); ``num_lookahead_slots`` more KV
 slots are reserved for a proposer that writes KV of its own. The update keeps the verified
@@ -31,8 +40,10 @@ from tokenmill.core.config.engine_config import SchedulerConfig
 from tokenmill.core.engine.request import Request, RequestStatus
 from tokenmill.core.sched.kv_cache_manager import KVCacheManager
 from tokenmill.core.sched.spec_decode_stats import SpecDecodingStats
+from tokenmill.core.sample.sampler import reads_output_history
 from tokenmill.core.sched.swap_space import SwapSpace
 from tokenmill.interfaces.batch import (
+    PLACEHOLDER_TOKEN,
     ModelRunnerOutput,
     NewRequestData,
     ScheduledRequest,
@@ -58,8 +69,10 @@ class Scheduler:
         #: batches in flight at once (pipeline parallelism): each takes its share of the
         #: requests, and never one that is in flight in another
         self.pipeline_depth = pipeline_depth
-        #: requests of batches scheduled but not yet updated (kept by the engine)
-        self.in_flight: set[str] = set()
+        #: the next batch is scheduled while the last one is in flight, with its requests
+        self.async_scheduling = config.async_scheduling
+        #: each request of a batch scheduled but not yet updated -> its work there (kept by the engine)
+        self.in_flight: dict[str, ScheduledRequest] = {}
         #: KV slots reserved past a sampling step's tokens, for a proposer's own KV writes
         self.num_lookahead_slots = num_lookahead_slots
         self.spec_stats = SpecDecodingStats()
@@ -160,26 +173,37 @@ class Scheduler:
         index = 0
         while index < len(self.running) and step.budget > 0 and len(step.scheduled) < step.max_requests:
             request = self.running[index]
-            if request.request_id in self.in_flight:
-                index += 1
-                continue
-            num_new = self._chunk(request.num_tokens - request.num_computed_tokens, step.budget)
+            start, known = request.num_computed_tokens, request.num_tokens
+            ahead = self.in_flight.get(request.request_id)
+            if ahead is not None:
+                if not self._goes_on(request, ahead):
+                    index += 1
+                    continue
+                start = ahead.num_computed_tokens + len(ahead.new_token_ids)
+                known += ahead.sample  # the token in flight, a placeholder here
+            num_new = self._chunk(known - start, step.budget)
+            ahead_tokens = start - request.num_computed_tokens  # slots its step in flight holds
             drafts: tuple[int, ...] = ()
-            if request.spec_token_ids and request.num_computed_tokens + num_new == request.num_tokens:
+            if request.spec_token_ids and start + num_new == known:
                 drafts = tuple(request.spec_token_ids[:step.budget - num_new])
             lookahead = self._lookahead(request, num_new + len(drafts))
             if drafts and not self.kv_cache.allocate_slots(request, num_new + len(drafts) + lookahead):
                 drafts = ()  # no room for them: decode without (rather than preempt for drafts)
-            while not self.kv_cache.allocate_slots(request, num_new + lookahead):
-                victim = self.policy.choose_victim([r for r in self.running[index:]
-                                                    if r.request_id not in self.in_flight])
+            allocated = True
+            while allocated and not self.kv_cache.allocate_slots(request, ahead_tokens + num_new + lookahead):
+                victims = [r for r in self.running[index:] if r.request_id not in self.in_flight]
+                if not victims:  # itself and the rest in flight: it waits for their step
+                    allocated = False
+                    break
+                victim = self.policy.choose_victim(victims)
                 self._preempt(victim, step)
                 step.pressure_preempted = True
                 if victim is request:
                     break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted itself; the next request slid into `index`
-            self._emit(request, num_new, step, drafts)
+            if allocated:
+                self._emit(request, num_new, step, drafts, start)
             index += 1
 
     def _schedule_waiting(self, step: "_Step") -> None:
@@ -248,22 +272,42 @@ class Scheduler:
             return 0
         return max(0, min(self.num_lookahead_slots, request.max_model_len - start - num_new))
 
-    def _emit(self, request: Request, num_new: int, step: "_Step", drafts: tuple[int, ...] = ()) -> None:
+    def _emit(self, request: Request, num_new: int, step: "_Step", drafts: tuple[int, ...] = (),
+              start: Optional[int] = None) -> None:
+        """Schedule ``num_new`` tokens from position ``start`` (default: the computed ones'
+        end); positions past the known tokens take the token in flight (a placeholder)."""
         if request.spec_token_ids:
             request.spec_token_ids = []
-        start = request.num_computed_tokens
+        start = request.num_computed_tokens if start is None else start
         if request.request_id not in self._known_to_runner:
             self._known_to_runner.add(request.request_id)
             step.new_requests.append(_new_request_data(request))
+        tokens = tuple(request.all_token_ids[start:start + num_new])
+        if len(tokens) < num_new:
+            tokens += (PLACEHOLDER_TOKEN,) * (num_new - len(tokens))
         step.scheduled.append(ScheduledRequest(
             request_id=request.request_id,
-            new_token_ids=tuple(request.all_token_ids[start:start + num_new]) + drafts,
+            new_token_ids=tokens + drafts,
             num_computed_tokens=start,
             block_ids=self.kv_cache.block_ids(request.request_id),
-            sample=start + num_new == request.num_tokens,
+            sample=start + num_new >= request.num_tokens,
             spec_token_ids=drafts,
         ))
         step.budget -= num_new + len(drafts)
+
+    def _goes_on(self, request: Request, ahead: ScheduledRequest) -> bool:
+        """Whether a request whose step is in flight is scheduled again before that step's
+        result is in (async scheduling; never under pipeline parallelism)."""
+        if not self.async_scheduling:
+            return False
+        if not ahead.sample:
+            return True  # a prompt chunk: the next one's tokens are known
+        if ahead.spec_token_ids or reads_output_history(request.sampling_params):
+            return False
+        # the token in flight may be its last by length; one by a stop token costs a step
+        max_tokens = request.sampling_params.max_tokens
+        return (request.num_tokens + 1 < request.max_model_len
+                and (max_tokens is None or request.num_output_tokens + 1 < max_tokens))
 
     def update(self, output: SchedulerOutput, result: ModelRunnerOutput) -> list[tuple[Request, int]]:
         """Advance computed tokens, append sampled tokens one at a time with their token-level

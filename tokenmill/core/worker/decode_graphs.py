@@ -130,10 +130,12 @@ class DecodeGraphs:
         return next((size for size in self.sizes if size >= rows), None)
 
     def run(self, size: int, token_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
-            seq_lens: np.ndarray, block_table: np.ndarray, put: Put) -> torch.Tensor:
+            seq_lens: np.ndarray, block_table: np.ndarray, put: Put,
+            fill: Optional[Callable[[torch.Tensor], None]] = None) -> torch.Tensor:
         """Fill the buffers with a step's rows (padded to ``size``), replay, return the real rows'
         hidden states. The values go through ``put`` first: pinned host buffers and
-        non-blocking copies, then a device-side copy into the graph's buffers."""
+        non-blocking copies, then a device-side copy into the graph's buffers; ``fill`` then
+        writes the input ids that are still on the device (placeholder tokens)."""
         rows, width = len(token_ids), block_table.shape[1]
 
         def padded(values: np.ndarray, fill: int) -> np.ndarray:
@@ -142,6 +144,8 @@ class DecodeGraphs:
             return out
 
         self.input_ids[:size].copy_(put(padded(token_ids, 0), "input_ids"), non_blocking=True)
+        if fill is not None:
+            fill(self.input_ids)
         self.positions[:size].copy_(put(padded(positions, 0), "positions"), non_blocking=True)
         self.slot_mapping[:size].copy_(put(padded(slots, -1), "slot_mapping"), non_blocking=True)
         self.seq_lens[:size].copy_(put(padded(seq_lens.astype(np.int32), 1), "seq_lens"), non_blocking=True)

@@ -3,8 +3,10 @@
 The host side is one persistent buffer per input (token ids, positions, the attention
 metadata's arrays), from the platform's ``host_buffer``: pinned memory on a GPU, so each
 copy is a DMA that overlaps with the host's work instead of a synchronous, pageable copy.
-A buffer is reused by the next step; that is safe because every step ends by reading its
-result on the host, which waits for the step's copies and kernels to finish.
+A buffer is reused by a later step once the host has read the result of the step that
+filled it, which waits for that step's copies: the next step where every step's result is
+read before the next is launched, the one after it under async scheduling (``sets=2``:
+buffers taking turns, ``next_step`` at each step).
 """
 
 from __future__ import annotations
@@ -18,15 +20,23 @@ from tokenmill.interfaces.platform import Platform
 
 
 class InputStaging:
-    def __init__(self, device: str, host_buffer: Callable[[Sequence[int], torch.dtype], torch.Tensor]) -> None:
+    def __init__(self, device: str, host_buffer: Callable[[Sequence[int], torch.dtype], torch.Tensor],
+                 sets: int = 1) -> None:
         self.device = device
         self._host_buffer = host_buffer
-        self._buffers: dict[str, torch.Tensor] = {}
+        self._sets: list[dict[str, torch.Tensor]] = [{} for _ in range(sets)]
+        self._buffers = self._sets[0]
+        self._turn = 0
 
     @classmethod
-    def for_platform(cls, platform: Platform) -> "InputStaging | None":
+    def for_platform(cls, platform: Platform, sets: int = 1) -> "InputStaging | None":
         """Staging for a platform whose device is not the host; None where the model runs on it."""
-        return None if platform.device_type == "cpu" else cls(platform.device_type, platform.host_buffer)
+        return None if platform.device_type == "cpu" else cls(platform.device_type, platform.host_buffer, sets)
+
+    def next_step(self) -> None:
+        """A new step stages its inputs: in the next set of buffers."""
+        self._turn = (self._turn + 1) % len(self._sets)
+        self._buffers = self._sets[self._turn]
 
     def to_device(self, name: str, values: np.ndarray) -> torch.Tensor:
         """``values`` on the device, through the host buffer ``name`` (grown as needed)."""

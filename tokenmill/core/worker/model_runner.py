@@ -14,16 +14,18 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
 from tokenmill.core.distributed.messages import Row, Step
 from tokenmill.core.sample.persistent_batch import PersistentBatch
 from tokenmill.core.sample.rejection_sampler import accept_greedy, row_starts, verify
-from tokenmill.core.sample.sampler import Sampler, SamplingRow, gather_logprobs
+from tokenmill.core.sample.sampler import LogprobValues, Sampler, SamplingRow, gather_logprobs
 from tokenmill.core.worker.model_step import ModelStep, StepResult
+from tokenmill.core.worker.placeholder_tokens import PlaceholderTokens
 from tokenmill.interfaces.batch import (
+    PLACEHOLDER_TOKEN,
     ModelRunnerOutput,
     NewRequestData,
     ScheduledRequest,
@@ -58,13 +60,42 @@ class LaunchedStep:
     step: Optional[Step] = None
     #: the model's result, where the forward pass ran to the end (None: still in the pipeline)
     result: Optional[StepResult] = None
+    #: each scheduled request's state at launch: the result reaches only that request (an id
+    #: is free again once its request finished, while this step may still be in flight)
+    owners: dict[str, "_RequestState"] = field(default_factory=dict)
+    #: the samples of ``sample_items``, once the result is in (still on the model's device)
+    samples: Optional["_Samples"] = None
+
+
+@dataclass(slots=True)
+class _Samples:
+    """A step's samples before the host reads them: a token per request (a tensor on the
+    model's device, or the argmax head's list) with its logprob values, or verified drafts."""
+
+    tokens: torch.Tensor | list[int] | None = None
+    logprobs: Optional[LogprobValues] = None
+    #: per request, the logprobs it asked for (None: none)
+    ks: Sequence[Optional[int]] = ()
+    verified: Optional[list[tuple[list[int], list[Optional[PositionLogprobs]]]]] = None
+
+    def read(self) -> list[tuple[list[int], list[Optional[PositionLogprobs]]]]:
+        """(tokens, logprob entries) per request, on the host: the step's one wait for the device."""
+        if self.verified is not None:
+            return self.verified
+        tokens = self.tokens if isinstance(self.tokens, list) else self.tokens.tolist()
+        entries = self.logprobs.entries(tokens, self.ks) if self.logprobs is not None else [None] * len(tokens)
+        return [([token], [entry]) for token, entry in zip(tokens, entries)]
 
 
 class ModelRunner:
     def __init__(self, model_step: ModelStep, seed: int,
-                 logits_processors: tuple[LogitsProcessor, ...] = (), logprobs_mode: str = "raw_logprobs") -> None:
+                 logits_processors: tuple[LogitsProcessor, ...] = (), logprobs_mode: str = "raw_logprobs",
+                 async_scheduling: bool = False) -> None:
         #: runs the forward pass: here, or broadcast to every rank first (DistributedModelStep)
         self.model_step = model_step
+        #: each request's latest sampled token, where it lies on the model's device, for the
+        #: placeholders of a step scheduled before that token reached the host (async scheduling)
+        self._sampled: Optional[dict[str, tuple[torch.Tensor, int]]] = {} if async_scheduling else None
         self.sampler = Sampler(seed, logits_processors, logprobs_mode)
         self._batch = PersistentBatch()
         self._states: dict[str, _RequestState] = {}
@@ -88,6 +119,8 @@ class ModelRunner:
         # Finished first: a request id may be reused as soon as its request finished.
         for request_id in batch.finished_request_ids:
             self._states.pop(request_id, None)
+            if self._sampled is not None:
+                self._sampled.pop(request_id, None)
         # a reused id is a new request: the logits processors must not keep the old one's state
         self._batch.forget(batch.finished_request_ids)
         for data in batch.new_requests:
@@ -139,59 +172,98 @@ class ModelRunner:
             return launched
         launched.sampling_rows = self._update_processors(launched.sample_items)
         self._processors_hold = launched
+        states = self._states
+        launched.owners = {item.request_id: states[item.request_id] for item in batch.scheduled}
         greedy = (bool(rows) and not launched.prompt_spans and self.sampler.argmax_only(launched.sampling_rows)
                   and (self.greedy_head is not None or self.model_step.parallel.world_size > 1))
         launched.step = Step([Row(item.new_token_ids, item.num_computed_tokens, item.block_ids,
-                                  self._states[item.request_id].data.adapter_name) for item in batch.scheduled],
+                                  states[item.request_id].data.adapter_name) for item in batch.scheduled],
                              rows, greedy)
-        launched.result = self.model_step.run(launched.step, wait)
+        launched.result = self.model_step.run(launched.step, wait, self._placeholders(batch))
+        if launched.result is not None:
+            self._sample(launched)
         return launched
 
-    def finish(self, launched: "LaunchedStep") -> ModelRunnerOutput:
-        """Sample a launched step: its result from the last pipeline stage if it is not in yet."""
-        if launched.step is None or not launched.rows:
-            return ModelRunnerOutput({}, {}, {})
-        result = launched.result or self.model_step.receive(launched.step)
-        # requests aborted while their step was in flight have no state left to advance
-        spans = [span for span in launched.prompt_spans if span[0].request_id in self._states]
-        kept = [(item, row) for item, row in zip(launched.sample_items, launched.sample_rows)
-                if item.request_id in self._states]
-        sample_items = [item for item, _ in kept]
-        if self._processors_hold is not launched or len(kept) < len(launched.sample_items):
-            sampling_rows = self._update_processors(sample_items)  # other steps were launched since
-            self._processors_hold = launched
-        else:
-            sampling_rows = launched.sampling_rows
-        drafts = [item.spec_token_ids for item in sample_items]
-        row_index = [row + j for item, row in kept for j in range(len(item.spec_token_ids) + 1)]
-        verified: list[tuple[list[int], list[Optional[PositionLogprobs]]]] = []
-        prompt_logprobs: dict[str, list[Optional[PositionLogprobs]]] = {}
-        if result.tokens is not None:
+    def _placeholders(self, batch: SchedulerOutput) -> Optional[PlaceholderTokens]:
+        """Where the step's placeholder tokens come from: the tokens its requests' last step
+        sampled, still on the device (async scheduling)."""
+        if self._sampled is None:
+            return None
+        rows, sources, start = [], [], 0
+        for item in batch.scheduled:
+            if item.new_token_ids[0] == PLACEHOLDER_TOKEN:
+                rows.append(start)
+                sources.append(self._sampled[item.request_id])
+            start += len(item.new_token_ids)
+        return PlaceholderTokens(rows, sources) if rows else None
+
+    def _sample(self, launched: "LaunchedStep") -> None:
+        """Sample the launched step's rows from its result. The tokens stay on the model's
+        device (``finish`` reads them), so that another step can be launched first."""
+        result, items = launched.result, launched.sample_items
+        drafts = [item.spec_token_ids for item in items]
+        row_index = [row + j for item, row in zip(items, launched.sample_rows)
+                     for j in range(len(item.spec_token_ids) + 1)]
+        samples = launched.samples = _Samples()
+        if not items:
+            samples.verified = []
+        elif result.tokens is not None:
             targets = [result.tokens[row] for row in row_index]
             if not any(drafts):  # one row, one token per request
-                verified = [([token], [None]) for token in targets]
+                samples.tokens = targets
             else:
                 starts = row_starts(drafts)
-                for request_drafts, start, end in zip(drafts, starts, starts[1:]):
-                    tokens = accept_greedy(targets[start:end], request_drafts)
-                    verified.append((tokens, [None] * len(tokens)))
+                samples.verified = [(tokens, [None] * len(tokens)) for tokens in (
+                    accept_greedy(targets[start:end], request_drafts)
+                    for request_drafts, start, end in zip(drafts, starts, starts[1:]))]
         else:
             logits = result.logits
-            prompt_logprobs = self._prompt_logprobs(logits, spans)
-            if sample_items:
-                if len(row_index) < len(launched.rows):
-                    logits = logits[torch.tensor(row_index)]
-                if any(drafts):
-                    verified = [(v.token_ids, v.logprobs) for v in verify(self.sampler, logits, sampling_rows, drafts)]
-                else:
-                    tokens, token_logprobs = self.sampler(logits, sampling_rows)
-                    verified = [([token], [entry]) for token, entry in zip(tokens, token_logprobs)]
+            if len(row_index) < len(launched.rows):
+                logits = logits[torch.tensor(row_index)]
+            if any(drafts):
+                samples.verified = [(v.token_ids, v.logprobs)
+                                    for v in verify(self.sampler, logits, launched.sampling_rows, drafts)]
+            else:
+                samples.tokens, samples.logprobs = self.sampler.sample(logits, launched.sampling_rows)
+                samples.ks = [row.params.logprobs for row in launched.sampling_rows]
+        if self._sampled is not None and samples.tokens is not None:
+            tokens = samples.tokens
+            if isinstance(tokens, list):
+                tokens = torch.tensor(tokens)
+            for index, item in enumerate(items):
+                self._sampled[item.request_id] = (tokens, index)
+
+    def finish(self, launched: "LaunchedStep") -> ModelRunnerOutput:
+        """Read a launched step's samples on the host, and apply them to its requests: its
+        result from the last pipeline stage first if it is not in yet."""
+        if launched.step is None or not launched.rows:
+            return ModelRunnerOutput({}, {}, {})
+        owners = launched.owners
+        # a request aborted while its step was in flight has no state left to advance
+        alive = [self._states.get(request_id) is state for request_id, state in owners.items()]
+        if launched.samples is None:
+            launched.result = self.model_step.receive(launched.step)
+            if not all(alive) or self._processors_hold is not launched:
+                kept = [(item, row) for item, row in zip(launched.sample_items, launched.sample_rows)
+                        if self._states.get(item.request_id) is owners[item.request_id]]
+                launched.sample_items = [item for item, _ in kept]
+                launched.sample_rows = [row for _, row in kept]
+                launched.sampling_rows = self._update_processors(launched.sample_items)  # other steps were launched since
+                self._processors_hold = launched
+            self._sample(launched)
+        result = launched.result
+        spans = [span for span in launched.prompt_spans
+                 if self._states.get(span[0].request_id) is owners[span[0].request_id]]
+        prompt_logprobs = self._prompt_logprobs(result.logits, spans) if result.logits is not None else {}
         for item, _, first, count in spans:
             self._states[item.request_id].num_prompt_logprobs_done = first + count
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list[Optional[PositionLogprobs]]] = {}
-        for item, (tokens, entries) in zip(sample_items, verified):
-            self._states[item.request_id].output_token_ids.extend(tokens)
+        for item, (tokens, entries) in zip(launched.sample_items, launched.samples.read()):
+            state = owners[item.request_id]
+            if self._states.get(item.request_id) is not state:
+                continue
+            state.output_token_ids.extend(tokens)
             sampled[item.request_id] = tokens
             if entries[0] is not None:
                 logprobs[item.request_id] = entries

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from functools import partial
 from typing import Optional, Sequence
 
 import numpy as np
@@ -23,6 +24,7 @@ from tokenmill.core.layers.linear_shard import vocab_range
 from tokenmill.core.worker.decode_graphs import DecodeGraphs
 from tokenmill.core.worker.input_staging import InputStaging
 from tokenmill.core.worker.kv_cache import SwapCaches
+from tokenmill.core.worker.placeholder_tokens import PlaceholderTokens
 from tokenmill.interfaces.adapters import AdapterType
 from tokenmill.interfaces.attention import AttentionBackend, AttentionMetadata
 from tokenmill.interfaces.models import CausalLM
@@ -65,25 +67,35 @@ class ModelStep:
         self.swap.copy(into, to_host=False)
 
     @torch.inference_mode()
-    def run(self, step: Step, wait: bool = True) -> Optional[StepResult]:
+    def run(self, step: Step, wait: bool = True, placeholders: Optional[PlaceholderTokens] = None
+            ) -> Optional[StepResult]:
         """The forward pass for ``step``; the result on the driver (rank 0), None elsewhere.
         With ``wait=False`` a driver that is not the last stage returns once its own stage
-        is done, and takes the result later with ``receive`` (pipelined batches)."""
+        is done, and takes the result later with ``receive`` (pipelined batches).
+        ``placeholders``: input tokens that are still on the device (async scheduling)."""
         stage = self.parallel
+        if self.staging is not None:
+            self.staging.next_step()
         host = HostInputs.of(step.rows, self.block_size)
         size = None if self.graphs is None else self.graphs.bucket(host.query_lens, host.block_table.shape[1])
+        fill = None if placeholders is None else partial(placeholders.fill, put=self._put)
         if size is not None:
             hidden = self.graphs.run(size, host.token_ids, host.positions, host.slots, host.seq_lens,
-                                     host.block_table, self._put)
+                                     host.block_table, self._put, fill)
         else:
             if self.adapters is not None:
                 self.adapters.prepare_step([r.adapter for r in step.rows], [len(r.token_ids) for r in step.rows])
-            hidden = self.model.forward(*self._prepare_inputs(host))
+            input_ids, positions, metadata = self._prepare_inputs(host)
+            if fill is not None:
+                fill(input_ids)
+            hidden = self.model.forward(input_ids, positions, metadata)
         if not step.logits_rows:  # a prefill chunk that samples nothing: only its KV was wanted
             return StepResult() if stage.rank == 0 else None
         if not stage.is_last_stage:
             return self.receive(step) if stage.rank == 0 and wait else None
-        result = self._head(hidden[torch.tensor(step.logits_rows, dtype=torch.long)], step.greedy)
+        # the rows' index staged like the inputs: a host index tensor is a blocking copy
+        rows = self._put(np.asarray(step.logits_rows, dtype=np.int64), "logits_rows")
+        result = self._head(hidden[rows], step.greedy)
         if stage.rank == 0 or result is None:
             return result
         # the last stage's first rank hands the result to the driver, without waiting for the
