@@ -19,6 +19,7 @@ from test_device_boundaries import fake_cuda_llm, greedy
 from test_fault_isolation import SAMPLER_FAULT_BIAS, SAMPLER_FAULT_TOKEN, faults  # noqa: F401 (a fixture)
 
 from tokenmill import SamplingParams
+from tokenmill.core.worker.model_runner import _Samples
 from tokenmill.core.worker.placeholder_tokens import PlaceholderTokens
 from tokenmill.interfaces.batch import PLACEHOLDER_TOKEN
 from tokenmill.interfaces.errors import ConfigError
@@ -265,13 +266,23 @@ def test_on_the_cuda_stand_in_a_step_is_launched_without_waiting_for_the_one_in_
     one wait for the device while a decode step is launched (``host_syncs``: no read back,
     no blocking copy), which is what lets a GPU run that step while the host reads the last."""
     prompts, max_tokens = [p[:14] for p in PROMPTS[:3]], [8, 6, 3]
-    tokens, logprobs, decodes = stand_in_decode_waits(model_dir, prompts, max_tokens)
+    tokens, logprobs, decodes, reads = stand_in_decode_waits(model_dir, prompts, max_tokens)
     reference = hf_greedy(model_dir("llama"), prompts, max(max_tokens))
     for ref, n in zip(reference, max_tokens):
         ref.token_ids[n:], ref.logprobs[n:] = [], []
     assert_matches_reference(reference, tokens, logprobs)
     assert len(decodes) >= 4
     assert [events for events in decodes if events] == []
+    # reading a step's tokens waits for that step's mark only, never for the step queued after it
+    assert reads and all(events == ["waited for a recorded event"] for events in reads)
+
+
+def test_mutation_tokens_read_from_the_device_wait_for_the_step_after(model_dir, monkeypatch):
+    """Without the host copies queued at sampling, reading a step's tokens is a read back from
+    the device, which on a GPU waits for everything queued since: the step launched after it."""
+    monkeypatch.setattr(_Samples, "copy_to_host", lambda self, staging: None)
+    _, _, _, reads = stand_in_decode_waits(model_dir, [PROMPTS[0][:14]], [6])
+    assert reads and all(any("of a device tensor" in event for event in events) for events in reads)
 
 
 def test_mutation_a_placeholder_written_through_a_host_index_is_a_wait(model_dir, monkeypatch):
@@ -282,29 +293,37 @@ def test_mutation_a_placeholder_written_through_a_host_index_is_a_wait(model_dir
         input_ids[self.rows] = torch.stack([tokens[index] for tokens, index in self.sources]).to(input_ids.dtype)
 
     monkeypatch.setattr(PlaceholderTokens, "fill", host_indexed_fill)
-    _, _, decodes = stand_in_decode_waits(model_dir, [PROMPTS[0][:14]], [6])
+    _, _, decodes, _ = stand_in_decode_waits(model_dir, [PROMPTS[0][:14]], [6])
     assert decodes and all("indexing a device tensor with host indices" in events for events in decodes)
 
 
 def stand_in_decode_waits(model_dir, prompts, max_tokens):
-    """Greedy tokens and logprobs of an async engine on the CUDA stand-in, and the host's
-    waits for the device while each decode step that took a placeholder was launched."""
-    waits = []
+    """Greedy tokens and logprobs of an async engine on the CUDA stand-in; the host's waits for
+    the device while each decode step that took a placeholder was launched, and while each
+    step that sampled was read (``runner.finish``)."""
+    waits, reads = [], []
     with fake_cuda():
         llm = fake_cuda_llm(model_dir("llama"), async_scheduling=True)
         runner = llm.llm_engine.runner
-        launch = runner.launch
+        launch, finish = runner.launch, runner.finish
 
-        def watched(batch, *args, **kwargs):
+        def watched_launch(batch, *args, **kwargs):
             with host_syncs() as events:
                 launched = launch(batch, *args, **kwargs)
             waits.append((batch, events))
             return launched
 
-        runner.launch = watched
+        def watched_finish(launched):
+            with host_syncs() as events:
+                result = finish(launched)
+            if launched.sample_items:
+                reads.append(events)
+            return result
+
+        runner.launch, runner.finish = watched_launch, watched_finish
         tokens, logprobs = greedy(llm, prompts, max_tokens)
         assert sum(graph.replays for graph in llm.llm_engine.runner.model_step.graphs.graphs.values()) > 0
     decodes = [events for batch, events in waits
                if any(item.new_token_ids[0] == PLACEHOLDER_TOKEN for item in batch.scheduled)
                and all(len(item.new_token_ids) == 1 for item in batch.scheduled)]
-    return tokens, logprobs, decodes
+    return tokens, logprobs, decodes, reads

@@ -95,3 +95,18 @@ def test_preemption_by_swap_gives_the_unpressed_tokens(model_dir):
     assert_preempted(pressed, "swap")
     assert tokens == roomy[0]
     assert max(abs(a - b) for x, y in zip(logprobs, roomy[1]) for a, b in zip(x, y)) < 1e-3
+
+
+def test_async_scheduling_decodes_as_hf_with_graphs_and_as_the_step_by_step_engine(model_dir):
+    """One step in flight while the next is launched: the placeholders take the last step's
+    tokens on the GPU (in a graph's input buffer for decode steps), the host reads each step's
+    tokens through pinned copies; fp32, so HF's bound holds, and seeded sampling is the same
+    as step by step (each seeded row draws from its own generator, on the host)."""
+    prompts = PROMPTS[:6]
+    llm = cuda_llm(model_dir("llama"), dtype="float32", async_scheduling=True, max_num_seqs=4)
+    assert llm.llm_engine.runner.model_step.graphs is not None
+    tokens, logprobs = greedy(llm, prompts)
+    assert_matches_reference(hf_greedy(model_dir("llama"), prompts, 16), tokens, logprobs)
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=16, ignore_eos=True)
+    step_by_step = cuda_llm(model_dir("llama"), dtype="float32", max_num_seqs=4)
+    assert greedy(llm, prompts, seeded)[0] == greedy(step_by_step, prompts, seeded)[0]

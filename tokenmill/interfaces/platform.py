@@ -51,6 +51,13 @@ class DeviceGraph(Protocol):
         """Launch the recorded work again."""
 
 
+class DeviceEvent(Protocol):
+    """A mark in the device's queue of work."""
+
+    def synchronize(self) -> None:
+        """Wait until the work queued before the mark is done (and none of what came after)."""
+
+
 class NoOptions(BaseModel):
     """A platform without options: its section, if given, must be empty."""
 
@@ -152,6 +159,13 @@ class Platform:
     def host_buffer(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """Zeroed host memory for swap space and input staging (pinned, on a GPU platform)."""
         return torch.zeros(tuple(shape), dtype=dtype)
+
+    def record_event(self) -> DeviceEvent:
+        """A mark after the work queued on the device so far: the host reads a step's sampled
+        tokens once its mark is passed, not once everything queued after it is done too
+        (async scheduling queues the next step first). Asked only where the model runs on a
+        device that is not the host."""
+        raise NotImplementedError(f"the {self.name} platform records no device events")
 
     def describe(self) -> dict[str, Any]:
         """What the engine's startup log says about this platform."""

@@ -72,7 +72,8 @@ def host_syncs() -> Iterator[list[str]]:
         _syncs.events = outer
 
 
-def _synced(what: str) -> None:
+def synced(what: str) -> None:
+    """Note a wait of the host for the device (in ``host_syncs``' list, where one is open)."""
     events = getattr(_syncs, "events", None)
     if events is not None:
         events.append(what)
@@ -101,7 +102,7 @@ class DeviceTensor(torch.Tensor):
         kwargs = kwargs or {}
         check_devices(func, args, kwargs)
         if func is aten._local_scalar_dense.default:
-            _synced("item() of a device tensor")
+            synced("item() of a device tensor")
         to_device = _wants_device(kwargs)
         if to_device is None and any(isinstance(a, torch.device) for a in args):  # aten.to.device
             to_device = next(a for a in args if isinstance(a, torch.device)).type == "cuda"
@@ -172,10 +173,10 @@ def _to(func: Any, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Ten
             moved = tensor.elem.to(**options, copy=bool(kwargs.get("copy")))
             return tensor if moved is tensor.elem else DeviceTensor(moved)
         if not kwargs.get("non_blocking"):
-            _synced(f"blocking copy of a host tensor {tuple(tensor.shape)} to the device")
+            synced(f"blocking copy of a host tensor {tuple(tensor.shape)} to the device")
         return DeviceTensor(tensor.to(**options, copy=True))
     if isinstance(tensor, DeviceTensor):
-        _synced(f"copy of a device tensor {tuple(tensor.shape)} to the host")
+        synced(f"copy of a device tensor {tuple(tensor.shape)} to the host")
         return tensor.elem.to(device, **options, copy=True)
     return func(tensor, *args, **kwargs)
 
@@ -197,15 +198,16 @@ class _Placement(TorchFunctionMode):
         if name == "is_pinned":
             return False
         if name == "copy_" and any(isinstance(x, DeviceTensor) for x in args[:2]):
-            if isinstance(args[0], DeviceTensor) != isinstance(args[1], DeviceTensor) and (
-                    not isinstance(args[0], DeviceTensor) or not kwargs.get("non_blocking")):
-                _synced("blocking copy_ between the host and the device")
+            # a non-blocking copy to the host is taken to land in pinned memory (the stand-in's
+            # pinned memory is plain): it waits for nothing, as on a GPU
+            if isinstance(args[0], DeviceTensor) != isinstance(args[1], DeviceTensor) and not kwargs.get("non_blocking"):
+                synced("blocking copy_ between the host and the device")
             return aten.copy_.default(args[0], args[1])  # the binding's device guard needs CUDA
         if name == "contiguous" and isinstance(args[0], DeviceTensor):  # its binding's guard needs CUDA
             contiguous = args[0].elem.contiguous(*args[1:], **kwargs)
             return args[0] if contiguous is args[0].elem else DeviceTensor(contiguous)
         if name in ("tolist", "__int__", "__float__", "__bool__", "__index__") and isinstance(args[0], DeviceTensor):
-            _synced(f"{name} of a device tensor")
+            synced(f"{name} of a device tensor")
             return getattr(args[0].elem, name)()  # read back (a synchronisation), as CUDA does
         if name in ("numpy", "__array__") and isinstance(args[0], DeviceTensor):
             raise TypeError("can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy the tensor "
@@ -216,7 +218,7 @@ class _Placement(TorchFunctionMode):
             return self._setitem(*args)
         if _wants_device(kwargs) and name != "device":  # factories, new_*, *_like
             if name in ("tensor", "as_tensor"):
-                _synced(f"torch.{name}(..., device=cuda): a blocking copy of host data")
+                synced(f"torch.{name}(..., device=cuda): a blocking copy of host data")
             return _wrap(func(*tree_map(host_value, args), **{**kwargs, "device": torch.device("cpu")}))
         return func(*args, **kwargs)
 
@@ -240,7 +242,7 @@ def _host_index(index: Any) -> None:
     parts = index if isinstance(index, tuple) else (index,)
     if any(isinstance(part, list) or (isinstance(part, torch.Tensor) and not isinstance(part, DeviceTensor)
                                       and part.dim() > 0) for part in parts):
-        _synced("indexing a device tensor with host indices")
+        synced("indexing a device tensor with host indices")
 
 
 def _triton_launch(kernel: Any, grid: Any, args: tuple, kwargs: dict, launch: Callable[[tuple, dict], Any]) -> Any:

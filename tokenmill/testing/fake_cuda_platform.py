@@ -16,6 +16,7 @@ from typing import Callable
 from tokenmill.interfaces.platform import Detection
 from tokenmill.plugins.platforms.cuda.platform import CudaPlatform
 from tokenmill.testing.device_graphs import RecordsGraphs
+from tokenmill.testing.fake_cuda import synced
 
 
 class FakeCudaPlatform(RecordsGraphs, CudaPlatform):
@@ -44,3 +45,14 @@ class FakeCudaPlatform(RecordsGraphs, CudaPlatform):
 
     def describe(self) -> dict:
         return {"platform": self.name, "device": self.device_type}
+
+    def record_event(self) -> "StandInEvent":
+        return StandInEvent()
+
+
+class StandInEvent:
+    """Every copy of the stand-in completes at once, so there is nothing to wait for; a wait is
+    recorded (``host_syncs``) as one for this step's work only."""
+
+    def synchronize(self) -> None:
+        synced("waited for a recorded event")

@@ -141,9 +141,9 @@ def _build_engine(config: EngineConfig, pm: PluginManager, components: Component
             return DecodeGraphs.for_engine(model, built.backend, platform, config.scheduler.max_num_seqs,
                                            config.cache.block_size, model_config.max_model_len,
                                            scheduler.num_lookahead_slots)
+    staging = InputStaging.for_platform(platform, sets=2 if config.scheduler.async_scheduling else 1)
     model_step = ModelStep(model, built.backend, config.cache.block_size, model_config.vocab_size, parallel,
-                           swap_caches, adapters, greedy_head,
-                           InputStaging.for_platform(platform, sets=2 if config.scheduler.async_scheduling else 1),
+                           swap_caches, adapters, greedy_head, staging,
                            record_graphs() if record_graphs is not None else None)
     local_control = WorkerControl(RankParts(config, components, platform, built, model_step, num_blocks,
                                             host_blocks, record_graphs))
@@ -156,7 +156,8 @@ def _build_engine(config: EngineConfig, pm: PluginManager, components: Component
     structured = _structured_outputs(config, components, context)
     processors = ((StructuredOutput(context, structured),) if structured else ()) + _logits_processors(
         config, components, context)
-    runner = ModelRunner(model_step, config.seed, processors, config.logprobs_mode, config.scheduler.async_scheduling)
+    runner = ModelRunner(model_step, config.seed, processors, config.logprobs_mode, config.scheduler.async_scheduling,
+                         staging)
     engine = LLMEngine(config, model_config, tokenizer, scheduler, runner, pm, adapters, platform, structured, group,
                        speculator)
     engine.control = EngineControl(engine, ControlPlane(local_control, group,

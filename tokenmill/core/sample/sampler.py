@@ -228,6 +228,15 @@ class LogprobValues:
         top_values, top_ids = logprobs.topk(max_k, dim=-1) if max_k else (None, None)
         return cls(chosen.squeeze(1), ranks, top_values, top_ids)
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The values as a list (``of_tensors`` takes it back)."""
+        return [self.chosen, self.ranks] + ([] if self.top_values is None else [self.top_values, self.top_ids])
+
+    @classmethod
+    def of_tensors(cls, tensors: Sequence[torch.Tensor]) -> "LogprobValues":
+        chosen, ranks, *top = tensors
+        return cls(chosen, ranks, *(top or (None, None)))
+
     def entries(self, token_ids: Sequence[int], ks: Sequence[Optional[int]]) -> list[Optional[PositionLogprobs]]:
         """Per row: ``{token: Logprob}`` for its token and its top-k (vLLM's shape); reads the device."""
         chosen_l, ranks_l = self.chosen.tolist(), self.ranks.tolist()

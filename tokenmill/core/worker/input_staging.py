@@ -6,24 +6,28 @@ copy is a DMA that overlaps with the host's work instead of a synchronous, pagea
 A buffer is reused by a later step once the host has read the result of the step that
 filled it, which waits for that step's copies: the next step where every step's result is
 read before the next is launched, the one after it under async scheduling (``sets=2``:
-buffers taking turns, ``next_step`` at each step).
+buffers taking turns, ``next_step`` at each step). A step's sampled tokens come back the
+same way (``to_host``): copied into host buffers as soon as they are sampled, then read once
+the device passed the step's mark, so that reading them never waits for a step launched since.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
 
-from tokenmill.interfaces.platform import Platform
+from tokenmill.interfaces.platform import DeviceEvent, Platform
 
 
 class InputStaging:
     def __init__(self, device: str, host_buffer: Callable[[Sequence[int], torch.dtype], torch.Tensor],
-                 sets: int = 1) -> None:
+                 sets: int = 1, record_event: Optional[Callable[[], DeviceEvent]] = None) -> None:
         self.device = device
         self._host_buffer = host_buffer
+        self._record_event = record_event
         self._sets: list[dict[str, torch.Tensor]] = [{} for _ in range(sets)]
         self._buffers = self._sets[0]
         self._turn = 0
@@ -31,7 +35,9 @@ class InputStaging:
     @classmethod
     def for_platform(cls, platform: Platform, sets: int = 1) -> "InputStaging | None":
         """Staging for a platform whose device is not the host; None where the model runs on it."""
-        return None if platform.device_type == "cpu" else cls(platform.device_type, platform.host_buffer, sets)
+        if platform.device_type == "cpu":
+            return None
+        return cls(platform.device_type, platform.host_buffer, sets, platform.record_event)
 
     def next_step(self) -> None:
         """A new step stages its inputs: in the next set of buffers."""
@@ -41,10 +47,37 @@ class InputStaging:
     def to_device(self, name: str, values: np.ndarray) -> torch.Tensor:
         """``values`` on the device, through the host buffer ``name`` (grown as needed)."""
         tensor = torch.from_numpy(np.ascontiguousarray(values))
-        buffer = self._buffers.get(name)
-        if buffer is None or buffer.numel() < tensor.numel() or buffer.dtype != tensor.dtype:
-            size = max(tensor.numel(), 2 * buffer.numel() if buffer is not None else 0, 1)
-            buffer = self._buffers[name] = self._host_buffer((size,), tensor.dtype)
-        staged = buffer[:tensor.numel()].view(tensor.shape)
+        staged = self._staged(name, tensor)
         staged.copy_(tensor)
         return staged.to(self.device, non_blocking=True)
+
+    def to_host(self, tensors: Sequence[torch.Tensor]) -> "HostCopies":
+        """Copies of device ``tensors`` into this step's host buffers, queued without waiting
+        (a step's sampled tokens, read once the step is done: ``HostCopies.wait``)."""
+        copies = []
+        for index, tensor in enumerate(tensors):
+            staged = self._staged(f"to_host{index}", tensor)
+            staged.copy_(tensor, non_blocking=True)
+            copies.append(staged)
+        return HostCopies(copies, self._record_event())
+
+    def _staged(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """The host buffer ``name`` of this turn, shaped as ``like`` (grown as needed)."""
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.numel() < like.numel() or buffer.dtype != like.dtype:
+            size = max(like.numel(), 2 * buffer.numel() if buffer is not None else 0, 1)
+            buffer = self._buffers[name] = self._host_buffer((size,), like.dtype)
+        return buffer[:like.numel()].view(like.shape)
+
+
+@dataclass(frozen=True, slots=True)
+class HostCopies:
+    """Host copies of device tensors, and the mark after the copies in the device's queue."""
+
+    tensors: list[torch.Tensor]
+    event: DeviceEvent
+
+    def wait(self) -> list[torch.Tensor]:
+        """The copies, once they have landed: a wait for the step that queued them alone."""
+        self.event.synchronize()
+        return self.tensors

@@ -22,6 +22,7 @@ from tokenmill.core.distributed.messages import Row, Step
 from tokenmill.core.sample.persistent_batch import PersistentBatch
 from tokenmill.core.sample.rejection_sampler import accept_greedy, row_starts, verify
 from tokenmill.core.sample.sampler import LogprobValues, Sampler, SamplingRow, gather_logprobs
+from tokenmill.core.worker.input_staging import HostCopies, InputStaging
 from tokenmill.core.worker.model_step import ModelStep, StepResult
 from tokenmill.core.worker.placeholder_tokens import PlaceholderTokens
 from tokenmill.interfaces.batch import (
@@ -77,22 +78,36 @@ class _Samples:
     #: per request, the logprobs it asked for (None: none)
     ks: Sequence[Optional[int]] = ()
     verified: Optional[list[tuple[list[int], list[Optional[PositionLogprobs]]]]] = None
+    #: ``tokens`` and ``logprobs`` copied to the host as soon as they were sampled (a device
+    #: that is not the host), so that reading them waits for this step only
+    host: Optional[HostCopies] = None
+
+    def copy_to_host(self, staging: InputStaging) -> None:
+        values = self.logprobs
+        self.host = staging.to_host([self.tokens] + ([] if values is None else values.tensors()))
 
     def read(self) -> list[tuple[list[int], list[Optional[PositionLogprobs]]]]:
         """(tokens, logprob entries) per request, on the host: the step's one wait for the device."""
         if self.verified is not None:
             return self.verified
-        tokens = self.tokens if isinstance(self.tokens, list) else self.tokens.tolist()
-        entries = self.logprobs.entries(tokens, self.ks) if self.logprobs is not None else [None] * len(tokens)
+        tokens, values = self.tokens, self.logprobs
+        if self.host is not None:
+            tokens, *landed = self.host.wait()
+            values = values and LogprobValues.of_tensors(landed)
+        tokens = tokens if isinstance(tokens, list) else tokens.tolist()
+        entries = values.entries(tokens, self.ks) if values is not None else [None] * len(tokens)
         return [([token], [entry]) for token, entry in zip(tokens, entries)]
 
 
 class ModelRunner:
     def __init__(self, model_step: ModelStep, seed: int,
                  logits_processors: tuple[LogitsProcessor, ...] = (), logprobs_mode: str = "raw_logprobs",
-                 async_scheduling: bool = False) -> None:
+                 async_scheduling: bool = False, readback: Optional[InputStaging] = None) -> None:
         #: runs the forward pass: here, or broadcast to every rank first (DistributedModelStep)
         self.model_step = model_step
+        #: host buffers for the sampled tokens, where the model runs on another device (the
+        #: forward pass's input staging, whose buffers take turns with its steps)
+        self._readback = readback
         #: each request's latest sampled token, where it lies on the model's device, for the
         #: placeholders of a step scheduled before that token reached the host (async scheduling)
         self._sampled: Optional[dict[str, tuple[torch.Tensor, int]]] = {} if async_scheduling else None
@@ -226,6 +241,8 @@ class ModelRunner:
             else:
                 samples.tokens, samples.logprobs = self.sampler.sample(logits, launched.sampling_rows)
                 samples.ks = [row.params.logprobs for row in launched.sampling_rows]
+        if self._readback is not None and isinstance(samples.tokens, torch.Tensor):
+            samples.copy_to_host(self._readback)
         if self._sampled is not None and samples.tokens is not None:
             tokens = samples.tokens
             if isinstance(tokens, list):

@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from tokenmill.interfaces.errors import ConfigError
-from tokenmill.interfaces.platform import Detection, DeviceGraph, Platform
+from tokenmill.interfaces.platform import Detection, DeviceEvent, DeviceGraph, Platform
 from tokenmill.plugins.platforms.cuda.fused_ops import FUSED_OPS
 from tokenmill.plugins.platforms.cuda.options import CudaOptions
 
@@ -132,6 +132,11 @@ class CudaPlatform(Platform):
 
     def host_buffer(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(tuple(shape), dtype=dtype, pin_memory=True)
+
+    def record_event(self) -> DeviceEvent:
+        event = torch.cuda.Event()
+        event.record()
+        return event
 
     def describe(self) -> dict:
         properties = torch.cuda.get_device_properties(torch.cuda.current_device())
