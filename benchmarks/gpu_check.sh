@@ -6,14 +6,15 @@
 # .gpu-data/; both ignored). Then, on the GPU machine, from the repository root, with those
 # two folders carried along:  bash benchmarks/gpu_check.sh
 #
-# Stages, each under a hard cap (45 + 240 + 75 + 90 + 50 + 45 s), each run whatever the one before
+# Stages, each under a hard cap (45 + 240 + 70 + 110 + 60 + 40 s), each run whatever the one before
 # it did, so a crash of one hides none of the others' results:
 #   0. install: the wheels with --no-index --no-deps, the project without its dependencies;
 #   1. the GPU suite (tests/gpu): the tests marked gpu_alone, then the rest on 4 workers;
 #      meanwhile the CPUs make the 1b model (TinyLlama-1.1B's shapes, random bf16 weights);
 #   2. the Triton attention against SDPA's FlashAttention, one layer call (gpu_attention.py);
-#   3. offline throughput against HF transformers on the 1b model, 256 requests of 256 -> 128 tokens;
-#   4. batch-1 latency against HF on the same weights;
+#   3. offline throughput against HF transformers on the 1b model, 256 requests of 256 -> 128 tokens,
+#      tokenmill step by step and with async scheduling (tokenmill-async);
+#   4. batch-1 latency against HF on the same weights, both ways too;
 #   5. where a step's time goes on the GPU (gpu_profile.py: kernel time, idle share, top kernels);
 #   and, named alone (not a default): sweep, the attention kernels' tile choices timed (150 s).
 # It prints a summary (last, on stdout) and writes at most 8 files to $OUT. Exit status: the suite's.
@@ -79,7 +80,7 @@ if [[ $stages == *" suite "* ]]; then
     suite=$?
     cat "$OUT/suite-alone.jsonl" >>"$OUT/suite.jsonl" 2>/dev/null && rm -f "$OUT/suite-alone.jsonl"
 fi
-[[ $stages == *" attention "* ]] && stage attention 75 python3 benchmarks/gpu_attention.py
+[[ $stages == *" attention "* ]] && stage attention 70 python3 benchmarks/gpu_attention.py
 [[ $stages == *" sweep "* ]] && stage sweep 150 python3 benchmarks/gpu_attention.py --sweep  # asked for by name only
 
 if [[ -n $maker ]]; then
@@ -87,20 +88,21 @@ if [[ -n $maker ]]; then
     rm -f "$OUT/model.log"
 fi
 
-[[ $stages == *" throughput "* ]] && stage throughput 90 python3 -m tokenmill.cli bench throughput --device cuda --model "$model" --dtype bfloat16 \
-    --num-prompts 256 --input-len 256 --output-len 128 --hf-batch-size 128 --rounds 2 --json "$OUT/throughput.json"
+[[ $stages == *" throughput "* ]] && stage throughput 110 python3 -m tokenmill.cli bench throughput --device cuda --model "$model" --dtype bfloat16 \
+    --num-prompts 256 --input-len 256 --output-len 128 --hf-batch-size 128 --rounds 2 --async-scheduling both \
+    --json "$OUT/throughput.json"
 
-[[ $stages == *" latency "* ]] && stage latency 50 python3 -m tokenmill.cli bench latency --device cuda --model "$model" --dtype bfloat16 \
-    --input-len 256 --output-len 128 --num-iters 3 --rounds 2
+[[ $stages == *" latency "* ]] && stage latency 60 python3 -m tokenmill.cli bench latency --device cuda --model "$model" --dtype bfloat16 \
+    --input-len 256 --output-len 128 --num-iters 3 --rounds 2 --async-scheduling both
 
-[[ $stages == *" profile "* ]] && stage profile 45 python3 benchmarks/gpu_profile.py --model "$model"
+[[ $stages == *" profile "* ]] && stage profile 40 python3 benchmarks/gpu_profile.py --model "$model"
 
 {
     echo "$gpu"
     printf '%s\n' "${summary[@]}"
     grep -E "^(FAILED|ERROR) |(passed|failed|error|skipped|deselected)( |,|$)" "$OUT/suite.txt" 2>/dev/null | sed 's/^/suite: /' | tail -60
     grep -E "^(case|decode|prefill) " "$OUT/attention.txt" "$OUT/sweep.txt" 2>/dev/null
-    grep -E "tok/s|x HF|TPOT|tokenmill|hf-generate" "$OUT/throughput.txt" "$OUT/latency.txt" 2>/dev/null | tail -12
+    grep -E "tok/s|x HF|TPOT|tokenmill|hf-generate" "$OUT/throughput.txt" "$OUT/latency.txt" 2>/dev/null | tail -16
     grep -E "^(== |wall )" "$OUT/profile.txt" 2>/dev/null
     echo "total $((SECONDS - started)) s"
 }

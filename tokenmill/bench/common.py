@@ -63,6 +63,19 @@ def add_common_args(parser: argparse.ArgumentParser, default_preset: str = "52m"
                         help="timed passes per engine, engines taking turns; figures are medians over rounds")
 
 
+def add_async_scheduling_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--async-scheduling", nargs="?", const="on", default="off", choices=["off", "on", "both"],
+                        help="vLLM's engine flag: tokenmill launches each step before reading the last one's "
+                             "tokens (on); both: a second tokenmill engine with it (tokenmill-async), timed "
+                             "beside the first")
+
+
+def tokenmill_engines(args: argparse.Namespace) -> dict[str, bool]:
+    """The tokenmill engines ``--async-scheduling`` asks for: name -> its async_scheduling."""
+    return {"off": {"tokenmill": False}, "on": {"tokenmill": True},
+            "both": {"tokenmill": False, "tokenmill-async": True}}[args.async_scheduling]
+
+
 def prepare(args: argparse.Namespace) -> Path:
     torch.set_num_threads(args.threads)
     if args.model:

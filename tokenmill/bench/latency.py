@@ -19,23 +19,27 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Optional, Sequence
 
 import torch
 from transformers import AutoModelForCausalLM
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.bench.common import add_common_args, hf_device, hf_dtype, interleaved_rounds, prepare, random_prompts, write_json
+from tokenmill.bench.common import (add_async_scheduling_arg, add_common_args, hf_device, hf_dtype, interleaved_rounds,
+                                    prepare, random_prompts, tokenmill_engines, write_json)
 from tokenmill.bench.llama_cpp import add_llama_cpp_args, batched_bench
 
 Timings = tuple[list[float], list[float]]  # TTFTs, TPOTs (seconds)
 
 
-def tokenmill_pass(path, prompt, args) -> Callable[[], Timings]:
+def tokenmill_pass(path, prompt, args, async_scheduling: bool = False) -> Callable[[], Timings]:
     """A built engine after one warm-up request; each call times ``--iters`` requests, each
-    with a prompt of its own (a repeated prompt would hit the prefix cache)."""
+    with a prompt of its own (a repeated prompt would hit the prefix cache). A token's time is
+    the end of the step that returned it (under async scheduling, the step after the one that
+    computed it)."""
     engine = LLM(str(path), dtype=args.dtype, enforce_eager=args.enforce_eager, num_threads=args.threads,
-                 device=args.device).llm_engine
+                 device=args.device, async_scheduling=async_scheduling).llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     counter = iter(range(1 << 30))
 
@@ -45,8 +49,8 @@ def tokenmill_pass(path, prompt, args) -> Callable[[], Timings]:
         engine.add_request(f"latency-{n}", {"prompt_token_ids": fresh}, params)
         stamps, start = [], time.perf_counter()
         while engine.has_unfinished_requests():
-            engine.step()
-            stamps.append(time.perf_counter())
+            if engine.step():
+                stamps.append(time.perf_counter())
         assert len(stamps) == args.output_len, "one token per step expected"
         return stamps[0] - start, (stamps[-1] - stamps[0]) / (len(stamps) - 1)
 
@@ -99,14 +103,16 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                         "runs on the same device")
     parser.add_argument("--enforce-eager", action="store_true", help="tokenmill without prepacked/fused ops")
     parser.add_argument("--skip-hf", action="store_true")
+    add_async_scheduling_arg(parser)
     add_llama_cpp_args(parser)
     args = parser.parse_args(argv)
 
     path = prepare(args)
     prompt = random_prompts(1, args.input_len, path, seed=0)[0]
     results = {"config": {k: v for k, v in vars(args).items() if k != "json"}, "engines": {}}
-    makers = {"tokenmill": tokenmill_pass, **({} if args.skip_hf else {"hf-generate": hf_pass}),
-              **({"llama.cpp": llama_cpp_pass} if args.llama_cpp else {})}
+    makers = {name: partial(tokenmill_pass, async_scheduling=overlapped) for name, overlapped in tokenmill_engines(args).items()}
+    makers.update({**({} if args.skip_hf else {"hf-generate": hf_pass}),
+                   **({"llama.cpp": llama_cpp_pass} if args.llama_cpp else {})})
     rounds = interleaved_rounds({name: make(path, prompt, args) for name, make in makers.items()}, args.rounds)
     for name, timings in rounds.items():
         ttfts = [t for round_ttfts, _ in timings for t in round_ttfts]
@@ -118,9 +124,17 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             "tpot_ms_median_by_round": [round(statistics.median(tp) * 1e3, 2) for _, tp in timings],
         }
     print("TTFT is cold: each timed request has a prompt of its own (no prefix-cache hit)")
-    print(f"{'engine':<12} {'TTFT ms':>9} {'TPOT ms':>9} {'decode tok/s':>13}")
+    print(f"{'engine':<16} {'TTFT ms':>9} {'TPOT ms':>9} {'decode tok/s':>13}")
     for name, r in results["engines"].items():
-        print(f"{name:<12} {r['ttft_ms_median']:>9.1f} {r['tpot_ms_median']:>9.2f} {r['decode_tokens_per_s']:>13.1f}")
+        print(f"{name:<16} {r['ttft_ms_median']:>9.1f} {r['tpot_ms_median']:>9.2f} {r['decode_tokens_per_s']:>13.1f}")
+    engines = results["engines"]
+    if "tokenmill-async" in engines:
+        by_round = [s / a for s, a in zip(engines["tokenmill"]["tpot_ms_median_by_round"],
+                                          engines["tokenmill-async"]["tpot_ms_median_by_round"])]
+        ratio = engines["tokenmill"]["tpot_ms_median"] / engines["tokenmill-async"]["tpot_ms_median"]
+        results["tpot_speedup_async_vs_step_by_step"] = round(ratio, 3)
+        print(f"tokenmill TPOT / tokenmill-async TPOT: {ratio:.2f}x; by round: "
+              + ", ".join(f"{r:.2f}x" for r in by_round))
     for peer, key, label in (("hf-generate", "hf", "HF"), ("llama.cpp", "llama_cpp", "llama.cpp")):
         if peer in results["engines"]:
             ratio = results["engines"][peer]["tpot_ms_median"] / results["engines"]["tokenmill"]["tpot_ms_median"]

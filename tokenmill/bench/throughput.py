@@ -14,7 +14,8 @@ set would be served from tokenmill's prefix cache (so warm-ups use one more set)
 
     tokenmill bench throughput --preset 52m --num-prompts 128 --input-len 256 --output-len 128 --rounds 3
 
-``--parallel tp1,tp2,pp2`` adds a tokenmill engine per layout (tensor x pipeline ranks, each
+``--async-scheduling both`` adds a tokenmill engine with async scheduling beside the plain one
+(``on``: the one tokenmill engine has it). ``--parallel tp1,tp2,pp2`` adds a tokenmill engine per layout (tensor x pipeline ranks, each
 rank with ``--threads`` threads), and reports the time the driver rank spent in
 collectives per step: all-reduces and gathers under TP; under PP, the wait for the last
 stage's result, which is the driver's share of the pipeline bubble.
@@ -33,7 +34,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.bench.common import add_common_args, hf_device, hf_dtype, interleaved_rounds, prepare, random_prompts, write_json
+from tokenmill.bench.common import (add_async_scheduling_arg, add_common_args, hf_device, hf_dtype, interleaved_rounds,
+                                    prepare, random_prompts, tokenmill_engines, write_json)
 from tokenmill.bench.llama_cpp import add_llama_cpp_args, batched_bench
 from tokenmill.bench.roofline import Workload, measure_machine, model_workload, offline_bound
 from tokenmill.bench.vllm_peer import add_vllm_args, throughput_seconds
@@ -51,12 +53,14 @@ def layout(name: str) -> tuple[int, int]:
     return int(match.group(1) or 1), int(match.group(2) or 1)
 
 
-def tokenmill_pass(path, prompt_sets, output_len, args, tp: int = 1, pp: int = 1) -> Callable[[], float]:
+def tokenmill_pass(path, prompt_sets, output_len, args, tp: int = 1, pp: int = 1,
+                   async_scheduling: bool = False) -> Callable[[], float]:
     """A built and warmed-up engine; each call times one pass over the next prompt set."""
     llm = LLM(str(path), dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
               enforce_eager=args.enforce_eager, num_threads=args.threads, kv_cache_dtype=args.kv_cache_dtype,
               tensor_parallel_size=tp, pipeline_parallel_size=pp, device=args.device,
+              async_scheduling=async_scheduling,
               **({"kv_cache_memory_bytes": args.kv_cache_memory_bytes} if args.kv_cache_memory_bytes else {}))
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in prompt_sets[-1][:2]], params, use_tqdm=False)
@@ -164,6 +168,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--parallel", default="tp1", help="tokenmill layouts, comma-separated (tp1,tp2,pp2): "
                                                           "one engine each; tp1 is the one peers are compared with")
+    add_async_scheduling_arg(parser)
     add_llama_cpp_args(parser)
     add_vllm_args(parser)
     args = parser.parse_args(argv)
@@ -180,6 +185,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     layouts = {name: layout(name) for name in args.parallel.split(",")}
     makers = {("tokenmill" if shape == (1, 1) else f"tokenmill-{name}"):
               (lambda p, s, o, a, shape=shape: tokenmill_pass(p, s, o, a, *shape)) for name, shape in layouts.items()}
+    for name, overlapped in tokenmill_engines(args).items():  # one process each: the tp1 layout
+        makers[name] = lambda p, s, o, a, overlapped=overlapped: tokenmill_pass(p, s, o, a, async_scheduling=overlapped)
     makers.update({**({} if args.skip_hf else {"hf-generate": hf_pass}),
                    **({"vllm": vllm_pass} if args.vllm else {}),
                    **({"llama.cpp": llama_cpp_pass} if args.llama_cpp else {})})
@@ -199,9 +206,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         if collectives:
             results["engines"][name]["collectives_by_round"] = [{k: round(v, 4) for k, v in c.items()}
                                                                 for c in collectives]
-    print(f"{'engine':<12} {'req/s':>8} {'out tok/s':>10} {'total tok/s':>12} {'seconds':>8}  (medians of {args.rounds})")
+    print(f"{'engine':<16} {'req/s':>8} {'out tok/s':>10} {'total tok/s':>12} {'seconds':>8}  (medians of {args.rounds})")
     for name, r in results["engines"].items():
-        print(f"{name:<12} {r['requests_per_s']:>8.2f} {r['output_tokens_per_s']:>10.1f} "
+        print(f"{name:<16} {r['requests_per_s']:>8.2f} {r['output_tokens_per_s']:>10.1f} "
               f"{r['total_tokens_per_s']:>12.1f} {r['seconds']:>8.1f}")
     for name, r in results["engines"].items():
         for c in r.get("collectives_by_round", [])[-1:]:
