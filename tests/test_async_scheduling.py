@@ -128,7 +128,8 @@ def test_requests_that_read_their_history_wait_for_their_token_and_come_out_the_
                        frequency_penalty=0.5, presence_penalty=0.2),
         SamplingParams(temperature=0, max_tokens=10, min_tokens=6),
         SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, bad_words=["a", "the"]),
-        SamplingParams(temperature=0, max_tokens=10, structured_outputs=StructuredOutputsParams(regex="[0-9]{3}-[a-z]+")),
+        SamplingParams(temperature=0, max_tokens=10,
+                       structured_outputs=StructuredOutputsParams(regex="[0-9]{3}-[a-z]+")),
         SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
     ]
     same_completions(generate(sync, prompts, params), generate(overlapped, prompts, params))
@@ -243,7 +244,8 @@ def test_a_request_whose_step_fails_to_launch_fails_alone(model_dir):
     for _ in range(3):  # the three are decoding, a step in flight, when the poisoned one comes
         engine.step()
     engine.add_request("bad", {"prompt_token_ids": PROMPTS[5][:4]},
-                       SamplingParams(temperature=0, max_tokens=8, logit_bias={SAMPLER_FAULT_TOKEN: SAMPLER_FAULT_BIAS}))
+                       SamplingParams(temperature=0, max_tokens=8,
+                                      logit_bias={SAMPLER_FAULT_TOKEN: SAMPLER_FAULT_BIAS}))
     while engine.has_unfinished_requests():
         finals.update({o.request_id: o for o in engine.step() if o.finished})
     assert "injected sampler failure" in finals["bad"].error

@@ -163,7 +163,8 @@ def _silu_case():
 
 
 def _rotary_case():
-    layer, q, k = ApplyRotary(64), torch.randn(8, 4, 64, dtype=torch.float16), torch.randn(8, 2, 64, dtype=torch.float16)
+    layer = ApplyRotary(64)
+    q, k = torch.randn(8, 4, 64, dtype=torch.float16), torch.randn(8, 2, 64, dtype=torch.float16)
     angles = torch.rand(8, 32) * 6.3
     cos, sin = (torch.cat([f(angles)] * 2, dim=-1).half() for f in (torch.cos, torch.sin))
     want = layer.forward_native(q.clone(), k.clone(), cos, sin)[0]

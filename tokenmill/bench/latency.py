@@ -110,7 +110,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     path = prepare(args)
     prompt = random_prompts(1, args.input_len, path, seed=0)[0]
     results = {"config": {k: v for k, v in vars(args).items() if k != "json"}, "engines": {}}
-    makers = {name: partial(tokenmill_pass, async_scheduling=overlapped) for name, overlapped in tokenmill_engines(args).items()}
+    makers = {name: partial(tokenmill_pass, async_scheduling=overlapped)
+              for name, overlapped in tokenmill_engines(args).items()}
     makers.update({**({} if args.skip_hf else {"hf-generate": hf_pass}),
                    **({"llama.cpp": llama_cpp_pass} if args.llama_cpp else {})})
     rounds = interleaved_rounds({name: make(path, prompt, args) for name, make in makers.items()}, args.rounds)

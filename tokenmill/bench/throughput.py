@@ -15,7 +15,9 @@ set would be served from tokenmill's prefix cache (so warm-ups use one more set)
     tokenmill bench throughput --preset 52m --num-prompts 128 --input-len 256 --output-len 128 --rounds 3
 
 ``--async-scheduling both`` adds a tokenmill engine with async scheduling beside the plain one
-(``on``: the one tokenmill engine has it). ``--parallel tp1,tp2,pp2`` adds a tokenmill engine per layout (tensor x pipeline ranks, each
+(``on``: the one tokenmill engine has it).
+
+``--parallel tp1,tp2,pp2`` adds a tokenmill engine per layout (tensor x pipeline ranks, each
 rank with ``--threads`` threads), and reports the time the driver rank spent in
 collectives per step: all-reduces and gathers under TP; under PP, the wait for the last
 stage's result, which is the driver's share of the pipeline bubble.

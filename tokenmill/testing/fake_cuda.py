@@ -200,7 +200,8 @@ class _Placement(TorchFunctionMode):
         if name == "copy_" and any(isinstance(x, DeviceTensor) for x in args[:2]):
             # a non-blocking copy to the host is taken to land in pinned memory (the stand-in's
             # pinned memory is plain): it waits for nothing, as on a GPU
-            if isinstance(args[0], DeviceTensor) != isinstance(args[1], DeviceTensor) and not kwargs.get("non_blocking"):
+            crossing = isinstance(args[0], DeviceTensor) != isinstance(args[1], DeviceTensor)
+            if crossing and not kwargs.get("non_blocking"):
                 synced("blocking copy_ between the host and the device")
             return aten.copy_.default(args[0], args[1])  # the binding's device guard needs CUDA
         if name == "contiguous" and isinstance(args[0], DeviceTensor):  # its binding's guard needs CUDA

@@ -256,16 +256,16 @@ class ModelRunner:
         if launched.step is None or not launched.rows:
             return ModelRunnerOutput({}, {}, {})
         owners = launched.owners
-        # a request aborted while its step was in flight has no state left to advance
-        alive = [self._states.get(request_id) is state for request_id, state in owners.items()]
         if launched.samples is None:
             launched.result = self.model_step.receive(launched.step)
-            if not all(alive) or self._processors_hold is not launched:
-                kept = [(item, row) for item, row in zip(launched.sample_items, launched.sample_rows)
-                        if self._states.get(item.request_id) is owners[item.request_id]]
+            # a request aborted while its step was in flight has no state left to advance
+            kept = [(item, row) for item, row in zip(launched.sample_items, launched.sample_rows)
+                    if self._states.get(item.request_id) is owners[item.request_id]]
+            if len(kept) < len(launched.sample_items) or self._processors_hold is not launched:
+                # the processors were told of the steps launched since: tell them this one's rows again
                 launched.sample_items = [item for item, _ in kept]
                 launched.sample_rows = [row for _, row in kept]
-                launched.sampling_rows = self._update_processors(launched.sample_items)  # other steps were launched since
+                launched.sampling_rows = self._update_processors(launched.sample_items)
                 self._processors_hold = launched
             self._sample(launched)
         result = launched.result
