@@ -253,6 +253,19 @@ def test_a_request_whose_step_fails_to_launch_fails_alone(model_dir):
     assert engine.scheduler.kv_cache.pool.usage() == 0.0
 
 
+def test_by_default_it_is_on_for_a_device_and_off_on_the_cpu(model_dir):
+    """vLLM's default: on where the model runs on a GPU (here the CUDA stand-in), off on the
+    CPU, where the forward pass runs on the host; off where it cannot serve (speculative
+    decoding) rather than refused; False turns it off."""
+    assert not make_llm(model_dir("llama")).llm_engine.scheduler.async_scheduling
+    with fake_cuda():
+        assert fake_cuda_llm(model_dir("llama")).llm_engine.scheduler.async_scheduling
+        assert not fake_cuda_llm(model_dir("llama"), async_scheduling=False).llm_engine.scheduler.async_scheduling
+        speculating = fake_cuda_llm(model_dir("llama"), enforce_eager=True,
+                                    speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+        assert not speculating.llm_engine.scheduler.async_scheduling
+
+
 def test_what_async_scheduling_cannot_serve_is_refused_at_startup(model_dir):
     with pytest.raises(ConfigError, match="speculative decoding"):
         make_llm(model_dir("llama"), async_scheduling=True,

@@ -10,7 +10,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Optional, TypeVar
 
 import httpx
 import torch
@@ -64,15 +64,16 @@ def add_common_args(parser: argparse.ArgumentParser, default_preset: str = "52m"
 
 
 def add_async_scheduling_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--async-scheduling", nargs="?", const="on", default="off", choices=["off", "on", "both"],
+    parser.add_argument("--async-scheduling", nargs="?", const="on", default="auto",
+                        choices=["auto", "off", "on", "both"],
                         help="vLLM's engine flag: tokenmill launches each step before reading the last one's "
-                             "tokens (on); both: a second tokenmill engine with it (tokenmill-async), timed "
-                             "beside the first")
+                             "tokens (auto: the engine's default, on for a GPU); both: one tokenmill engine "
+                             "without it and one with it (tokenmill-async), timed side by side")
 
 
-def tokenmill_engines(args: argparse.Namespace) -> dict[str, bool]:
+def tokenmill_engines(args: argparse.Namespace) -> dict[str, Optional[bool]]:
     """The tokenmill engines ``--async-scheduling`` asks for: name -> its async_scheduling."""
-    return {"off": {"tokenmill": False}, "on": {"tokenmill": True},
+    return {"auto": {"tokenmill": None}, "off": {"tokenmill": False}, "on": {"tokenmill": True},
             "both": {"tokenmill": False, "tokenmill-async": True}}[args.async_scheduling]
 
 

@@ -33,7 +33,7 @@ from tokenmill.bench.llama_cpp import add_llama_cpp_args, batched_bench
 Timings = tuple[list[float], list[float]]  # TTFTs, TPOTs (seconds)
 
 
-def tokenmill_pass(path, prompt, args, async_scheduling: bool = False) -> Callable[[], Timings]:
+def tokenmill_pass(path, prompt, args, async_scheduling: Optional[bool] = None) -> Callable[[], Timings]:
     """A built engine after one warm-up request; each call times ``--iters`` requests, each
     with a prompt of its own (a repeated prompt would hit the prefix cache). A token's time is
     the end of the step that returned it (under async scheduling, the step after the one that

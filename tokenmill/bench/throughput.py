@@ -56,7 +56,7 @@ def layout(name: str) -> tuple[int, int]:
 
 
 def tokenmill_pass(path, prompt_sets, output_len, args, tp: int = 1, pp: int = 1,
-                   async_scheduling: bool = False) -> Callable[[], float]:
+                   async_scheduling: Optional[bool] = None) -> Callable[[], float]:
     """A built and warmed-up engine; each call times one pass over the next prompt set."""
     llm = LLM(str(path), dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,

@@ -44,9 +44,11 @@ class SchedulerConfig(BaseModel):
     policy_config: dict[str, Any] = {}
     #: schedule and launch step N+1 before step N's result is read, its decode rows taking
     #: N's sampled tokens on the device (vLLM: async_scheduling), so that a GPU runs N+1 while
-    #: the host reads, detokenizes and schedules; one process, no speculative decoding (the
-    #: rules: core/sched/scheduler.py)
-    async_scheduling: bool = False
+    #: the host reads, detokenizes and schedules (the rules: core/sched/scheduler.py). None
+    #: (auto, vLLM's default): on where the model runs on a device other than the host, in one
+    #: process, without speculative decoding; off on the CPU, where the forward pass runs on the
+    #: host and there is nothing to overlap. True where it cannot serve is refused at startup
+    async_scheduling: Optional[bool] = None
 
 
 class CacheConfig(BaseModel):

@@ -63,7 +63,7 @@ def build_engine(config: EngineConfig, pm: Optional[PluginManager] = None) -> LL
     """A generation engine, or an embedding engine when the architecture is an encoder."""
     if config.model is None:
         raise ConfigError("model", "no model given: pass a model directory or set 'model' in the YAML")
-    _check_async_scheduling(config)
+    _async_scheduling(config)  # an impossible request is refused before anything starts
     pm = pm or make_plugin_manager()
     components = collect_components(pm)
     platform = select_platform(components.platforms, config)
@@ -82,12 +82,17 @@ def build_engine(config: EngineConfig, pm: Optional[PluginManager] = None) -> LL
     return engine
 
 
-def _check_async_scheduling(config: EngineConfig) -> None:
-    """What async scheduling cannot serve yet: drafts need the verified tokens on the host
-    before the next step, and the ranks of a multi-process model would each need the tokens
-    that only the driver samples."""
-    if not config.scheduler.async_scheduling:
-        return
+def _async_scheduling(config: EngineConfig, platform: Optional[Platform] = None) -> bool:
+    """Whether the engine schedules a step ahead: as asked, or (auto) where the model runs on
+    a device other than the host and the engine can. What it cannot serve yet is refused:
+    drafts need the verified tokens on the host before the next step, and the ranks of a
+    multi-process model would each need the tokens that only the driver samples."""
+    requested = config.scheduler.async_scheduling
+    servable = not config.speculative.enabled and config.parallel.world_size == 1
+    if requested is None:
+        return servable and platform is not None and platform.device_type != "cpu"
+    if not requested:
+        return False
     if config.speculative.enabled:
         raise ConfigError("async_scheduling", "async scheduling does not work with speculative decoding yet: "
                                               "turn one of them off")
@@ -95,6 +100,7 @@ def _check_async_scheduling(config: EngineConfig) -> None:
         raise ConfigError("async_scheduling", "async scheduling needs one process: tensor_parallel_size and "
                                               "pipeline_parallel_size must be 1 (pipeline parallelism keeps "
                                               "several batches in flight of its own)")
+    return True
 
 
 def _build_engine(config: EngineConfig, pm: PluginManager, components: Components, platform: Platform,
@@ -129,9 +135,11 @@ def _build_engine(config: EngineConfig, pm: PluginManager, components: Component
     kv_cache = KVCacheManager(num_blocks, config.cache.block_size, config.cache.prefix_caching)
     swap_space = SwapSpace(host_blocks) if config.scheduler.preemption_mode == "swap" else None
     adapters = built.adapters
+    async_scheduling = _async_scheduling(config, platform)
     scheduler = Scheduler(config.scheduler, kv_cache, policy, swap_space,
                           max_adapters=adapters.max_active if adapters else None, pipeline_depth=parallel.pp_size,
-                          num_lookahead_slots=speculator.proposer.num_lookahead_slots if speculator else 0)
+                          num_lookahead_slots=speculator.proposer.num_lookahead_slots if speculator else 0,
+                          async_scheduling=async_scheduling)
     # the platform's fast paths for the forward pass: one rank, no per-step adapter state
     fast_paths = not (config.enforce_eager or adapters or group)
     greedy_head = platform.greedy_head(model) if fast_paths else None
@@ -141,7 +149,7 @@ def _build_engine(config: EngineConfig, pm: PluginManager, components: Component
             return DecodeGraphs.for_engine(model, built.backend, platform, config.scheduler.max_num_seqs,
                                            config.cache.block_size, model_config.max_model_len,
                                            scheduler.num_lookahead_slots)
-    staging = InputStaging.for_platform(platform, sets=2 if config.scheduler.async_scheduling else 1)
+    staging = InputStaging.for_platform(platform, sets=2 if async_scheduling else 1)
     model_step = ModelStep(model, built.backend, config.cache.block_size, model_config.vocab_size, parallel,
                            swap_caches, adapters, greedy_head, staging,
                            record_graphs() if record_graphs is not None else None)
@@ -156,8 +164,7 @@ def _build_engine(config: EngineConfig, pm: PluginManager, components: Component
     structured = _structured_outputs(config, components, context)
     processors = ((StructuredOutput(context, structured),) if structured else ()) + _logits_processors(
         config, components, context)
-    runner = ModelRunner(model_step, config.seed, processors, config.logprobs_mode, config.scheduler.async_scheduling,
-                         staging)
+    runner = ModelRunner(model_step, config.seed, processors, config.logprobs_mode, async_scheduling, staging)
     engine = LLMEngine(config, model_config, tokenizer, scheduler, runner, pm, adapters, platform, structured, group,
                        speculator)
     engine.control = EngineControl(engine, ControlPlane(local_control, group,
@@ -169,7 +176,7 @@ def _build_engine(config: EngineConfig, pm: PluginManager, components: Component
              architecture=model_config.architecture,
              dtype=str(model_config.dtype).removeprefix("torch."), attention=built.backend.name,
              kv_cache_dtype=str(built.cache_dtype).removeprefix("torch."),
-             policy=config.scheduler.policy, kv_blocks=num_blocks,
+             policy=config.scheduler.policy, kv_blocks=num_blocks, async_scheduling=async_scheduling,
              max_model_len=model_config.max_model_len, tensor_parallel_size=parallel.tp_size,
              pipeline_parallel_size=parallel.pp_size, generation_config=config.generation_config,
              sampling_defaults=model_config.sampling_defaults)

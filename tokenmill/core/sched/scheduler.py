@@ -64,13 +64,14 @@ class Scheduler:
         max_adapters: Optional[int] = None,
         pipeline_depth: int = 1,
         num_lookahead_slots: int = 0,
+        async_scheduling: bool = False,
     ) -> None:
         self.config = config
         #: batches in flight at once (pipeline parallelism): each takes its share of the
         #: requests, and never one that is in flight in another
         self.pipeline_depth = pipeline_depth
         #: the next batch is scheduled while the last one is in flight, with its requests
-        self.async_scheduling = config.async_scheduling
+        self.async_scheduling = async_scheduling
         #: each request of a batch scheduled but not yet updated -> its work there (kept by the engine)
         self.in_flight: dict[str, ScheduledRequest] = {}
         #: KV slots reserved past a sampling step's tokens, for a proposer's own KV writes
