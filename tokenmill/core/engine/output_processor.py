@@ -59,7 +59,10 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(seq.finish_reason is not None for seq in self.sequences.values())
+        sequences = self.sequences
+        if len(sequences) == 1:  # n = 1: asked per request per step, once for metrics and once for outputs
+            return next(iter(sequences.values())).finish_reason is not None
+        return all(seq.finish_reason is not None for seq in sequences.values())
 
 
 @dataclass(slots=True)

@@ -86,17 +86,20 @@ class _Samples:
         values = self.logprobs
         self.host = staging.to_host([self.tokens] + ([] if values is None else values.tensors()))
 
-    def read(self) -> list[tuple[list[int], list[Optional[PositionLogprobs]]]]:
-        """(tokens, logprob entries) per request, on the host: the step's one wait for the device."""
+    def read(self) -> tuple[list[list[int]], Optional[list[list[Optional[PositionLogprobs]]]]]:
+        """Each request's tokens, and their logprob entries (None: no request asked for any),
+        on the host: the step's one wait for the device."""
         if self.verified is not None:
-            return self.verified
+            return [tokens for tokens, _ in self.verified], [entries for _, entries in self.verified]
         tokens, values = self.tokens, self.logprobs
         if self.host is not None:
             tokens, *landed = self.host.wait()
             values = values and LogprobValues.of_tensors(landed)
         tokens = tokens if isinstance(tokens, list) else tokens.tolist()
-        entries = values.entries(tokens, self.ks) if values is not None else [None] * len(tokens)
-        return [([token], [entry]) for token, entry in zip(tokens, entries)]
+        token_lists = [[token] for token in tokens]
+        if values is None:
+            return token_lists, None
+        return token_lists, [[entry] for entry in values.entries(tokens, self.ks)]
 
 
 class ModelRunner:
@@ -276,14 +279,18 @@ class ModelRunner:
             self._states[item.request_id].num_prompt_logprobs_done = first + count
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list[Optional[PositionLogprobs]]] = {}
-        for item, (tokens, entries) in zip(launched.sample_items, launched.samples.read()):
-            state = owners[item.request_id]
-            if self._states.get(item.request_id) is not state:
+        token_lists, entry_lists = launched.samples.read()
+        states = self._states
+        for index, item in enumerate(launched.sample_items):
+            request_id = item.request_id
+            state = owners[request_id]
+            if states.get(request_id) is not state:
                 continue
+            tokens = token_lists[index]
             state.output_token_ids.extend(tokens)
-            sampled[item.request_id] = tokens
-            if entries[0] is not None:
-                logprobs[item.request_id] = entries
+            sampled[request_id] = tokens
+            if entry_lists is not None and entry_lists[index][0] is not None:
+                logprobs[request_id] = entry_lists[index]
         return ModelRunnerOutput(sampled, logprobs, prompt_logprobs)
 
     def _sampling_rows(self, items: list[ScheduledRequest]) -> list[SamplingRow]:
