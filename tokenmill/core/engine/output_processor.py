@@ -56,13 +56,18 @@ class RequestState:
     error: Optional[str] = None
     #: an output went out already (DELTA sends the prompt's logprobs once)
     sent: bool = False
+    #: sequences without a finish reason yet (``finished`` is asked per request per step)
+    unfinished: int = 0
 
     @property
     def finished(self) -> bool:
-        sequences = self.sequences
-        if len(sequences) == 1:  # n = 1: asked per request per step, once for metrics and once for outputs
-            return next(iter(sequences.values())).finish_reason is not None
-        return all(seq.finish_reason is not None for seq in sequences.values())
+        return self.unfinished == 0
+
+    def end(self, seq: "_Sequence", reason: str) -> None:
+        """Give ``seq`` (one of this request's) its finish reason."""
+        if seq.finish_reason is None:
+            self.unfinished -= 1
+        seq.finish_reason = reason
 
 
 @dataclass(slots=True)
@@ -99,6 +104,7 @@ class OutputProcessor:
             request_id, prompt, prompt_token_ids, params, sequences,
             RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(prompt_token_ids)),
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+            unfinished=len(sequences),
         )
 
     def parent_of(self, child_id: str) -> Optional[str]:
@@ -137,12 +143,12 @@ class OutputProcessor:
         state.error = error
         for seq in state.sequences.values():
             if seq.finish_reason is None:
-                seq.finish_reason = str(FinishReason.ERROR)
+                state.end(seq, str(FinishReason.ERROR))
 
     def finish(self, request: Request) -> None:
         state = self.states[self._parent_of[request.request_id]]
         seq = state.sequences[request.request_id]
-        seq.finish_reason = str(request.finish_reason)
+        state.end(seq, str(request.finish_reason))
         seq.stop_reason = request.stop_reason
         state.metrics.num_preemptions += request.metrics.num_preemptions
         state.metrics.num_draft_tokens += request.metrics.num_draft_tokens
