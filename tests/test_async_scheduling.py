@@ -152,6 +152,46 @@ def test_a_kv_cache_too_small_for_all_preempts_between_steps_in_flight(model_dir
     assert scheduler.kv_cache.pool.num_free_blocks == PREEMPTING["num_gpu_blocks_override"]
 
 
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_priorities_preempt_requests_whose_step_is_in_flight(mode, model_dir):
+    """Mixed priorities over 24 blocks: better ones take the place of requests whose step is in
+    flight. The preempted request loses that step's token (the runner drops it, so its history
+    stays the scheduler's) and recomputes it; every request, penalised ones included, comes out
+    as step by step."""
+    args = dict(**PREEMPTING, scheduling_policy="priority", preemption_mode=mode, max_num_batched_tokens=64)
+    sync, overlapped = engines(model_dir, **args)
+    scheduler = overlapped.llm_engine.scheduler
+    preempt, in_flight = scheduler._preempt, []
+
+    def watched(request, step):
+        in_flight.append(request.request_id in scheduler.in_flight)
+        return preempt(request, step)
+
+    scheduler._preempt = watched
+    engine, histories_differ = overlapped.llm_engine, []
+    step = engine.step
+
+    def checked_step():  # between steps the runner's history of a request is the scheduler's
+        outputs = step()
+        states = engine.runner._states
+        histories_differ.extend(request_id for request_id, r in scheduler.requests.items()
+                                if request_id in states and states[request_id].output_token_ids != r.output_token_ids)
+        return outputs
+
+    engine.step = checked_step
+    prompts = [p[:90] for p in PROMPTS]
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0,
+                             repetition_penalty=1.2 if i % 4 == 0 else 1.0) for i in range(len(prompts))]
+    priority = [i % 3 for i in range(len(prompts))]
+    same_completions(sync.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                                   priority=priority),
+                     overlapped.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                                         priority=priority))
+    assert any(in_flight), "no request was preempted while its step was in flight"
+    assert histories_differ == []
+    assert scheduler.kv_cache.pool.num_free_blocks == PREEMPTING["num_gpu_blocks_override"]
+
+
 def test_an_abort_and_a_reused_id_between_steps_in_flight(model_dir):
     """A request aborted while its step is in flight ends as aborted, the others as step by
     step; an id reused as soon as its request finished (its last step still in flight) names a

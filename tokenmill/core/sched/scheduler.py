@@ -20,8 +20,8 @@ go on: a prompt chunk's successor chunk follows it, and a decoding request's nex
 device). Not one whose sampling reads its output history on the host (penalties, a grammar,
 a logits processor's state; they run every other step), nor one whose step in flight may
 produce its last token by length. A request that stops on a token the host has not seen yet
-runs one step too many, whose token is dropped. Preemption never takes a request in flight:
-a request that finds no blocks and no victim waits a step.
+runs one step too many, whose token is dropped. A request preempted while its step is in
+flight loses that step's token (the runner drops it) and recomputes it when it resumes.
 
 Speculative decoding: a decoding request's draft tokens ride after its last token, within
 the token budget (drafts are cut, never preempted for); ``num_lookahead_slots`` more KV
@@ -160,8 +160,7 @@ class Scheduler:
         for candidate in list(self.waiting):
             need = self._blocks_to_admit(candidate, step.budget)
             while seats < 1 or free_blocks < need:
-                victims = [r for r in self.running
-                           if r.request_id not in self.in_flight and self.policy.may_preempt(candidate, r)]
+                victims = [r for r in self.running if self._preemptible(r) and self.policy.may_preempt(candidate, r)]
                 if not victims:
                     return  # the best waiting request cannot get in; nor can later ones
                 victim = self.policy.choose_victim(victims)
@@ -192,8 +191,8 @@ class Scheduler:
                 drafts = ()  # no room for them: decode without (rather than preempt for drafts)
             allocated = True
             while allocated and not self.kv_cache.allocate_slots(request, ahead_tokens + num_new + lookahead):
-                victims = [r for r in self.running[index:] if r.request_id not in self.in_flight]
-                if not victims:  # itself and the rest in flight: it waits for their step
+                victims = [r for r in self.running[index:] if self._preemptible(r)]
+                if not victims:  # itself and the rest in flight in the pipeline: it waits for their batch
                     allocated = False
                     break
                 victim = self.policy.choose_victim(victims)
@@ -295,6 +294,11 @@ class Scheduler:
             spec_token_ids=drafts,
         ))
         step.budget -= num_new + len(drafts)
+
+    def _preemptible(self, request: Request) -> bool:
+        """A request in flight in a pipeline stage is not; under async scheduling it is: the
+        runner drops its step's result (``preempted_request_ids``), and it recomputes what it lost."""
+        return self.async_scheduling or request.request_id not in self.in_flight
 
     def _goes_on(self, request: Request, ahead: ScheduledRequest) -> bool:
         """Whether a request whose step is in flight is scheduled again before that step's

@@ -12,6 +12,7 @@ multi-process model.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -138,6 +139,13 @@ class ModelRunner:
         for request_id in batch.finished_request_ids:
             self._states.pop(request_id, None)
             if self._sampled is not None:
+                self._sampled.pop(request_id, None)
+        # a request preempted while its step is in flight: that step's result is for a state it
+        # no longer has (async scheduling); the same history, a new owner
+        for request_id in batch.preempted_request_ids:
+            state = self._states.get(request_id)
+            if state is not None and self._sampled is not None:
+                self._states[request_id] = dataclasses.replace(state)
                 self._sampled.pop(request_id, None)
         # a reused id is a new request: the logits processors must not keep the old one's state
         self._batch.forget(batch.finished_request_ids)
