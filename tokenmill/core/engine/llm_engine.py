@@ -3,7 +3,8 @@
 A request is checked against the model once, when it is added; after that, an
 exception while one request is processed (its sampling, detokenizing, stop
 check, a plugin hook) finishes that request with ``finish_reason="error"`` and
-the engine serves on. Only errors in the scheduler's own bookkeeping, and a
+the engine serves on (a batch that raises runs again request by request:
+``step_isolation``). Only errors in the scheduler's own bookkeeping, and a
 worker of a multi-process model failing (``WorkerFailed``), propagate out of
 ``step``: those leave the engine unable to run another step.
 """
@@ -24,6 +25,7 @@ from tokenmill.core.distributed.driver import WorkerGroup
 from tokenmill.core.engine.output_processor import OutputProcessor, RequestProgress
 from tokenmill.core.engine.prompt_input import PromptType, cache_salt, tokenize_prompt
 from tokenmill.core.engine.request import Request
+from tokenmill.core.engine.step_isolation import NOTHING, execute, isolate, raise_if_fatal
 from tokenmill.core.plugin_host.plugin_manager import PluginManager
 from tokenmill.core.sched.scheduler import Scheduler
 from tokenmill.core.spec_decode.speculator import Speculator
@@ -31,7 +33,7 @@ from tokenmill.core.structured_output.manager import StructuredOutputManager
 from tokenmill.core.worker.model_runner import LaunchedStep, ModelRunner
 from tokenmill.interfaces.adapters import AdapterType
 from tokenmill.interfaces.batch import ModelRunnerOutput, SchedulerOutput, SchedulerStats
-from tokenmill.interfaces.errors import DeviceFailed, InvalidRequest, WorkerFailed
+from tokenmill.interfaces.errors import InvalidRequest, WorkerFailed
 from tokenmill.interfaces.platform import Platform
 from tokenmill.interfaces.types import FinishReason, RequestOutput, SamplingParams
 
@@ -39,9 +41,6 @@ if TYPE_CHECKING:
     from tokenmill.core.engine.rollout import EngineControl
 
 log = structlog.get_logger("tokenmill.engine")
-
-#: a step that produced nothing
-_NOTHING = ModelRunnerOutput({}, {}, {})
 
 
 class LLMEngine:
@@ -244,7 +243,7 @@ class LLMEngine:
             return self._step_pipelined()
         batch = self._schedule()
         self.runner.prepare(batch)
-        result, failures = self._execute(batch)
+        result, failures = execute(self.runner, batch, self._raise_if_fatal)
         return self._advance(batch, result, failures)
 
     def _schedule(self) -> SchedulerOutput:
@@ -268,12 +267,12 @@ class LLMEngine:
             except Exception as exc:
                 self._raise_if_fatal(exc)
                 if not self.scheduler.async_scheduling:  # this batch fails; the ones in flight go on
-                    return self._advance(batch, _NOTHING, {item.request_id: exc for item in batch.scheduled})
+                    return self._advance(batch, NOTHING, {item.request_id: exc for item in batch.scheduled})
                 # the step in flight first (this batch's placeholders are its tokens), then this
                 # batch one request at a time, so that only the requests that fail end
                 outputs = self._finish_oldest() if self._in_flight else []
                 progress = self.last_step_progress
-                result, failures = self._isolate(batch, exc, generators)
+                result, failures = isolate(self.runner, batch, exc, generators, self._raise_if_fatal)
                 outputs += self._advance(batch, result, failures)
                 self.last_step_progress = progress + self.last_step_progress
                 return outputs
@@ -295,7 +294,7 @@ class LLMEngine:
             raise
         except Exception as exc:
             self._raise_if_fatal(exc)
-            result, failures = _NOTHING, {item.request_id: exc for item in batch.scheduled}
+            result, failures = NOTHING, {item.request_id: exc for item in batch.scheduled}
         return self._advance(batch, result, failures)
 
     def _advance(self, batch: SchedulerOutput, result: ModelRunnerOutput,
@@ -348,51 +347,8 @@ class LLMEngine:
                 return stop
         return None
 
-    def _execute(self, batch: SchedulerOutput) -> tuple[ModelRunnerOutput, dict[str, BaseException]]:
-        """Run the batch; if that raises, run its requests one at a time to find the ones that fail.
-
-        The runner's bookkeeping (new requests, swap copies: ``runner.prepare``) comes first,
-        in the caller, and is the engine's own: its failure propagates.
-        """
-        generators = self.runner.generator_states(batch)
-        try:
-            return self.runner.execute(batch), {}
-        except WorkerFailed:  # the model's ranks are out of step: no request can run again
-            raise
-        except Exception as exc:
-            self._raise_if_fatal(exc)
-            return self._isolate(batch, exc, generators)
-
-    def _isolate(self, batch: SchedulerOutput, exc: BaseException,
-                 generators: list) -> tuple[ModelRunnerOutput, dict[str, BaseException]]:
-        """Run the requests of a batch that raised ``exc`` one at a time. A retry recomputes the
-        same KV into the same slots, and the generators are wound back first, so every request
-        that succeeds samples what a clean step would have given it."""
-        if len(batch.scheduled) <= 1:
-            return _NOTHING, {item.request_id: exc for item in batch.scheduled}
-        sampled, logprobs, prompt_logprobs, failures = {}, {}, {}, {}
-        self.runner.restore_generators(generators)  # each seeded generator serves one request only
-        for item in batch.scheduled:
-            single = SchedulerOutput(scheduled=(item,), new_requests=(), finished_request_ids=frozenset(),
-                                     num_scheduled_tokens=len(item.new_token_ids))
-            try:
-                part = self.runner.execute(single)
-            except WorkerFailed:
-                raise
-            except Exception as exc:
-                self._raise_if_fatal(exc)
-                failures[item.request_id] = exc
-                continue
-            sampled.update(part.sampled_token_ids)
-            logprobs.update(part.logprobs)
-            prompt_logprobs.update(part.prompt_logprobs)
-        return ModelRunnerOutput(sampled, logprobs, prompt_logprobs), failures
-
     def _raise_if_fatal(self, exc: BaseException) -> None:
-        """A device error no request survives (the platform says which) stops the engine."""
-        if self.platform is not None and self.platform.is_fatal_error(exc):
-            raise DeviceFailed(f"the {self.platform.name} device failed, and this process cannot use it again: "
-                               f"{exc}") from exc
+        raise_if_fatal(self.platform, exc)
 
     def _fail(self, child_id: str, exc: BaseException, failed: dict[str, None]) -> None:
         """Finish the user request ``child_id`` belongs to, all its sequences, as failed, and
