@@ -340,6 +340,31 @@ def test_mutation_tokens_read_from_the_device_wait_for_the_step_after(model_dir,
     assert reads and all(any("of a device tensor" in event for event in events) for events in reads)
 
 
+def test_on_the_cuda_stand_in_prompt_logprobs_and_sampling_rows_come_out_as_on_the_cpu(model_dir):
+    """A step with prompt-logprob rows picks its sampling rows out of the logits through a staged
+    index (a host index is a blocking copy on a GPU); tokens and prompt logprobs are the CPU
+    engine's."""
+    params = [SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, prompt_logprobs=2, logprobs=1),
+              SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)]
+    prompts = [PROMPTS[0][:12], PROMPTS[1][:9]]
+    waits = []
+    with fake_cuda():
+        llm = fake_cuda_llm(model_dir("llama"))
+        runner = llm.llm_engine.runner
+        launch = runner.launch
+
+        def watched(batch, *args, **kwargs):
+            with host_syncs() as events:
+                launched = launch(batch, *args, **kwargs)
+            waits.extend(events)
+            return launched
+
+        runner.launch = watched
+        device = generate(llm, prompts, params)
+    same_completions(generate(make_llm(model_dir("llama"), block_size=8), prompts, params), device)
+    assert device[0].prompt_logprobs is not None and waits == []
+
+
 def test_mutation_a_placeholder_written_through_a_host_index_is_a_wait(model_dir, monkeypatch):
     """Filling the placeholders by indexing the input ids with a host list gives the same
     tokens, but on a GPU it is a blocking copy that waits for the step in flight."""

@@ -17,6 +17,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from tokenmill.core.distributed.messages import Row, Step
@@ -244,8 +245,10 @@ class ModelRunner:
                     for request_drafts, start, end in zip(drafts, starts, starts[1:]))]
         else:
             logits = result.logits
-            if len(row_index) < len(launched.rows):
-                logits = logits[torch.tensor(row_index)]
+            if len(row_index) < len(launched.rows):  # the sampling rows among prompt-logprob ones
+                index = np.asarray(row_index, dtype=np.int64)
+                logits = logits[torch.from_numpy(index) if self._readback is None
+                                else self._readback.to_device("sampling_rows", index)]
             if any(drafts):
                 samples.verified = [(v.token_ids, v.logprobs)
                                     for v in verify(self.sampler, logits, launched.sampling_rows, drafts)]
