@@ -259,7 +259,8 @@ class LLMEngine:
         batch = self._schedule()
         self.runner.prepare(batch)
         if not batch.is_empty:
-            generators = self.runner.generator_states(batch)
+            # the random state a failed launch rewinds to (async scheduling isolates its requests)
+            generators = self.runner.generator_states(batch) if self.scheduler.async_scheduling else []
             try:
                 launched = self.runner.launch(batch)
             except WorkerFailed:

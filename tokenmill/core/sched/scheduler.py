@@ -189,21 +189,16 @@ class Scheduler:
             lookahead = self._lookahead(request, num_new + len(drafts))
             if drafts and not self.kv_cache.allocate_slots(request, num_new + len(drafts) + lookahead):
                 drafts = ()  # no room for them: decode without (rather than preempt for drafts)
-            allocated = True
-            while allocated and not self.kv_cache.allocate_slots(request, ahead_tokens + num_new + lookahead):
-                victims = [r for r in self.running[index:] if self._preemptible(r)]
-                if not victims:  # itself and the rest in flight in the pipeline: it waits for their batch
-                    allocated = False
-                    break
-                victim = self.policy.choose_victim(victims)
+            while not self.kv_cache.allocate_slots(request, ahead_tokens + num_new + lookahead):
+                # never empty: ``request`` itself is preemptible (under pipelining it is not in flight)
+                victim = self.policy.choose_victim([r for r in self.running[index:] if self._preemptible(r)])
                 self._preempt(victim, step)
                 step.pressure_preempted = True
                 if victim is request:
                     break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted itself; the next request slid into `index`
-            if allocated:
-                self._emit(request, num_new, step, drafts, start)
+            self._emit(request, num_new, step, drafts, start)
             index += 1
 
     def _schedule_waiting(self, step: "_Step") -> None:

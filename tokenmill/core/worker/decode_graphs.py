@@ -138,8 +138,8 @@ class DecodeGraphs:
         writes the input ids that are still on the device (placeholder tokens)."""
         rows, width = len(token_ids), block_table.shape[1]
 
-        def padded(values: np.ndarray, fill: int) -> np.ndarray:
-            out = np.full((size, *values.shape[1:]), fill, dtype=values.dtype)
+        def padded(values: np.ndarray, pad: int) -> np.ndarray:
+            out = np.full((size, *values.shape[1:]), pad, dtype=values.dtype)
             out[:rows] = values
             return out
 

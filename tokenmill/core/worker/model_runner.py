@@ -254,7 +254,8 @@ class ModelRunner:
                                     for v in verify(self.sampler, logits, launched.sampling_rows, drafts)]
             else:
                 samples.tokens, samples.logprobs = self.sampler.sample(logits, launched.sampling_rows)
-                samples.ks = [row.params.logprobs for row in launched.sampling_rows]
+                if samples.logprobs is not None:
+                    samples.ks = [row.params.logprobs for row in launched.sampling_rows]
         if self._readback is not None and isinstance(samples.tokens, torch.Tensor):
             samples.copy_to_host(self._readback)
         if self._sampled is not None and samples.tokens is not None:

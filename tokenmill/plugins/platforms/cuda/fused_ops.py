@@ -135,15 +135,20 @@ def rms_norm(layer: RMSNorm | GemmaRMSNorm, x: torch.Tensor) -> torch.Tensor:
     if x.dtype not in FUSED_DTYPES or x.dtype != layer.weight.dtype or x.numel() == 0:
         return layer.forward_native(x)
     n = x.shape[-1]
-    rows = x.reshape(-1, n)  # a view where it can be (a batch of tokens), else a copy (q/k head norms)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    rows = _rows(x)
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     block = min(triton.next_power_of_2(n), RMS_NORM_TILE)
     _rms_norm_kernel[(rows.shape[0],)](rows, layer.weight, out, rows.stride(0), out.stride(0), n, layer.eps,
                                        BLOCK=block, ONE_PASS=block >= n, GEMMA=isinstance(layer, GemmaRMSNorm),
                                        num_warps=rms_norm_warps(block))
     return out.view(x.shape)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as rows of its last dimension, each contiguous: a view where it can be (a batch of
+    tokens), else a copy (the q/k head norms' views of a fused qkv output)."""
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
 def rms_norm_warps(block: int) -> int:
@@ -154,11 +159,8 @@ def rms_norm_warps(block: int) -> int:
 def act_and_mul(layer: GatedActivation, x: torch.Tensor) -> torch.Tensor:
     if x.dtype not in FUSED_DTYPES or x.numel() == 0:
         return layer.forward_native(x)
-    width = x.shape[-1]
-    rows = x.reshape(-1, width)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    d = width // 2
+    rows = _rows(x)
+    d = x.shape[-1] // 2
     out = torch.empty(rows.shape[0], d, dtype=x.dtype, device=x.device)
     _act_and_mul_kernel[(rows.shape[0], triton.cdiv(d, ACT_TILE))](
         rows, out, rows.stride(0), out.stride(0), d, ACT=GATED_ACTIVATIONS[layer.op_name], BLOCK=ACT_TILE)
