@@ -2,7 +2,10 @@
 
 One decode token per sequence over a paged cache (8 query / 8 KV heads of 64,
 blocks of 16, random block tables), each CPU-runnable registered backend in
-the same process; median of 5 runs, milliseconds per layer call.
+the same process; median of 5 runs, milliseconds per layer call. A backend's per-step
+metadata (``build_metadata``) is built once, outside the timing, as the engine shares it
+across layers; the cache is one, sized for the largest case, as an engine's is (a compiled
+backend such as flex would compile again for every cache size).
 
     python benchmarks/attention.py --contexts 128,512,1024,4096 --batches 1,8,64
 """
@@ -21,11 +24,11 @@ from tokenmill.interfaces.attention import AttentionLayerSpec, AttentionMetadata
 from tokenmill.plugins.platforms.cpu.attention import CpuAttention
 
 
-def decode_inputs(batch: int, context: int, heads: int = 8, kv_heads: int = 8, head_dim: int = 64, block: int = 16):
+def decode_inputs(batch: int, context: int, cache: torch.Tensor, heads: int = 8):
+    """A decode step of ``batch`` sequences of ``context`` tokens on ``cache`` [2, blocks, block, kv heads, dim]."""
+    num_blocks, block, kv_heads, head_dim = cache.shape[1:]
     blocks_per_seq = -(-context // block)
-    num_blocks = batch * blocks_per_seq + 1
     g = torch.Generator().manual_seed(0)
-    cache = torch.randn(2, num_blocks, block, kv_heads, head_dim, generator=g)
     table = torch.randperm(num_blocks, generator=g)[: batch * blocks_per_seq].view(batch, blocks_per_seq).int()
     positions = [context - 1] * batch
     slots = torch.tensor([int(table[i, p // block]) * block + p % block for i, p in enumerate(positions)])
@@ -35,7 +38,7 @@ def decode_inputs(batch: int, context: int, heads: int = 8, kv_heads: int = 8, h
         query_start_loc_cpu=tuple(range(batch + 1)), seq_lens_cpu=(context,) * batch, block_size=block)
     q = torch.randn(batch, heads, head_dim, generator=g)
     k = torch.randn(batch, kv_heads, head_dim, generator=g)
-    return AttentionLayerSpec(heads, kv_heads, head_dim, head_dim**-0.5), q, k, k.clone(), cache, metadata
+    return AttentionLayerSpec(heads, kv_heads, head_dim, head_dim**-0.5), q, k, k.clone(), metadata
 
 
 def main() -> None:
@@ -52,13 +55,18 @@ def main() -> None:
     names = args.backends.split(",") if args.backends else [n for n in registry.names() if n != "triton"]
     backends = {name: CpuAttention(use_kernels=False) if name == "cpu-sdpa" else registry.get(name)()
                 for name in names}
+    batches, contexts = [int(b) for b in args.batches.split(",")], [int(c) for c in args.contexts.split(",")]
+    cache = torch.randn(2, max(batches) * -(-max(contexts) // 16) + 1, 16, 8, 64,
+                        generator=torch.Generator().manual_seed(0))
     results = []
     print(f"{'batch':>5} {'context':>7} " + " ".join(f"{name:>10}" for name in backends) + "   (ms per call)")
-    for batch in map(int, args.batches.split(",")):
-        for context in map(int, args.contexts.split(",")):
-            spec, q, k, v, cache, metadata = decode_inputs(batch, context)
+    for batch in batches:
+        for context in contexts:
+            spec, q, k, v, common = decode_inputs(batch, context, cache)
             row = {"batch": batch, "context": context}
             for name, backend in backends.items():
+                build = getattr(backend, "build_metadata", None)
+                metadata = build(common) if build is not None else common
                 backend.forward(spec, q, k, v, cache, metadata)
                 times = []
                 for _ in range(5):

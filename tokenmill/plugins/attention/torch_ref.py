@@ -89,8 +89,9 @@ def write_kv(
 @hookimpl
 def register_attention_backends(register):
     register("torch", TorchReferenceAttention)
-    # lazy: listing plugins never imports triton
+    # lazy: listing plugins never imports triton (or compiles anything)
     register("triton", "tokenmill.plugins.attention.triton_paged.backend:TritonPagedAttention")
+    register("flex", "tokenmill.plugins.attention.flex.backend:FlexAttentionBackend")
 
 
 @hookimpl(trylast=True)
