@@ -9,12 +9,17 @@ is timed (``triton.testing.do_bench``, medians). The HBM fraction is the K/V byt
 must read over the time, against this GPU's copy bandwidth measured here (bytes read plus
 written); prefill reports TFLOP/s (causal: half of 4 S^2 D per head).
 
+With ``--flex`` the flex backend (torch's FlexAttention, compiled; the first call of each shape
+compiles, outside the timing) is timed beside them, its agreement checked the same way; a
+case it fails on says why in its row and the others still run.
+
 With ``--sweep`` it times the kernels' tile choices instead, at decode 64 x 4096 and 1 x 4096
 and prefill 1 x 4096: decode positions per tile and warps, prefill query tile (the backend's
 ``block_m``), context step and warps; each against the default, fastest first.
 
     python benchmarks/gpu_attention.py
     python benchmarks/gpu_attention.py --sweep
+    python benchmarks/gpu_attention.py --flex
     TRITON_INTERPRET=1 python benchmarks/gpu_attention.py --device cpu --small   # a dry run of the code paths
 """
 
@@ -27,6 +32,7 @@ import torch
 import triton
 
 from tokenmill.interfaces.attention import AttentionLayerSpec, AttentionMetadata
+from tokenmill.plugins.attention.flex.backend import FlexAttentionBackend
 from tokenmill.plugins.attention.triton_paged import kernels
 from tokenmill.plugins.attention.triton_paged.backend import TritonPagedAttention
 
@@ -134,11 +140,25 @@ def sweep(device: str, small: bool, generator: torch.Generator) -> list[dict]:
     return rows
 
 
+def flex_timing(flex: FlexAttentionBackend, spec: AttentionLayerSpec, q, k, v, cache, common, reference,
+                device: str) -> dict:
+    """The flex backend on the same step: its time and error against SDPA's output, or why it failed."""
+    try:
+        metadata = flex.build_metadata(common)
+        out = flex.forward(spec, q, k, v, cache, metadata)  # compiles for this shape, outside the timing
+        error = ((out.float() - reference.float()).norm() / reference.float().norm()).item()
+        return {"flex_ms": timed(lambda: flex.forward(spec, q, k, v, cache, metadata), device),
+                "flex_rel_error": error}
+    except Exception as failure:  # one case's failure must not hide the other cases' figures
+        return {"flex_failed": f"{type(failure).__name__}: {str(failure).splitlines()[0][:160]}"}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--small", action="store_true", help="shapes an interpreter can run (a dry run)")
     parser.add_argument("--sweep", action="store_true", help="time the kernels' tile choices instead")
+    parser.add_argument("--flex", action="store_true", help="time the flex backend (FlexAttention) beside them")
     parser.add_argument("--json")
     args = parser.parse_args()
     device, dtype = args.device, torch.bfloat16
@@ -154,6 +174,7 @@ def main() -> None:
     decode, prefill = (DECODE, PREFILL) if not args.small else ([(2, 40)], [(1, 40)])
     generator = torch.Generator().manual_seed(0)
     backend = TritonPagedAttention()
+    flex = FlexAttentionBackend(compile=device == "cuda") if args.flex else None
     spec = AttentionLayerSpec(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5)
     bandwidth = copy_bandwidth() if device == "cuda" else float("nan")
     rows = []
@@ -176,12 +197,15 @@ def main() -> None:
             flash_ms = timed(lambda: flash(sq, sk, sv, causal), device)
             row = {"case": f"{kind} {batch} x {length}", "triton_ms": ours_ms, "flash_ms": flash_ms,
                    "ratio": ours_ms / flash_ms, "rel_error": error}
+            if flex is not None:
+                row.update(flex_timing(flex, spec, q, step_k, step_v, cache, common, reference, device))
+            timed_ms = {name: row[f"{name}_ms"] for name in ("triton", "flash", "flex") if f"{name}_ms" in row}
             if kind == "decode":
                 kv_bytes = 2 * batch * length * KV_HEADS * HEAD_DIM * dtype.itemsize
-                row["triton_hbm"], row["flash_hbm"] = (kv_bytes / (ms / 1e3) / bandwidth for ms in (ours_ms, flash_ms))
+                row.update({f"{name}_hbm": kv_bytes / (ms / 1e3) / bandwidth for name, ms in timed_ms.items()})
             else:
                 flops = 2 * batch * HEADS * length * length * HEAD_DIM  # 4 S^2 D per head, halved by the mask
-                row["triton_tflops"], row["flash_tflops"] = (flops / (ms / 1e3) / 1e12 for ms in (ours_ms, flash_ms))
+                row.update({f"{name}_tflops": flops / (ms / 1e3) / 1e12 for name, ms in timed_ms.items()})
             rows.append(row)
     name = torch.cuda.get_device_name() if device == "cuda" else device
     print(f"{name}, bf16, {HEADS} q / {KV_HEADS} kv heads of {HEAD_DIM}, blocks of {BLOCK}; "
@@ -194,6 +218,12 @@ def main() -> None:
             ours, theirs = f"{row['triton_tflops']:.0f} TFLOP/s", f"{row['flash_tflops']:.0f} TFLOP/s"
         print(f"{row['case']:<22} {row['triton_ms']:>10.3f} {row['flash_ms']:>9.3f} {row['ratio']:>6.2f}x "
               f"{ours:>14} {theirs:>14} {row['rel_error']:>8.1e}")
+        if "flex_ms" in row:
+            share = f"{row['flex_hbm']:.0%} HBM" if "flex_hbm" in row else f"{row['flex_tflops']:.0f} TFLOP/s"
+            print(f"{'  flex':<22} {row['flex_ms']:>10.3f} {'':>9} {row['flex_ms'] / row['flash_ms']:>6.2f}x "
+                  f"{share:>14} {'':>14} {row['flex_rel_error']:>8.1e}")
+        elif "flex_failed" in row:
+            print(f"{'  flex':<22} failed: {row['flex_failed']}")
     if args.json:
         with open(args.json, "w") as out:
             json.dump({"device": name, "copy_bandwidth": bandwidth, "rows": rows}, out, indent=1)

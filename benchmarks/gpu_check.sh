@@ -16,7 +16,9 @@
 #      tokenmill step by step and with async scheduling (tokenmill-async);
 #   4. batch-1 latency against HF on the same weights, both ways too;
 #   5. where a step's time goes on the GPU (gpu_profile.py: kernel time, idle share, top kernels);
-#   and, named alone (not a default): sweep, the attention kernels' tile choices timed (150 s).
+#   and, named alone (not defaults): sweep, the attention kernels' tile choices timed (150 s); flex, the
+#   flex backend (FlexAttention, compiled) through tests/gpu/test_cuda_flex.py and timed beside the
+#   Triton attention and SDPA (90 + 120 s: its kernels compile at first use).
 # It prints a summary (last, on stdout) and writes at most 8 files to $OUT. Exit status: the suite's.
 # Arguments name the stages to run after install (default: suite attention throughput latency profile), so a rerun
 # within the same lease can spend its minutes on the suite alone.
@@ -67,7 +69,8 @@ if [[ $stages == *" throughput "* || $stages == *" latency "* || $stages == *" p
 fi
 
 suite() {  # the tests that read the GPU's free memory alone, then 4 workers; a line per test
-    local pytest=(python3 -m pytest -p no:cacheprovider -rfE --tb=short --timeout 150 -W ignore::FutureWarning tests/gpu)
+    local pytest=(python3 -m pytest -p no:cacheprovider -rfE --tb=short --timeout 150 -W ignore::FutureWarning tests/gpu
+                  --ignore tests/gpu/test_cuda_flex.py)
     "${pytest[@]}" -v -m gpu_alone --report-log "$OUT/suite-alone.jsonl"  # appended to suite.jsonl after
     local alone=$?
     "${pytest[@]}" -v -n 4 -m "gpu and not gpu_alone" --report-log "$OUT/suite.jsonl" || return $?
@@ -82,6 +85,11 @@ if [[ $stages == *" suite "* ]]; then
 fi
 [[ $stages == *" attention "* ]] && stage attention 70 python3 benchmarks/gpu_attention.py
 [[ $stages == *" sweep "* ]] && stage sweep 150 python3 benchmarks/gpu_attention.py --sweep  # asked for by name only
+if [[ $stages == *" flex "* ]]; then  # asked for by name only
+    stage flex-suite 90 python3 -m pytest -p no:cacheprovider -rfE --tb=short -v -W ignore::FutureWarning \
+        tests/gpu/test_cuda_flex.py
+    stage flex 120 python3 benchmarks/gpu_attention.py --flex
+fi
 
 if [[ -n $maker ]]; then
     wait "$maker" || summary+=("the 1b model was not made: $(tail -1 "$OUT/model.log")")
@@ -101,7 +109,8 @@ fi
     echo "$gpu"
     printf '%s\n' "${summary[@]}"
     grep -E "^(FAILED|ERROR) |(passed|failed|error|skipped|deselected)( |,|$)" "$OUT/suite.txt" 2>/dev/null | sed 's/^/suite: /' | tail -60
-    grep -E "^(case|decode|prefill) " "$OUT/attention.txt" "$OUT/sweep.txt" 2>/dev/null
+    grep -E "(passed|failed|error)( |,|$)" "$OUT/flex-suite.txt" 2>/dev/null | sed 's/^/flex suite: /' | tail -8
+    grep -E "^(case|decode|prefill|  flex) " "$OUT/attention.txt" "$OUT/sweep.txt" "$OUT/flex.txt" 2>/dev/null
     grep -E "tok/s|x HF|TPOT|tokenmill|hf-generate" "$OUT/throughput.txt" "$OUT/latency.txt" 2>/dev/null | tail -16
     grep -E "^(== |wall )" "$OUT/profile.txt" 2>/dev/null
     echo "total $((SECONDS - started)) s"

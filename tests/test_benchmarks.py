@@ -204,16 +204,18 @@ def test_speculative_benchmark_reports_each_proposer_against_none(tmp_path):
 
 def test_gpu_attention_benchmark_checks_each_case_against_sdpa_before_timing(tmp_path):
     """benchmarks/gpu_attention.py's dry run (the Triton interpreter, small shapes): the paged
-    cache, metadata and SDPA inputs it builds describe the same attention (bf16 agreement)."""
+    cache, metadata and SDPA inputs it builds describe the same attention (bf16 agreement), for
+    the Triton backend and for flex beside it."""
     import os
 
     out = tmp_path / "attention.json"
     subprocess.run([sys.executable, str(Path(__file__).parents[1] / "benchmarks" / "gpu_attention.py"),
-                    "--device", "cpu", "--small", "--json", str(out)], check=True, timeout=600,
+                    "--device", "cpu", "--small", "--flex", "--json", str(out)], check=True, timeout=600,
                    env={**os.environ, "TRITON_INTERPRET": "1"})
     rows = json.loads(out.read_text())["rows"]
     assert [row["case"].split()[0] for row in rows] == ["decode", "prefill"]
     assert all(row["rel_error"] < 1e-2 for row in rows)  # bf16 rounding; a mis-built case is off by ~1
+    assert all(row.get("flex_rel_error", 1) < 1e-2 for row in rows), rows
     subprocess.run([sys.executable, str(Path(__file__).parents[1] / "benchmarks" / "gpu_attention.py"),
                     "--device", "cpu", "--small", "--sweep", "--json", str(out)], check=True, timeout=600,
                    env={**os.environ, "TRITON_INTERPRET": "1"})
