@@ -14,6 +14,7 @@ reference. The mutation checks put each diagnosed GPU bug back and watch its tes
 from __future__ import annotations
 
 import gc
+import math
 from pathlib import Path
 
 import numpy as np
@@ -179,3 +180,24 @@ def test_triton_kernels_refuse_host_tensors():
         assert device.cpu().tolist() == [1.0] * 4
         with pytest.raises(ValueError, match="cpu tensor"):
             add_one[(1,)](torch.zeros(4), 4)
+
+
+def test_random_sampling_draws_its_noise_on_the_device(model_dir):
+    """Unseeded random rows draw the sampling noise with the platform's device generator: a
+    step copies the device no [rows, vocab] host tensor (on a GPU, 32 MB a step at 256 rows
+    of a 32k vocabulary). A seeded request's row still comes from its host generator, one row
+    of the vocabulary. Mutation: drawn on the host and copied over, the first check fails."""
+    from tokenmill.testing.fake_cuda import host_to_device_copies
+
+    params = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True)
+    with fake_cuda():
+        llm = fake_cuda_llm(model_dir("llama"))
+        vocab = llm.llm_engine.model_config.vocab_size
+        prompts = [{"prompt_token_ids": p[:10]} for p in PROMPTS[:4]]
+        with host_to_device_copies() as copies:
+            llm.generate(prompts, params, use_tqdm=False)
+        assert copies and max(math.prod(shape) for shape in copies) < vocab
+        with host_to_device_copies() as copies:
+            seeded = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, seed=3)
+            llm.generate(prompts, [params] * 3 + [seeded], use_tqdm=False)
+        assert max(math.prod(shape) for shape in copies) == vocab

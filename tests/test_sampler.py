@@ -186,3 +186,41 @@ def test_min_tokens_above_max_tokens_is_rejected():
     """min_tokens > max_tokens can never be satisfied."""
     with pytest.raises(InvalidRequest, match="min_tokens"):
         SamplingParams(min_tokens=5, max_tokens=2)
+
+
+def test_unseeded_noise_comes_from_the_noise_generator_and_seeded_rows_from_their_own():
+    """Unseeded rows draw from the platform's noise generator (the device's), not the host
+    generator the engine seed also seeds; a seeded row's draws do not depend on either."""
+    logits = logits_from(2, rows=4)
+    params = SamplingParams(temperature=1.0)
+
+    def tokens(host_seed, noise_seed, request_seed):
+        sampler = Sampler(host_seed, noise_generator=torch.Generator().manual_seed(noise_seed))
+        rows = [row(params), row(params, generator=torch.Generator().manual_seed(request_seed)), row(params),
+                row(params)]
+        return [sampler(logits, rows)[0] for _ in range(6)]
+
+    first = tokens(0, 5, 9)
+    assert tokens(1, 5, 9) == first  # the host generator draws none of it
+    other_noise = tokens(0, 6, 9)
+    assert [t[1] for t in other_noise] == [t[1] for t in first]  # the seeded row: its own generator
+    assert [t[0] for t in other_noise] != [t[0] for t in first]
+
+
+def test_sampling_noise_is_drawn_on_the_logits_device():
+    """Under the CUDA stand-in (where a host tensor in device arithmetic raises, as on a GPU),
+    a batch of unseeded and seeded rows samples on the device what the host computes with the
+    same generators."""
+    from tokenmill.testing.fake_cuda import fake_cuda
+
+    logits = logits_from(3, rows=4)
+    params = SamplingParams(temperature=1.0)
+
+    def sample(device):
+        sampler = Sampler(0, noise_generator=torch.Generator().manual_seed(4))
+        rows = [row(params), row(params, generator=torch.Generator().manual_seed(8)), row(params), row(params)]
+        return [sampler(logits.to(device), rows)[0] for _ in range(3)]
+
+    expected = sample("cpu")
+    with fake_cuda():
+        assert sample("cuda") == expected

@@ -110,3 +110,17 @@ def test_async_scheduling_decodes_as_hf_with_graphs_and_as_the_step_by_step_engi
     seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=16, ignore_eos=True)
     step_by_step = cuda_llm(model_dir("llama"), dtype="float32", max_num_seqs=4)
     assert greedy(llm, prompts, seeded)[0] == greedy(step_by_step, prompts, seeded)[0]
+
+
+def test_unseeded_sampling_draws_on_the_gpu_and_follows_the_engine_seed(model_dir):
+    """The noise of unseeded random rows comes from a CUDA generator seeded with the engine
+    seed: two engines with one seed sample alike, another seed samples otherwise."""
+    params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    runs = {}
+    for name, seed in (("a", 5), ("b", 5), ("c", 6)):
+        llm = cuda_llm(model_dir("llama"), dtype="float32", seed=seed, max_num_seqs=4)
+        assert llm.llm_engine.runner.sampler.noise_generator.device.type == "cuda"
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:4]], params, use_tqdm=False)
+        runs[name] = [o.outputs[0].token_ids for o in outputs]
+        del llm
+    assert runs["a"] == runs["b"] and runs["a"] != runs["c"]

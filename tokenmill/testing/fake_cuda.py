@@ -20,7 +20,8 @@ Values are real, so an engine on ``FakeCudaPlatform`` can be compared with Huggi
 What it does not model: streams and asynchrony (every copy completes at once), memory
 limits, and the address-level faults of recorded graphs (``device_graphs`` has those).
 What it records instead (``host_syncs()``): each point where a GPU's host would wait for the
-device, so that code meant to run ahead of the device (async scheduling) can be held to it.
+device, so that code meant to run ahead of the device (async scheduling) can be held to it;
+and (``host_to_device_copies()``) the shape of each host tensor copied to the device.
 Why a tensor subclass and not ``FakeTensorMode``: fake tensors have no values (the engine
 could not sample), and on a CPU-only build their ``.to("cuda")``, cross-device
 ``copy_``, host-index indexing and pinning all raise although each is legal on a GPU.
@@ -77,6 +78,26 @@ def synced(what: str) -> None:
     events = getattr(_syncs, "events", None)
     if events is not None:
         events.append(what)
+
+
+@contextmanager
+def host_to_device_copies() -> Iterator[list[tuple[int, ...]]]:
+    """The shape of every host tensor copied to the device inside the block (``.to("cuda")``,
+    ``copy_`` into a device tensor, a host value set into one): on a GPU each crosses PCIe,
+    so the per-step ones say what a step costs the bus."""
+    outer = getattr(_syncs, "copies", None)
+    copies: list[tuple[int, ...]] = []
+    _syncs.copies = copies
+    try:
+        yield copies
+    finally:
+        _syncs.copies = outer
+
+
+def _copied_to_device(tensor: torch.Tensor) -> None:
+    copies = getattr(_syncs, "copies", None)
+    if copies is not None:
+        copies.append(tuple(tensor.shape))
 
 
 class DeviceTensor(torch.Tensor):
@@ -174,6 +195,7 @@ def _to(func: Any, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Ten
             return tensor if moved is tensor.elem else DeviceTensor(moved)
         if not kwargs.get("non_blocking"):
             synced(f"blocking copy of a host tensor {tuple(tensor.shape)} to the device")
+        _copied_to_device(tensor)
         return DeviceTensor(tensor.to(**options, copy=True))
     if isinstance(tensor, DeviceTensor):
         synced(f"copy of a device tensor {tuple(tensor.shape)} to the host")
@@ -203,6 +225,8 @@ class _Placement(TorchFunctionMode):
             crossing = isinstance(args[0], DeviceTensor) != isinstance(args[1], DeviceTensor)
             if crossing and not kwargs.get("non_blocking"):
                 synced("blocking copy_ between the host and the device")
+            if crossing and isinstance(args[0], DeviceTensor):
+                _copied_to_device(args[1])
             return aten.copy_.default(args[0], args[1])  # the binding's device guard needs CUDA
         if name == "contiguous" and isinstance(args[0], DeviceTensor):  # its binding's guard needs CUDA
             contiguous = args[0].elem.contiguous(*args[1:], **kwargs)
@@ -234,6 +258,8 @@ class _Placement(TorchFunctionMode):
     def _setitem(tensor: DeviceTensor, index: Any, value: Any) -> None:
         if isinstance(value, torch.Tensor):
             check_devices(aten.index_put_.default, (tensor, [], value), {})
+            if not isinstance(value, DeviceTensor) and value.dim() > 0:
+                _copied_to_device(value)
         _host_index(index)
         tensor.elem[tree_map(host_value, index)] = host_value(value)
 

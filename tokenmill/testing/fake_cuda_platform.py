@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+import torch
+
 from tokenmill.interfaces.platform import Detection
 from tokenmill.plugins.platforms.cuda.platform import CudaPlatform
 from tokenmill.testing.device_graphs import RecordsGraphs
@@ -45,6 +47,11 @@ class FakeCudaPlatform(RecordsGraphs, CudaPlatform):
 
     def describe(self) -> dict:
         return {"platform": self.name, "device": self.device_type}
+
+    def noise_generator(self, seed: int) -> torch.Generator:
+        """A generator of its own, as the device's is (the stand-in's device values live on the
+        host, so a host generator draws them)."""
+        return torch.Generator().manual_seed(seed)
 
     def record_event(self) -> "StandInEvent":
         return StandInEvent()

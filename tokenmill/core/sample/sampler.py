@@ -33,10 +33,14 @@ class SamplingRow:
 
 class Sampler:
     def __init__(self, seed: int, processors: Sequence[LogitsProcessor] = (),
-                 logprobs_mode: str = "raw_logprobs") -> None:
+                 logprobs_mode: str = "raw_logprobs", noise_generator: Optional[torch.Generator] = None) -> None:
         self.logprobs_mode = logprobs_mode
-        #: draws for unseeded rows; seeded from the engine seed for reproducible runs
+        #: host draws for unseeded rows (speculative acceptance); seeded from the engine seed for
+        #: reproducible runs
         self.generator = torch.Generator().manual_seed(seed)
+        #: the unseeded rows' sampling noise, drawn where the logits are (``Platform.noise_generator``);
+        #: the host generator where the logits are on the host
+        self.noise_generator = noise_generator if noise_generator is not None else self.generator
         self.processors = tuple(processors)
         self._argmax_changing = [p for p in self.processors if not p.is_argmax_invariant()]
         self._argmax_invariant = [p for p in self.processors if p.is_argmax_invariant()]
@@ -122,20 +126,33 @@ class Sampler:
             [row.params.top_p for row in rows],
         )
 
+    @property
+    def generators(self) -> tuple[torch.Generator, ...]:
+        """The engine's generators a step may advance (to rewind a failed step)."""
+        if self.noise_generator is self.generator:
+            return (self.generator,)
+        return self.generator, self.noise_generator
+
     def draw(self, probs: torch.Tensor, generators: Sequence[Optional[torch.Generator]]) -> torch.Tensor:
         """One token from each row of ``probs``, with the row's generator (None: the engine's).
 
         The exponential race: argmax(p / q) with q ~ Exp(1) samples from p, and lets each
-        seeded row draw q from its own generator. The generators are the host's, so a seeded
-        request draws the same numbers on every device; q then moves to ``probs``' device."""
-        q = torch.empty(probs.shape, dtype=probs.dtype)
+        seeded row draw q from its own generator. A seeded row's generator is the host's, so a
+        seeded request draws the same numbers on every device (its q then moves to ``probs``'
+        device); the unseeded rows draw theirs on ``probs``' device (``noise_generator``)."""
+        device, vocab = probs.device, probs.shape[1]
         unseeded = [i for i, generator in enumerate(generators) if generator is None]
-        if unseeded:
-            q[unseeded] = torch.empty(len(unseeded), probs.shape[1]).exponential_(generator=self.generator)
-        for i, generator in enumerate(generators):
-            if generator is not None:
-                q[i].exponential_(generator=generator)
-        return (probs / _on(probs.device, q)).argmax(dim=-1)
+        if len(unseeded) == len(generators):
+            q = torch.empty_like(probs).exponential_(generator=self.noise_generator)
+        else:
+            q = torch.empty_like(probs)
+            if unseeded:
+                q[_on(device, unseeded, torch.long)] = torch.empty(
+                    len(unseeded), vocab, dtype=probs.dtype, device=device).exponential_(generator=self.noise_generator)
+            seeded = [i for i, generator in enumerate(generators) if generator is not None]
+            q[_on(device, seeded, torch.long)] = _on(device, torch.stack(
+                [torch.empty(vocab, dtype=probs.dtype).exponential_(generator=generators[i]) for i in seeded]))
+        return (probs / q).argmax(dim=-1)
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:

@@ -107,7 +107,8 @@ class _Samples:
 class ModelRunner:
     def __init__(self, model_step: ModelStep, seed: int,
                  logits_processors: tuple[LogitsProcessor, ...] = (), logprobs_mode: str = "raw_logprobs",
-                 async_scheduling: bool = False, readback: Optional[InputStaging] = None) -> None:
+                 async_scheduling: bool = False, readback: Optional[InputStaging] = None,
+                 noise_generator: Optional[torch.Generator] = None) -> None:
         #: runs the forward pass: here, or broadcast to every rank first (DistributedModelStep)
         self.model_step = model_step
         #: host buffers for the sampled tokens, where the model runs on another device (the
@@ -116,7 +117,7 @@ class ModelRunner:
         #: each request's latest sampled token, where it lies on the model's device, for the
         #: placeholders of a step scheduled before that token reached the host (async scheduling)
         self._sampled: Optional[dict[str, tuple[torch.Tensor, int]]] = {} if async_scheduling else None
-        self.sampler = Sampler(seed, logits_processors, logprobs_mode)
+        self.sampler = Sampler(seed, logits_processors, logprobs_mode, noise_generator)
         self._batch = PersistentBatch()
         self._states: dict[str, _RequestState] = {}
         #: the launched step whose rows the logits processors hold
@@ -162,7 +163,7 @@ class ModelRunner:
         """The random state the step's samples will draw from, to rewind a failed step with."""
         seeded = [self._states[item.request_id].generator for item in batch.scheduled
                   if item.sample and item.request_id in self._states]
-        return [(g, g.get_state()) for g in (self.sampler.generator, *filter(None, seeded))]
+        return [(g, g.get_state()) for g in (*self.sampler.generators, *filter(None, seeded))]
 
     @staticmethod
     def restore_generators(states: list[tuple[torch.Generator, torch.Tensor]]) -> None:

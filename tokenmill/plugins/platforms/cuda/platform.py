@@ -133,6 +133,9 @@ class CudaPlatform(Platform):
     def host_buffer(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(tuple(shape), dtype=dtype, pin_memory=True)
 
+    def noise_generator(self, seed: int) -> torch.Generator:
+        return torch.Generator(device=torch.device("cuda", torch.cuda.current_device())).manual_seed(seed)
+
     def record_event(self) -> DeviceEvent:
         event = torch.cuda.Event()
         event.record()
