@@ -93,9 +93,9 @@ class EngineMetrics:
             self._observe_request(progress, now)
 
     def _observe_spec(self, stats: SpecDecodingStats) -> None:
-        new = stats.since(self._seen_spec)
-        if not new.num_drafts:
+        if stats.num_drafts == self._seen_spec.num_drafts:  # most steps: nothing verified
             return
+        new = stats.since(self._seen_spec)
         self.spec_drafts.inc(new.num_drafts)
         self.spec_draft_tokens.inc(new.num_draft_tokens)
         self.spec_accepted_tokens.inc(new.num_accepted_tokens)

@@ -27,6 +27,7 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from tokenmill.core.layers.fused_decoder import DecoderLayerParts
@@ -102,12 +103,11 @@ def rows_as_sequences(metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.
     """Each query row as a sequence of its own: its request's block table row, and the context
     up to and including its token (a request with ``q`` query rows and ``L`` tokens of context:
     ``L - q + 1`` .. ``L``)."""
-    starts, owners, lengths = metadata.query_start_loc_cpu, [], []
-    for i, seq_len in enumerate(metadata.seq_lens_cpu):
-        rows = starts[i + 1] - starts[i]
-        owners.extend([i] * rows)
-        lengths.extend(range(seq_len - rows + 1, seq_len + 1))
-    return metadata.block_table[owners], torch.tensor(lengths, dtype=torch.int32)
+    starts = np.asarray(metadata.query_start_loc_cpu)
+    owners = np.repeat(np.arange(len(starts) - 1), np.diff(starts))
+    # a row's context ends at its own token: its request's length less the rows after it
+    lengths = np.asarray(metadata.seq_lens_cpu)[owners] - (starts[1:][owners] - 1 - np.arange(starts[-1]))
+    return metadata.block_table[torch.from_numpy(owners)], torch.from_numpy(lengths.astype(np.int32))
 
 
 def _fusable(parts: DecoderLayerParts, first: DecoderLayerParts) -> bool:
