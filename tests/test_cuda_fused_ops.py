@@ -69,6 +69,26 @@ def test_rms_norm_matches_eager(norm, dtype, hidden):
     assert_like_eager(rms_norm(layer, x), layer.forward_native(x))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("hidden", [72, 4096, 9000])
+@pytest.mark.parametrize("norm", [RMSNorm, GemmaRMSNorm])
+def test_rms_norm_with_the_residual_add_matches_eager(norm, dtype, hidden):
+    """``norm(x, residual)``: the sum rounded to the dtype as the eager add rounds it (equal to
+    it where the interpreter rounds as a GPU does: not bf16, which numpy truncates), and the norm
+    of that sum, in one kernel; two passes over a row wider than a tile."""
+    torch.manual_seed(hidden + 1)
+    layer = norm(hidden, 1e-5, dtype)
+    layer.weight.data.normal_(1 if norm is RMSNorm else 0, 0.2)
+    x, residual = torch.randn(5, hidden, dtype=dtype) * 3, torch.randn(5, hidden, dtype=dtype) * 3
+    normed, total = rms_norm(layer, x, residual)
+    expected_normed, expected_total = layer.forward_native(x, residual)
+    if dtype == torch.bfloat16:
+        assert_like_eager(total, expected_total)
+    else:
+        assert torch.equal(total, expected_total)
+    assert_like_eager(normed, expected_normed)
+
+
 def test_rms_norm_of_strided_head_views():
     """Qwen3's q/k norms: [tokens, heads, head_dim] views of a fused qkv output (not one row stride)."""
     torch.manual_seed(1)
@@ -171,11 +191,18 @@ def _rotary_case():
     return rotary_embedding(layer, q, k, cos, sin)[0], want
 
 
+def _residual_case():
+    layer = RMSNorm(4096, 1e-5, torch.float16)
+    layer.weight.data.normal_(1, 0.2)
+    x, residual = torch.randn(5, 4096, dtype=torch.float16) * 3, torch.randn(5, 4096, dtype=torch.float16) * 3
+    return rms_norm(layer, x, residual)[0], layer.forward_native(x, residual)[0]
+
+
 @pytest.mark.parametrize("kernel,case", [("_scaled", _rms_norm_case), ("_act_and_mul_kernel", _silu_case),
-                                         ("_rotate_heads", _rotary_case)])
+                                         ("_rotate_heads", _rotary_case), ("_row_values", _residual_case)])
 def test_mutation_a_missing_intermediate_rounding_fails(kernel, case, monkeypatch):
-    """Eager rounds to the dtype after the normalisation, after the activation and after each
-    rotary product; a kernel that rounds once at the end differs in the last bit of many fp16
+    """Eager rounds to the dtype after the normalisation, after the activation, after each
+    rotary product and after the residual add; a kernel that rounds once at the end differs in the last bit of many fp16
     values, which the fp16 checks above see."""
     monkeypatch.setattr(fused_ops, kernel, _without_rounding(getattr(fused_ops, kernel).fn))
     torch.manual_seed(3)

@@ -71,8 +71,9 @@ def test_mixtral_decodes_alike_on_the_fused_and_loop_moe_paths(model_dir):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_elementwise_ops_match_eager_and_replay_in_a_cuda_graph(dtype):
-    """The cuda platform's RMSNorm (Llama's and Gemma's), SiLU/GELU-and-mul and rotary kernels
-    against each layer's eager code at Llama-3-8B's widths: a GPU rounds fp32 -> bf16 to nearest,
+    """The cuda platform's RMSNorm (Llama's and Gemma's, alone and with the residual add),
+    SiLU/GELU-and-mul and rotary kernels against each layer's eager code at Llama-3-8B's widths:
+    a GPU rounds fp32 -> bf16 to nearest,
     as torch does, so the two agree to the last bit but for a reduction's order or ``exp``'s
     last bits (an ulp of an intermediate, in a small share of the values; GELU's tail below -3,
     where torch's ``1 + tanh`` cancels, in more of them). Then the same calls replay from a graph."""
@@ -90,6 +91,7 @@ def test_elementwise_ops_match_eager_and_replay_in_a_cuda_graph(dtype):
     acts = [GatedActivation("silu"), GatedActivation("gelu_pytorch_tanh")]
     rotary = ApplyRotary(head)
     x = torch.randn(tokens, hidden, device="cuda", dtype=dtype) * 3
+    residual = torch.randn(tokens, hidden, device="cuda", dtype=dtype) * 3
     gate_up = torch.randn(tokens, 2 * 14336, device="cuda", dtype=dtype) * 3
     qkv = torch.randn(tokens, (32 + 8 + 8) * head, device="cuda", dtype=dtype)
     angles = torch.rand(tokens, head // 2, device="cuda") * 100
@@ -99,12 +101,14 @@ def test_elementwise_ops_match_eager_and_replay_in_a_cuda_graph(dtype):
         q, k = qkv[:, :32 * head].view(tokens, 32, head), qkv[:, 32 * head:40 * head].view(tokens, 8, head)
         q_in, k_in = q.clone(), k.clone()
         rotated = rotary_embedding(rotary, q_in, k_in, cos, sin)
-        return [rms_norm(n, x) for n in norms] + [act_and_mul(a, gate_up) for a in acts] + list(rotated)
+        return ([rms_norm(n, x) for n in norms] + [act_and_mul(a, gate_up) for a in acts] + list(rotated)
+                + [out for n in norms for out in rms_norm(n, x, residual)])
 
     def eager():
         q, k = qkv[:, :32 * head].view(tokens, 32, head), qkv[:, 32 * head:40 * head].view(tokens, 8, head)
         return ([n.forward_native(x) for n in norms] + [a.forward_native(gate_up) for a in acts]
-                + list(rotary.forward_native(q, k, cos, sin)))
+                + list(rotary.forward_native(q, k, cos, sin))
+                + [out for n in norms for out in n.forward_native(x, residual)])
 
     def check(got, want):
         for index, (a, b) in enumerate(zip(got, want)):
@@ -118,7 +122,7 @@ def test_elementwise_ops_match_eager_and_replay_in_a_cuda_graph(dtype):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         outputs = fused()
-    for tensor in (x, gate_up, qkv):
+    for tensor in (x, residual, gate_up, qkv):
         tensor.copy_(torch.randn_like(tensor) * 3)
     graph.replay()
     check(outputs, eager())

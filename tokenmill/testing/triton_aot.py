@@ -189,13 +189,17 @@ def kernel_cases() -> list[KernelCase]:
                                {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
                                 "MUL_ROUTED_WEIGHT": routed, "IEEE_FP32": dtype == "fp32"}))
         # the elementwise ops: RMSNorm (q/k head norms to an 8B model's rows in one pass, wider
-        # rows in two; Llama's and Gemma's weights), both gated activations, and rotary over
-        # each head size's half (Phi's partial rotary: 16 of 32) with up to 64 query heads
-        for (hidden, one_pass), gemma in zip(((64, True), (128, True), (2048, True), (4096, True),
-                                              (RMS_NORM_TILE, True), (RMS_NORM_TILE, False)), _cycle((False, True), 6)):
+        # rows in two; Llama's and Gemma's weights; with and without the residual add), both gated
+        # activations, and rotary over each head size's half (Phi's partial rotary: 16 of 32) with
+        # up to 64 query heads
+        for (hidden, one_pass), gemma, residual in zip(
+                ((64, True), (128, True), (2048, True), (4096, True), (RMS_NORM_TILE, True), (RMS_NORM_TILE, False)),
+                _cycle((False, True), 6), _cycle((True, False, True), 6)):
             cases.append(_case("rms_norm", _rms_norm_kernel,
-                               {"x_ptr": f"*{dtype}", "weight_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "eps": "fp32"},
-                               {"BLOCK": hidden, "ONE_PASS": one_pass, "GEMMA": gemma}, rms_norm_warps(hidden)))
+                               {"x_ptr": f"*{dtype}", "residual_ptr": f"*{dtype}", "weight_ptr": f"*{dtype}",
+                                "out_ptr": f"*{dtype}", "sum_ptr": f"*{dtype}", "eps": "fp32"},
+                               {"BLOCK": hidden, "ONE_PASS": one_pass, "GEMMA": gemma, "RESIDUAL": residual},
+                               rms_norm_warps(hidden)))
         for act in (0, 1):
             cases.append(_case("act_and_mul", _act_and_mul_kernel, {"x_ptr": f"*{dtype}", "out_ptr": f"*{dtype}"},
                                {"ACT": act, "BLOCK": ACT_TILE}))

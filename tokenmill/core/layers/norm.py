@@ -1,6 +1,12 @@
-"""RMSNorm, computed in float32 like the Hugging Face reference."""
+"""RMSNorm, computed in float32 like the Hugging Face reference.
+
+Both norms also take the decoder's residual stream: ``norm(x, residual)`` adds the two (in
+their dtype, as the model's ``residual + x`` does) and returns ``(norm(sum), sum)``, so that a
+platform can do the add and the norm in one pass over the row (vLLM's fused add-RMSNorm)."""
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 from torch import nn
@@ -9,7 +15,7 @@ from tokenmill.core.layers.custom_op import CustomOp
 
 
 class RMSNorm(CustomOp):
-    """``weight * x / rms(x)``; a platform may fuse it (op ``rms_norm``)."""
+    """``weight * x / rms(x)``; a platform may fuse it, with the residual add (op ``rms_norm``)."""
 
     op_name = "rms_norm"
 
@@ -18,7 +24,10 @@ class RMSNorm(CustomOp):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
 
-    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+    def forward_native(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        if residual is not None:
+            x = x + residual
+            return self.forward_native(x), x
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -36,7 +45,10 @@ class GemmaRMSNorm(CustomOp):
         self.eps = eps
         self.weight = nn.Parameter(torch.zeros(hidden_size, dtype=dtype), requires_grad=False)
 
-    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+    def forward_native(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        if residual is not None:
+            x = x + residual
+            return self.forward_native(x), x
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (h * (1.0 + self.weight.float())).type_as(x)

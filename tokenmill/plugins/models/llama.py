@@ -109,14 +109,19 @@ class LlamaDecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = model.norm_class(hidden, eps, ctx.dtype)
             self.post_feedforward_layernorm = model.norm_class(hidden, eps, ctx.dtype)
 
-    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
-                metadata: AttentionMetadata) -> torch.Tensor:
-        attn = self.self_attn(cos_sin, self.input_layernorm(x), metadata)
-        if not self.sandwich:
-            x = x + attn
-            return x + self.mlp(self.post_attention_layernorm(x))
-        x = x + self.post_attention_layernorm(attn)
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, residual: Optional[torch.Tensor],
+                metadata: AttentionMetadata) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The residual stream is ``x + residual`` (``x`` alone where ``residual`` is None): each
+        norm adds a sublayer's output to the stream and normalises the sum in one call (one
+        kernel where the platform fuses them), so the layer returns its MLP output and the
+        stream apart, and the next layer's first norm adds them."""
+        if self.sandwich:  # Gemma-2 normalises the sublayers' outputs before adding them
+            x = x if residual is None else x + residual
+            x = x + self.post_attention_layernorm(self.self_attn(cos_sin, self.input_layernorm(x), metadata))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), None
+        h, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(cos_sin, h, metadata), residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module, FusableDecoder):
@@ -166,12 +171,14 @@ class LlamaModel(nn.Module, FusableDecoder):
         cos_sin = self.rotary_emb(positions, x.dtype)  # once per step, shared by every layer
         if self.fused_decoder is not None and self.fused_decoder.accepts(x, metadata):
             return self.norm(self.fused_decoder(x, cos_sin, metadata))
+        residual = None
         for i in self.held:
-            x = self.layers[i](cos_sin, x, metadata)
-        if not stage.is_last_stage:
+            x, residual = self.layers[i](cos_sin, x, residual, metadata)
+        if not stage.is_last_stage:  # the next stage gets the stream whole
+            x = x if residual is None else x + residual
             stage.comm.send_next(x)
             return x
-        return self.norm(x)
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

@@ -8,7 +8,7 @@ built for (FUSED_DTYPES) and hands anything else to the layer's ``forward_native
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -18,7 +18,12 @@ from tokenmill.core.layers.rotary import ApplyRotary
 from tokenmill.plugins.platforms.cpu.kernels import FUSED_DTYPES, cpu_kernels
 
 
-def rms_norm(layer: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+def rms_norm(layer: RMSNorm, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+    """The norm on the kernel; with ``residual``, the sum first (its own pass: on the CPU the
+    fused decode stack is where the residual stream stays in cache)."""
+    if residual is not None:
+        x = x + residual
+        return rms_norm(layer, x), x
     if x.dtype not in FUSED_DTYPES or x.dtype != layer.weight.dtype:
         return layer.forward_native(x)
     out = torch.empty_like(x)

@@ -14,7 +14,7 @@ dimension) goes to the layer's ``forward_native``.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import triton
@@ -44,17 +44,35 @@ def _scaled(normed, w, GEMMA: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, weight_ptr, out_ptr, stride_x, stride_out, n, eps, BLOCK: tl.constexpr,
-                     ONE_PASS: tl.constexpr, GEMMA: tl.constexpr):
+def _row_values(x_row, residual_row, sum_row, offsets, mask, RESIDUAL: tl.constexpr, STORE: tl.constexpr):
+    """The row's values at ``offsets`` in fp32: x, or with RESIDUAL ``x + residual`` rounded to the
+    dtype as the eager add rounds it (written to the sum's row with STORE)."""
+    x = tl.load(x_row + offsets, mask=mask, other=0.0)
+    if not RESIDUAL:
+        return x.to(tl.float32)
+    dtype = x_row.dtype.element_ty
+    total = x.to(tl.float32) + tl.load(residual_row + offsets, mask=mask, other=0.0).to(tl.float32)
+    if STORE:
+        tl.store(sum_row + offsets, total.to(dtype), mask=mask)
+    return total.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, stride_x, stride_residual, stride_out,
+                     stride_sum, n, eps, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, GEMMA: tl.constexpr,
+                     RESIDUAL: tl.constexpr):
     """One program per row: the row over its root mean square (the sum of squares in fp32),
-    times the weight (Gemma's: times 1 + the weight)."""
+    times the weight (Gemma's: times 1 + the weight). With RESIDUAL the row is ``x + residual``,
+    which is also written out (the residual stream's next value)."""
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
+    residual_row = residual_ptr + row * stride_residual
+    sum_row = sum_ptr + row * stride_sum
     out_row = out_ptr + row * stride_out
     cols = tl.arange(0, BLOCK)
     if ONE_PASS:
         mask = cols < n
-        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        x = _row_values(x_row, residual_row, sum_row, cols, mask, RESIDUAL, True)
         inv = tl.math.rsqrt(tl.sum(x * x, axis=0) / n + eps)
         w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
         tl.store(out_row + cols, _scaled(x * inv, w, GEMMA), mask=mask)
@@ -62,12 +80,12 @@ def _rms_norm_kernel(x_ptr, weight_ptr, out_ptr, stride_x, stride_out, n, eps, B
         squares = tl.zeros((BLOCK,), tl.float32)
         for start in range(0, n, BLOCK):
             mask = start + cols < n
-            x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+            x = _row_values(x_row, residual_row, sum_row, start + cols, mask, RESIDUAL, True)
             squares += x * x
         inv = tl.math.rsqrt(tl.sum(squares, axis=0) / n + eps)
-        for start in range(0, n, BLOCK):
+        for start in range(0, n, BLOCK):  # the sum again from its parts, not read back from its store
             mask = start + cols < n
-            x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+            x = _row_values(x_row, residual_row, sum_row, start + cols, mask, RESIDUAL, False)
             w = tl.load(weight_ptr + start + cols, mask=mask, other=0.0)
             tl.store(out_row + start + cols, _scaled(x * inv, w, GEMMA), mask=mask)
 
@@ -131,17 +149,24 @@ def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stride_
                   K_HEADS_PAD)
 
 
-def rms_norm(layer: RMSNorm | GemmaRMSNorm, x: torch.Tensor) -> torch.Tensor:
-    if x.dtype not in FUSED_DTYPES or x.dtype != layer.weight.dtype or x.numel() == 0:
-        return layer.forward_native(x)
+def rms_norm(layer: RMSNorm | GemmaRMSNorm, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+    """``layer(x)``, or with ``residual`` ``(layer(x + residual), x + residual)`` from one kernel."""
+    if (x.dtype not in FUSED_DTYPES or x.dtype != layer.weight.dtype or x.numel() == 0
+            or (residual is not None and (residual.dtype != x.dtype or residual.shape != x.shape))):
+        return layer.forward_native(x, residual)
     n = x.shape[-1]
     rows = _rows(x)
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    # without a residual the kernel reads and writes neither of its two extra rows (RESIDUAL is a constexpr)
+    residual_rows, total = (rows, out) if residual is None else (_rows(residual), torch.empty_like(out))
     block = min(triton.next_power_of_2(n), RMS_NORM_TILE)
-    _rms_norm_kernel[(rows.shape[0],)](rows, layer.weight, out, rows.stride(0), out.stride(0), n, layer.eps,
+    _rms_norm_kernel[(rows.shape[0],)](rows, residual_rows, layer.weight, out, total, rows.stride(0),
+                                       residual_rows.stride(0), out.stride(0), total.stride(0), n, layer.eps,
                                        BLOCK=block, ONE_PASS=block >= n, GEMMA=isinstance(layer, GemmaRMSNorm),
-                                       num_warps=rms_norm_warps(block))
-    return out.view(x.shape)
+                                       RESIDUAL=residual is not None, num_warps=rms_norm_warps(block))
+    if residual is None:
+        return out.view(x.shape)
+    return out.view(x.shape), total.view(x.shape)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
