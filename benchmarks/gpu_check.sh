@@ -18,7 +18,7 @@
 #   5. where a step's time goes on the GPU (gpu_profile.py: kernel time, idle share, top kernels);
 #   and, named alone (not defaults): sweep, the attention kernels' tile choices timed (150 s); flex, the
 #   flex backend (FlexAttention, compiled) through tests/gpu/test_cuda_flex.py and timed beside the
-#   Triton attention and SDPA (90 + 120 s: its kernels compile at first use).
+#   Triton attention and SDPA (150 + 120 s: its kernels compile at first use).
 # It prints a summary (last, on stdout) and writes at most 8 files to $OUT. Exit status: the suite's.
 # Arguments name the stages to run after install (default: suite attention throughput latency profile), so a rerun
 # within the same lease can spend its minutes on the suite alone.
@@ -86,7 +86,7 @@ fi
 [[ $stages == *" attention "* ]] && stage attention 70 python3 benchmarks/gpu_attention.py
 [[ $stages == *" sweep "* ]] && stage sweep 150 python3 benchmarks/gpu_attention.py --sweep  # asked for by name only
 if [[ $stages == *" flex "* ]]; then  # asked for by name only
-    stage flex-suite 90 python3 -m pytest -p no:cacheprovider -rfE --tb=short -v -W ignore::FutureWarning \
+    stage flex-suite 150 python3 -m pytest -p no:cacheprovider -rfE --tb=short -v -W ignore::FutureWarning \
         tests/gpu/test_cuda_flex.py
     stage flex 120 python3 benchmarks/gpu_attention.py --flex
 fi

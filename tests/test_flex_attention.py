@@ -9,8 +9,7 @@ import torch
 
 from tokenmill.interfaces.attention import AttentionLayerSpec, AttentionMetadata
 from tokenmill.plugins.attention.flex.backend import FlexAttentionBackend
-from tokenmill.plugins.attention.flex.paged_block_mask import (Q_TILE, LayoutBuffers, StepLayout, decode_mask,
-                                                              prefill_mask)
+from tokenmill.plugins.attention.flex.paged_block_mask import LayoutBuffers, StepLayout, decode_mask, prefill_mask
 from tokenmill.plugins.attention.torch_ref import TorchReferenceAttention
 from tokenmill.testing.attention_conformance import check_backend, conformance_cases, supports
 
@@ -61,15 +60,20 @@ def listed_blocks(mask) -> list[set[int]]:
 
 def test_each_query_tile_lists_only_the_blocks_its_tokens_may_read():
     """Two decodes (one in a 20-token window: its last 2 of 5 blocks) each list their own
-    blocks; a fresh 31-token prompt's two tiles list block 0, then blocks 0 and 1."""
-    metadata = step([[3, 8, 5, 1, 6], [10, 2], [4, 7]], [(79, 1), (0, 31), (17, 1)])
+    blocks; a fresh 31-token prompt (one tile of 64) lists its two blocks, and a 130-token chunk
+    after 70 cached tokens in a 20-token window lists per tile only the blocks from its first
+    token's window to its last token."""
+    metadata = step([[3, 8, 5, 1, 6], [10, 2], [4, 7], list(range(20, 33))], [(79, 1), (0, 31), (17, 1), (70, 130)])
     layout = StepLayout(metadata.query_start_loc_cpu, metadata.seq_lens_cpu, metadata.block_table, BS,
                         LayoutBuffers())
-    assert layout.decode.index.tolist() == [0, 32] and layout.prefill.count == 31
-    assert listed_blocks(decode_mask(layout, 12, 20, pad_to_cache=False)) == [{1, 6}, {4, 7}]
-    assert listed_blocks(decode_mask(layout, 12, None, pad_to_cache=False)) == [{3, 8, 5, 1, 6}, {4, 7}]
-    prefill = prefill_mask(layout, 12, 20, pad_to_cache=True)
-    assert listed_blocks(prefill) == [{10}, {10, 2}] and prefill.kv_indices.shape[-1] == 12 and Q_TILE == 16
+    assert layout.decode.index.tolist() == [0, 32] and layout.prefill.count == 161
+    assert listed_blocks(decode_mask(layout, 40, 20, pad_to_cache=False)) == [{1, 6}, {4, 7}]
+    assert listed_blocks(decode_mask(layout, 40, None, pad_to_cache=False)) == [{3, 8, 5, 1, 6}, {4, 7}]
+    prefill = prefill_mask(layout, 40, 20, pad_to_cache=True)
+    # tiles of the flat sequence: tokens 0-63 (the prompt's 31, the chunk's positions 70-102),
+    # 64-127 (positions 103-166), 128-160 (positions 167-199); blocks b hold positions 16b..16b+15
+    assert listed_blocks(prefill) == [{10, 2} | {23, 24, 25, 26}, {25, 26, 27, 28, 29, 30},
+                                      {29, 30, 31, 32}] and prefill.kv_indices.shape[-1] == 40
 
 
 def test_a_step_after_a_larger_one_reads_none_of_its_leftovers():
@@ -84,8 +88,9 @@ def test_a_step_after_a_larger_one_reads_none_of_its_leftovers():
 
 def test_compiled_flex_equals_its_unfused_path_across_steps():
     """The fused kernel FlexAttention generates (here the CPU's C++) gives the unfused path's
-    outputs, over decode, prefill and mixed steps on one cache, as an engine's would be."""
-    spec = AttentionLayerSpec(4, 2, 32, 32**-0.5)
+    outputs, over decode, prefill and mixed steps on one cache, as an engine's would be, in a
+    sliding window (where the tiles' block lists leave blocks out)."""
+    spec = AttentionLayerSpec(4, 2, 32, 32**-0.5, sliding_window=24)
     compiled, unfused = FlexAttentionBackend(), FlexAttentionBackend(compile=False)
     cache = torch.randn(2, 40, BS, 2, 32, generator=torch.Generator().manual_seed(2))
     steps = [step([[5, 9, 2]], [(0, 37)]), step([[5, 9, 2], [30, 31]], [(37, 1), (0, 20)]),

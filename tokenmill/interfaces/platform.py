@@ -161,11 +161,11 @@ class Platform:
         return torch.zeros(tuple(shape), dtype=dtype)
 
     def noise_generator(self, seed: int) -> Optional[torch.Generator]:
-        """The generator of the random noise that unseeded sampled rows draw, on the device the
-        logits are on; None draws it on the host (here the host is that device). Drawn on the
-        host, the noise is a [rows, vocab] copy to the device each step: 32 MB at 256 rows of a
-        32k vocabulary. Seeded requests keep their host generators (the same draws on every
-        device)."""
+        """A generator on the device the logits are on, for the random noise that unseeded
+        sampled rows draw; None draws it with the engine's host generator and copies it there (on
+        the CPU, where there is no copy). Drawn on the host, the noise is a [rows, vocab] copy
+        to the device each step: 32 MB at 256 rows of a 32k vocabulary. Seeded requests keep
+        their host generators (the same draws on every device)."""
         return None
 
     def record_event(self) -> DeviceEvent:

@@ -35,12 +35,11 @@ class Sampler:
     def __init__(self, seed: int, processors: Sequence[LogitsProcessor] = (),
                  logprobs_mode: str = "raw_logprobs", noise_generator: Optional[torch.Generator] = None) -> None:
         self.logprobs_mode = logprobs_mode
-        #: host draws for unseeded rows (speculative acceptance); seeded from the engine seed for
-        #: reproducible runs
+        #: host draws for unseeded rows; seeded from the engine seed for reproducible runs
         self.generator = torch.Generator().manual_seed(seed)
-        #: the unseeded rows' sampling noise, drawn where the logits are (``Platform.noise_generator``);
-        #: the host generator where the logits are on the host
-        self.noise_generator = noise_generator if noise_generator is not None else self.generator
+        #: where set (``Platform.noise_generator``), the unseeded rows' sampling noise is drawn
+        #: with it on the logits' device instead, not on the host and copied there
+        self.noise_generator = noise_generator
         self.processors = tuple(processors)
         self._argmax_changing = [p for p in self.processors if not p.is_argmax_invariant()]
         self._argmax_invariant = [p for p in self.processors if p.is_argmax_invariant()]
@@ -129,9 +128,7 @@ class Sampler:
     @property
     def generators(self) -> tuple[torch.Generator, ...]:
         """The engine's generators a step may advance (to rewind a failed step)."""
-        if self.noise_generator is self.generator:
-            return (self.generator,)
-        return self.generator, self.noise_generator
+        return (self.generator,) if self.noise_generator is None else (self.generator, self.noise_generator)
 
     def draw(self, probs: torch.Tensor, generators: Sequence[Optional[torch.Generator]]) -> torch.Tensor:
         """One token from each row of ``probs``, with the row's generator (None: the engine's).
@@ -139,20 +136,27 @@ class Sampler:
         The exponential race: argmax(p / q) with q ~ Exp(1) samples from p, and lets each
         seeded row draw q from its own generator. A seeded row's generator is the host's, so a
         seeded request draws the same numbers on every device (its q then moves to ``probs``'
-        device); the unseeded rows draw theirs on ``probs``' device (``noise_generator``)."""
+        device); the unseeded rows draw theirs with ``noise_generator`` on ``probs``' device,
+        or without one with the host's and move them."""
         device, vocab = probs.device, probs.shape[1]
         unseeded = [i for i, generator in enumerate(generators) if generator is None]
         if len(unseeded) == len(generators):
-            q = torch.empty_like(probs).exponential_(generator=self.noise_generator)
-        else:
-            q = torch.empty_like(probs)
-            if unseeded:
-                q[_on(device, unseeded, torch.long)] = torch.empty(
-                    len(unseeded), vocab, dtype=probs.dtype, device=device).exponential_(generator=self.noise_generator)
-            seeded = [i for i, generator in enumerate(generators) if generator is not None]
-            q[_on(device, seeded, torch.long)] = _on(device, torch.stack(
-                [torch.empty(vocab, dtype=probs.dtype).exponential_(generator=generators[i]) for i in seeded]))
+            return (probs / self._noise(len(unseeded), probs)).argmax(dim=-1)
+        q = torch.empty_like(probs)
+        if unseeded:
+            q[_on(device, unseeded, torch.long)] = self._noise(len(unseeded), probs)
+        seeded = [i for i, generator in enumerate(generators) if generator is not None]
+        q[_on(device, seeded, torch.long)] = _on(device, torch.stack(
+            [torch.empty(vocab, dtype=probs.dtype).exponential_(generator=generators[i]) for i in seeded]))
         return (probs / q).argmax(dim=-1)
+
+    def _noise(self, rows: int, probs: torch.Tensor) -> torch.Tensor:
+        """Exp(1) draws for ``rows`` unseeded rows, on ``probs``' device."""
+        if self.noise_generator is not None:
+            return torch.empty(rows, probs.shape[1], dtype=probs.dtype, device=probs.device).exponential_(
+                generator=self.noise_generator)
+        return _on(probs.device, torch.empty(rows, probs.shape[1], dtype=probs.dtype).exponential_(
+            generator=self.generator))
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:

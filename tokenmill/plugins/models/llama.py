@@ -115,8 +115,7 @@ class LlamaDecoderLayer(nn.Module):
         norm adds a sublayer's output to the stream and normalises the sum in one call (one
         kernel where the platform fuses them), so the layer returns its MLP output and the
         stream apart, and the next layer's first norm adds them."""
-        if self.sandwich:  # Gemma-2 normalises the sublayers' outputs before adding them
-            x = x if residual is None else x + residual
+        if self.sandwich:  # Gemma-2 normalises the sublayers' outputs before adding: its stream stays whole
             x = x + self.post_attention_layernorm(self.self_attn(cos_sin, self.input_layernorm(x), metadata))
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), None
         h, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)

@@ -4,8 +4,14 @@ A second implementation beside the project's own kernels, built on a well-kept o
 ships with torch: compiled, FlexAttention generates a fused kernel (Triton on a GPU, C++ on
 the CPU) for the mask it is given, so ``tokenmill compare --attention-backend triton,flex``
 checks and times the Triton kernels against an independent implementation on the same
-engine. The paged layout is expressed as a block mask (``paged_block_mask.py``); the cache
-layout is the reference backend's, so the KV write and swaps are shared with it.
+engine. The paged layout is expressed as block masks (``paged_block_mask.py``); the cache
+layout is the reference's and the Triton backend's, and the new K/V are written by the
+Triton backend's kernel on a GPU (the reference's boolean mask of the slots to write would
+wait for the device in every layer) and by the reference's code on the CPU.
+
+On a GPU the kernel's tiles are set to the mask's (``kernel_options``): FlexAttention's
+default tiles (64-128 query rows, 64 keys) must divide the mask's tiles, which are one cache
+block of keys and ``Q_TILE`` / ``PREFILL_Q_TILE`` queries.
 
 Compilation happens at the first steps (about 10-20 s per shape family on a CPU; shapes
 that vary are marked dynamic after the second) and again per distinct layer configuration
@@ -24,7 +30,8 @@ import torch
 from torch.nn.attention.flex_attention import flex_attention
 
 from tokenmill.interfaces.attention import AttentionCapabilities, AttentionLayerSpec, AttentionMetadata
-from tokenmill.plugins.attention.flex.paged_block_mask import LayoutBuffers, StepLayout, decode_mask, prefill_mask
+from tokenmill.plugins.attention.flex.paged_block_mask import (PREFILL_Q_TILE, Q_TILE, LayoutBuffers, StepLayout,
+                                                              decode_mask, prefill_mask)
 from tokenmill.plugins.attention.torch_ref import write_kv
 
 _COMMON_FIELDS = tuple(f.name for f in fields(AttentionMetadata))
@@ -43,7 +50,7 @@ class FlexAttentionBackend:
     name = "flex"
     capabilities = AttentionCapabilities(
         dtypes=(torch.float32, torch.bfloat16, torch.float16),
-        # the mask's key tiles are cache blocks: FlexAttention's GPU kernels take 16 and up
+        # the mask's key tiles are cache blocks: FlexAttention's GPU kernels take tiles of 16 and up
         block_sizes=(16, 32, 64, 128),
         sliding_window=True,
         logits_soft_cap=True,
@@ -69,9 +76,15 @@ class FlexAttentionBackend:
         if not isinstance(metadata, FlexMetadata):  # a caller that skipped build_metadata
             metadata = self.build_metadata(metadata)
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        write_kv(key_cache, value_cache, key, value, metadata.slot_mapping)
+        on_gpu = query.device.type == "cuda"
+        if on_gpu:
+            from tokenmill.plugins.attention.triton_paged import kernels
+
+            kernels.write_kv(kv_cache, key, value, metadata.slot_mapping)
+        else:
+            write_kv(key_cache, value_cache, key, value, metadata.slot_mapping)
         num_blocks, layout = key_cache.shape[0], metadata.layout
-        pad = query.device.type == "cpu"
+        pad = not on_gpu
         # [batch, heads, tokens, head_dim] views of every slot of the cache
         slots = num_blocks * metadata.block_size
         keys = key_cache.view(slots, layer.num_kv_heads, layer.head_dim).transpose(0, 1)[None]
@@ -84,7 +97,7 @@ class FlexAttentionBackend:
             mask = self._mask(metadata, decode_mask, "decode", num_blocks, layer.sliding_window, pad)
             q = (query if group.whole_step else query[group.index]).unsqueeze(2)
             decoded = self._attend(q, keys.expand(rows, -1, -1, -1), values.expand(rows, -1, -1, -1),
-                                   block_mask=mask, **options)[:, :, 0]
+                                   block_mask=mask, **options, **_tiles(on_gpu, Q_TILE, metadata.block_size))[:, :, 0]
             if group.whole_step:
                 return decoded
             out = torch.empty_like(query)
@@ -92,7 +105,8 @@ class FlexAttentionBackend:
         group = layout.prefill
         mask = self._mask(metadata, prefill_mask, "prefill", num_blocks, layer.sliding_window, pad)
         q = (query if group.whole_step else query[group.index]).transpose(0, 1)[None]
-        attended = self._attend(q, keys, values, block_mask=mask, **options)[0].transpose(0, 1)
+        attended = self._attend(q, keys, values, block_mask=mask, **options,
+                                **_tiles(on_gpu, PREFILL_Q_TILE, metadata.block_size))[0].transpose(0, 1)
         if group.whole_step:
             return attended
         out[group.index] = attended
@@ -107,6 +121,13 @@ class FlexAttentionBackend:
         if mask is None:
             mask = metadata.masks[key] = build(metadata.layout, num_blocks, window, pad)
         return mask
+
+
+def _tiles(on_gpu: bool, q_tile: int, block_size: int) -> dict:
+    """The GPU kernel's tiles, dividing the mask's: ``q_tile`` queries, keys a cache block (at most 64)."""
+    if not on_gpu:
+        return {}
+    return {"kernel_options": {"BLOCK_M": q_tile, "BLOCK_N": min(block_size, 64)}}
 
 
 def _soft_cap(cap: Optional[float]):

@@ -16,8 +16,8 @@ A step's tokens form two groups, each one FlexAttention call. Decode rows (one q
 per request) are a batch of one-token sequences, each listing only its own request's
 blocks: in one flat sequence, a tile of 16 decode rows from 16 requests would read all 16
 requests' blocks for each row. The other requests' tokens (prompt chunks, verify steps) are
-one flat sequence in tiles of ``Q_TILE`` tokens, each tile listing the union of its tokens'
-blocks. Everything is built with tensor operations on the step's device, without reading
+one flat sequence in tiles of ``PREFILL_Q_TILE`` tokens, each tile listing the union of its
+tokens' blocks. Everything is built with tensor operations on the step's device, without reading
 values back to the host.
 """
 
@@ -29,8 +29,11 @@ import numpy as np
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-#: query tokens per tile of the block mask (FlexAttention's smallest on a GPU)
+#: query rows per tile of the decode rows' mask (FlexAttention's smallest on a GPU)
 Q_TILE = 16
+#: query tokens per tile of the flat sequence's mask: a GPU kernel's query tile (64 rows, as
+#: FlexAttention's own defaults take), whose blocks are a union over its tokens
+PREFILL_Q_TILE = 64
 
 
 class TokenGroup:
@@ -52,9 +55,11 @@ class StepLayout:
     The masks read them from buffers that keep their shape from step to step (``LayoutBuffers``):
     a compiled mask whose captured tensors change shape is compiled again for dynamic
     shapes, and torch's CPU code generation fails on that form of this mask (torch 2.13).
-    Entries past this step's tokens, requests and blocks are left from earlier steps; no
-    query token reaches them (a token reads only its own request's row, and only columns up
-    to its own position's block)."""
+    Entries past this step's tokens, requests and blocks are left from earlier steps. No
+    query token's result depends on them: a token reads only its own request's row, and only
+    columns up to its own position's block; the padding rows of a last query tile, which a
+    compiled kernel evaluates too, read left-over entries (in bounds: the buffers are at least
+    as large as any step's) and their results are discarded."""
 
     def __init__(self, query_start_loc_cpu: tuple[int, ...], seq_lens_cpu: tuple[int, ...],
                  block_table: torch.Tensor, block_size: int, buffers: "LayoutBuffers") -> None:
@@ -78,25 +83,28 @@ class StepLayout:
             groups.append(None if not len(tokens) else
                           TokenGroup(tokens, buffers.group(name, tokens), len(tokens) == num_tokens))
         self.decode, self.prefill = groups
-        self._logical: Optional[torch.Tensor] = None
+        self._logical: dict[int, torch.Tensor] = {}
 
     def logical_block(self, num_blocks: int) -> torch.Tensor:
         """[num_blocks] int32: the logical index of each physical block a request of the step
         holds, -1 for the others (written through a spare last entry, no boolean indexing)."""
-        if self._logical is None:
+        logical = self._logical.get(num_blocks)
+        if logical is None:
             table = self.step_table
             columns = torch.arange(table.shape[1], device=table.device, dtype=torch.int32)
             held = columns[None, :] < self.num_request_blocks[:, None]
             target = torch.where(held, table.long(), num_blocks)
             logical = torch.full((num_blocks + 1,), -1, dtype=torch.int32, device=table.device)
             logical.scatter_(0, target.flatten(), columns.expand_as(target).flatten())
-            self._logical = _static(logical[:num_blocks])
-        return self._logical
+            logical = self._logical[num_blocks] = _static(logical[:num_blocks])
+        return logical
 
 
 class LayoutBuffers:
-    """A backend's step layout buffers on one device, grown to the next power of two when
-    a step needs more (each growth is one recompilation of the masks)."""
+    """A backend's step layout buffers on one device, grown to the next power of two when a
+    step needs more: each growth is a compilation per layer configuration and kind of mask, so
+    they start at sizes few engines outgrow (8,192 tokens a step, 256 requests, contexts of
+    1,024 blocks; a few MB)."""
 
     def __init__(self) -> None:
         self._vectors: dict[str, torch.Tensor] = {}
@@ -108,7 +116,7 @@ class LayoutBuffers:
                 or self._table.shape[1] < table.shape[1]):
             rows, columns = table.shape if self._table is None else \
                 (max(table.shape[0], self._table.shape[0]), max(table.shape[1], self._table.shape[1]))
-            self._table = _static(torch.zeros((_capacity(rows), _capacity(columns)), dtype=torch.int32,
+            self._table = _static(torch.zeros((_capacity(rows, 256), _capacity(columns, 1024)), dtype=torch.int32,
                                               device=table.device))
         self._table[:table.shape[0], :table.shape[1]].copy_(table)
         return self.vector("request", request, table.device), self.vector("position", position, table.device), \
@@ -121,13 +129,13 @@ class LayoutBuffers:
         """The int32 buffer ``name``, its first entries set to ``values``."""
         buffer = self._vectors.get(name)
         if buffer is None or buffer.shape[0] < len(values) or buffer.device != device:
-            buffer = self._vectors[name] = _static(torch.zeros(_capacity(len(values)), dtype=torch.int32,
+            buffer = self._vectors[name] = _static(torch.zeros(_capacity(len(values), 8192), dtype=torch.int32,
                                                                device=device))
         buffer[:len(values)].copy_(torch.from_numpy(values.astype(np.int32)), non_blocking=True)
         return buffer
 
 
-def _capacity(needed: int, least: int = 64) -> int:
+def _capacity(needed: int, least: int) -> int:
     return max(least, 1 << (needed - 1).bit_length())
 
 
@@ -154,12 +162,12 @@ def decode_mask(layout: StepLayout, num_blocks: int, sliding_window: Optional[in
 
 def prefill_mask(layout: StepLayout, num_blocks: int, sliding_window: Optional[int], pad_to_cache: bool
                  ) -> BlockMask:
-    """The other tokens as one flat sequence, in tiles of ``Q_TILE``."""
+    """The other tokens as one flat sequence, in tiles of ``PREFILL_Q_TILE``."""
     group = layout.prefill
-    counts, indices = _block_lists(layout, group, Q_TILE, num_blocks, sliding_window, pad_to_cache)
+    counts, indices = _block_lists(layout, group, PREFILL_Q_TILE, num_blocks, sliding_window, pad_to_cache)
     return BlockMask.from_kv_blocks(
         counts[None, None], indices[None, None], torch.zeros_like(counts)[None, None],
-        torch.zeros_like(indices)[None, None], BLOCK_SIZE=(Q_TILE, layout.block_size),
+        torch.zeros_like(indices)[None, None], BLOCK_SIZE=(PREFILL_Q_TILE, layout.block_size),
         mask_mod=_mask_mod(layout, group.buffer, num_blocks, sliding_window, by_batch=False),
         seq_lengths=(group.count, num_blocks * layout.block_size), compute_q_blocks=False)
 
