@@ -365,6 +365,55 @@ def test_on_the_cuda_stand_in_prompt_logprobs_and_sampling_rows_come_out_as_on_t
     assert device[0].prompt_logprobs is not None and waits == []
 
 
+RANDOM_ROWS = [SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_tokens=5, ignore_eos=True),
+               SamplingParams(temperature=1.0, min_p=0.05, repetition_penalty=1.2, presence_penalty=0.5,
+                              frequency_penalty=0.3, max_tokens=5, ignore_eos=True, logprobs=2, seed=5),
+               SamplingParams(temperature=0.7, seed=3, max_tokens=5, ignore_eos=True)]
+
+
+def random_rows_on_the_stand_in(model_dir):
+    """The completions of RANDOM_ROWS on the CUDA stand-in (async scheduling) and the host's
+    waits for the device while each step was launched."""
+    prompts, waits = [p[:10] for p in PROMPTS[:3]], []
+    with fake_cuda():
+        llm = fake_cuda_llm(model_dir("llama"), async_scheduling=True)
+        runner = llm.llm_engine.runner
+        launch = runner.launch
+
+        def watched(batch, *args, **kwargs):
+            with host_syncs() as events:
+                launched = launch(batch, *args, **kwargs)
+            waits.extend(events)
+            return launched
+
+        runner.launch = watched
+        return generate(llm, prompts, RANDOM_ROWS), waits
+
+
+def test_on_the_cuda_stand_in_random_rows_with_penalties_launch_without_a_wait(model_dir):
+    """Temperature, top-k/top-p, min-p, the three penalties, logprobs and seeds: the sampler
+    moves every host value with non-blocking copies, so launching such a step waits for nothing
+    (a blocking copy on a GPU waits for the step in flight), and a seeded request samples what
+    it samples on the CPU (its generator is the host's)."""
+    device, waits = random_rows_on_the_stand_in(model_dir)
+    assert waits == []
+    cpu = generate(make_llm(model_dir("llama"), block_size=8), [p[:10] for p in PROMPTS[:3]], RANDOM_ROWS)
+    for index in (1, 2):
+        assert device[index].outputs[0].token_ids == cpu[index].outputs[0].token_ids
+
+
+def test_mutation_penalties_moved_with_blocking_copies_are_waits(model_dir, monkeypatch):
+    """The sampler's host values moved with blocking copies (as ``torch.tensor(..., device=)``
+    does): the stand-in sees the waits."""
+    from tokenmill.core.sample import sampler
+
+    def blocking(device, values, dtype=None):
+        return torch.as_tensor(values, dtype=dtype).to(device)
+
+    monkeypatch.setattr(sampler, "_on", blocking)
+    assert random_rows_on_the_stand_in(model_dir)[1]
+
+
 def test_mutation_a_placeholder_written_through_a_host_index_is_a_wait(model_dir, monkeypatch):
     """Filling the placeholders by indexing the input ids with a host list gives the same
     tokens, but on a GPU it is a blocking copy that waits for the step in flight."""

@@ -167,16 +167,16 @@ class Sampler:
             return logits
         logits = logits.clone()
         params = [rows[i].params for i in penalized]
-        index = torch.tensor(penalized, device=logits.device)
+        index = _on(logits.device, penalized, torch.long)
         selected = logits[index]
         counts = _token_counts([rows[i].output_token_ids for i in penalized], selected)
         if any(p.repetition_penalty != 1.0 for p in params):
-            repetition = torch.tensor([p.repetition_penalty for p in params], device=logits.device).unsqueeze(1)
+            repetition = _on(logits.device, [p.repetition_penalty for p in params], logits.dtype).unsqueeze(1)
             seen = (_token_counts([rows[i].prompt_token_ids for i in penalized], selected) > 0) | (counts > 0)
             selected = torch.where(seen, torch.where(selected > 0, selected / repetition, selected * repetition),
                                    selected)
-        frequency = torch.tensor([p.frequency_penalty for p in params], device=logits.device).unsqueeze(1)
-        presence = torch.tensor([p.presence_penalty for p in params], device=logits.device).unsqueeze(1)
+        frequency = _on(logits.device, [p.frequency_penalty for p in params], logits.dtype).unsqueeze(1)
+        presence = _on(logits.device, [p.presence_penalty for p in params], logits.dtype).unsqueeze(1)
         logits[index] = selected - (frequency * counts + presence * (counts > 0))
         return logits
 
@@ -187,7 +187,7 @@ def _token_counts(token_lists: Sequence[Sequence[int]], like: torch.Tensor) -> t
     ids = torch.tensor([t for tokens in token_lists for t in tokens], dtype=torch.long)
     rows = torch.repeat_interleave(torch.arange(len(token_lists)), lengths)
     counts = torch.zeros(like.shape, dtype=like.dtype, device=like.device)
-    return counts.index_put_((rows.to(like.device), ids.to(like.device)),
+    return counts.index_put_((_on(like.device, rows), _on(like.device, ids)),
                              torch.ones(len(ids), dtype=like.dtype, device=like.device), accumulate=True)
 
 
