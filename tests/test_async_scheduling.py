@@ -347,6 +347,20 @@ def test_on_the_cuda_stand_in_prompt_logprobs_and_sampling_rows_come_out_as_on_t
     params = [SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, prompt_logprobs=2, logprobs=1),
               SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)]
     prompts = [PROMPTS[0][:12], PROMPTS[1][:9]]
+    device, waits = stand_in_launch_waits(model_dir, prompts, params)
+    same_completions(generate(make_llm(model_dir("llama"), block_size=8), prompts, params), device)
+    assert device[0].prompt_logprobs is not None and waits == []
+
+
+RANDOM_ROWS = [SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_tokens=5, ignore_eos=True),
+               SamplingParams(temperature=1.0, min_p=0.05, repetition_penalty=1.2, presence_penalty=0.5,
+                              frequency_penalty=0.3, max_tokens=5, ignore_eos=True, logprobs=2, seed=5),
+               SamplingParams(temperature=0.7, seed=3, max_tokens=5, ignore_eos=True)]
+
+
+def stand_in_launch_waits(model_dir, prompts, params):
+    """The completions on the CUDA stand-in (async scheduling, its default there) and the host's
+    waits for the device while each step was launched."""
     waits = []
     with fake_cuda():
         llm = fake_cuda_llm(model_dir("llama"))
@@ -360,34 +374,11 @@ def test_on_the_cuda_stand_in_prompt_logprobs_and_sampling_rows_come_out_as_on_t
             return launched
 
         runner.launch = watched
-        device = generate(llm, prompts, params)
-    same_completions(generate(make_llm(model_dir("llama"), block_size=8), prompts, params), device)
-    assert device[0].prompt_logprobs is not None and waits == []
-
-
-RANDOM_ROWS = [SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_tokens=5, ignore_eos=True),
-               SamplingParams(temperature=1.0, min_p=0.05, repetition_penalty=1.2, presence_penalty=0.5,
-                              frequency_penalty=0.3, max_tokens=5, ignore_eos=True, logprobs=2, seed=5),
-               SamplingParams(temperature=0.7, seed=3, max_tokens=5, ignore_eos=True)]
+        return generate(llm, prompts, params), waits
 
 
 def random_rows_on_the_stand_in(model_dir):
-    """The completions of RANDOM_ROWS on the CUDA stand-in (async scheduling) and the host's
-    waits for the device while each step was launched."""
-    prompts, waits = [p[:10] for p in PROMPTS[:3]], []
-    with fake_cuda():
-        llm = fake_cuda_llm(model_dir("llama"), async_scheduling=True)
-        runner = llm.llm_engine.runner
-        launch = runner.launch
-
-        def watched(batch, *args, **kwargs):
-            with host_syncs() as events:
-                launched = launch(batch, *args, **kwargs)
-            waits.extend(events)
-            return launched
-
-        runner.launch = watched
-        return generate(llm, prompts, RANDOM_ROWS), waits
+    return stand_in_launch_waits(model_dir, [p[:10] for p in PROMPTS[:3]], RANDOM_ROWS)
 
 
 def test_on_the_cuda_stand_in_random_rows_with_penalties_launch_without_a_wait(model_dir):
