@@ -64,20 +64,13 @@ def host_syncs() -> Iterator[list[str]]:
     to the device, which on a GPU waits for every kernel queued before it (``.to("cuda")``
     or ``copy_`` without ``non_blocking``, ``torch.tensor(..., device="cuda")``, a host index
     or a list indexing a device tensor)."""
-    outer = getattr(_syncs, "events", None)
-    events: list[str] = []
-    _syncs.events = events
-    try:
+    with _recording("events") as events:
         yield events
-    finally:
-        _syncs.events = outer
 
 
 def synced(what: str) -> None:
     """Note a wait of the host for the device (in ``host_syncs``' list, where one is open)."""
-    events = getattr(_syncs, "events", None)
-    if events is not None:
-        events.append(what)
+    _record("events", what)
 
 
 @contextmanager
@@ -85,19 +78,31 @@ def host_to_device_copies() -> Iterator[list[tuple[int, ...]]]:
     """The shape of every host tensor copied to the device inside the block (``.to("cuda")``,
     ``copy_`` into a device tensor, a host value set into one): on a GPU each crosses PCIe,
     so the per-step ones say what a step costs the bus."""
-    outer = getattr(_syncs, "copies", None)
-    copies: list[tuple[int, ...]] = []
-    _syncs.copies = copies
-    try:
+    with _recording("copies") as copies:
         yield copies
-    finally:
-        _syncs.copies = outer
 
 
 def _copied_to_device(tensor: torch.Tensor) -> None:
-    copies = getattr(_syncs, "copies", None)
-    if copies is not None:
-        copies.append(tuple(tensor.shape))
+    _record("copies", tuple(tensor.shape))
+
+
+@contextmanager
+def _recording(name: str) -> Iterator[list]:
+    """A list this thread's ``_record(name, ...)`` calls append to inside the block (nested
+    blocks: the innermost)."""
+    outer = getattr(_syncs, name, None)
+    items: list = []
+    setattr(_syncs, name, items)
+    try:
+        yield items
+    finally:
+        setattr(_syncs, name, outer)
+
+
+def _record(name: str, item: Any) -> None:
+    items = getattr(_syncs, name, None)
+    if items is not None:
+        items.append(item)
 
 
 class DeviceTensor(torch.Tensor):

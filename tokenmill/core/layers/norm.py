@@ -14,7 +14,20 @@ from torch import nn
 from tokenmill.core.layers.custom_op import CustomOp
 
 
-class RMSNorm(CustomOp):
+class _ResidualNorm(CustomOp):
+    """A norm that may first add the residual stream (``forward_native(x, residual)``)."""
+
+    def forward_native(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        if residual is None:
+            return self.normalize(x)
+        x = x + residual
+        return self.normalize(x), x
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class RMSNorm(_ResidualNorm):
     """``weight * x / rms(x)``; a platform may fuse it, with the residual add (op ``rms_norm``)."""
 
     op_name = "rms_norm"
@@ -24,17 +37,14 @@ class RMSNorm(CustomOp):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
 
-    def forward_native(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
-        if residual is not None:
-            x = x + residual
-            return self.forward_native(x), x
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
 
 
-class GemmaRMSNorm(CustomOp):
+class GemmaRMSNorm(_ResidualNorm):
     """Gemma's RMSNorm: the weight is an offset from 1, applied in float32 before the cast. A
     platform may fuse it (op ``gemma_rms_norm``)."""
 
@@ -45,10 +55,7 @@ class GemmaRMSNorm(CustomOp):
         self.eps = eps
         self.weight = nn.Parameter(torch.zeros(hidden_size, dtype=dtype), requires_grad=False)
 
-    def forward_native(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
-        if residual is not None:
-            x = x + residual
-            return self.forward_native(x), x
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (h * (1.0 + self.weight.float())).type_as(x)

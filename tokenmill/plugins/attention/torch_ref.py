@@ -32,7 +32,7 @@ class TorchReferenceAttention:
         return (2, num_blocks, block_size, num_kv_heads, head_dim)
 
     def swap_blocks(self, src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor) -> None:
-        dst[:, pairs[:, 1]] = src[:, pairs[:, 0]]
+        copy_blocks(src, dst, pairs)
 
     def forward(
         self,
@@ -69,6 +69,12 @@ class TorchReferenceAttention:
             probs = scores.softmax(dim=-1)
             output[starts[i]:starts[i + 1]] = torch.einsum("hqk,khd->qhd", probs, v.float()).to(query.dtype)
         return output
+
+
+def copy_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor) -> None:
+    """``swap_blocks`` of the [2, num_blocks, ...] layout: (source block, destination block)
+    pairs from ``src`` to ``dst``, which may be on another device (the host swap space)."""
+    dst[:, pairs[:, 1].to(dst.device)] = src[:, pairs[:, 0].to(src.device)].to(dst.device)
 
 
 def write_kv(

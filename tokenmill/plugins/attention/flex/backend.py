@@ -5,7 +5,8 @@ ships with torch: compiled, FlexAttention generates a fused kernel (Triton on a 
 the CPU) for the mask it is given, so ``tokenmill compare --attention-backend triton,flex``
 checks and times the Triton kernels against an independent implementation on the same
 engine. The paged layout is expressed as block masks (``paged_block_mask.py``); the cache
-layout is the reference's and the Triton backend's, and the new K/V are written by the
+layout is the reference's and the Triton backend's (block swaps are the reference's
+``copy_blocks``), and the new K/V are written by the
 Triton backend's kernel on a GPU (the reference's boolean mask of the slots to write would
 wait for the device in every layer) and by the reference's code on the CPU.
 
@@ -32,7 +33,7 @@ from torch.nn.attention.flex_attention import flex_attention
 from tokenmill.interfaces.attention import AttentionCapabilities, AttentionLayerSpec, AttentionMetadata
 from tokenmill.plugins.attention.flex.paged_block_mask import (PREFILL_Q_TILE, Q_TILE, LayoutBuffers, StepLayout,
                                                               decode_mask, prefill_mask)
-from tokenmill.plugins.attention.torch_ref import write_kv
+from tokenmill.plugins.attention.torch_ref import copy_blocks, write_kv
 
 _COMMON_FIELDS = tuple(f.name for f in fields(AttentionMetadata))
 
@@ -64,7 +65,7 @@ class FlexAttentionBackend:
         return (2, num_blocks, block_size, num_kv_heads, head_dim)
 
     def swap_blocks(self, src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor) -> None:
-        dst[:, pairs[:, 1].to(dst.device)] = src[:, pairs[:, 0].to(src.device)].to(dst.device)
+        copy_blocks(src, dst, pairs)
 
     def build_metadata(self, common: AttentionMetadata) -> FlexMetadata:
         layout = StepLayout(common.query_start_loc_cpu, common.seq_lens_cpu, common.block_table, common.block_size,
@@ -94,7 +95,7 @@ class FlexAttentionBackend:
         out = None
         if layout.decode is not None:
             group, rows = layout.decode, layout.decode.count
-            mask = self._mask(metadata, decode_mask, "decode", num_blocks, layer.sliding_window, pad)
+            mask = self._mask(metadata, decode_mask, num_blocks, layer.sliding_window, pad)
             q = (query if group.whole_step else query[group.index]).unsqueeze(2)
             decoded = self._attend(q, keys.expand(rows, -1, -1, -1), values.expand(rows, -1, -1, -1),
                                    block_mask=mask, **options, **_tiles(on_gpu, Q_TILE, metadata.block_size))[:, :, 0]
@@ -103,7 +104,7 @@ class FlexAttentionBackend:
             out = torch.empty_like(query)
             out[group.index] = decoded
         group = layout.prefill
-        mask = self._mask(metadata, prefill_mask, "prefill", num_blocks, layer.sliding_window, pad)
+        mask = self._mask(metadata, prefill_mask, num_blocks, layer.sliding_window, pad)
         q = (query if group.whole_step else query[group.index]).transpose(0, 1)[None]
         attended = self._attend(q, keys, values, block_mask=mask, **options,
                                 **_tiles(on_gpu, PREFILL_Q_TILE, metadata.block_size))[0].transpose(0, 1)
@@ -113,10 +114,10 @@ class FlexAttentionBackend:
         return out
 
     @staticmethod
-    def _mask(metadata: "FlexMetadata", build, kind: str, num_blocks: int, window: Optional[int], pad: bool):
-        """The step's mask of this kind for a cache of ``num_blocks`` and this window, made by the
-        first layer that needs it and shared by the others."""
-        key = (kind, num_blocks, window)
+    def _mask(metadata: "FlexMetadata", build, num_blocks: int, window: Optional[int], pad: bool):
+        """The step's mask ``build`` makes for a cache of ``num_blocks`` and this window, made by
+        the first layer that needs it and shared by the others."""
+        key = (build, num_blocks, window)
         mask = metadata.masks.get(key)
         if mask is None:
             mask = metadata.masks[key] = build(metadata.layout, num_blocks, window, pad)

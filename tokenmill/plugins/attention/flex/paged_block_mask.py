@@ -70,7 +70,6 @@ class StepLayout:
         request = np.repeat(np.arange(len(seq_lens)), query_lens)
         # a query token's position: its request's first new position plus its offset among them
         position = seq_lens[request] - query_lens[request] + np.arange(num_tokens) - starts[:-1][request]
-        self.num_tokens = num_tokens
         self.block_size = block_size
         self.step_table = block_table
         self.request, self.position, self.block_table = buffers.fill(request, position, block_table)
@@ -151,25 +150,29 @@ def decode_mask(layout: StepLayout, num_blocks: int, sliding_window: Optional[in
     """The decode rows as a batch of one-token sequences (``b``: the row), each listing its own
     request's blocks. ``pad_to_cache``: each block list spans the whole cache (the CPU
     kernel asks that of the mask's shape)."""
-    group = layout.decode
-    counts, indices = _block_lists(layout, group, 1, num_blocks, sliding_window, pad_to_cache)
-    return BlockMask.from_kv_blocks(
-        counts[:, None, None], indices[:, None, None], torch.zeros_like(counts)[:, None, None],
-        torch.zeros_like(indices)[:, None, None], BLOCK_SIZE=(Q_TILE, layout.block_size),
-        mask_mod=_mask_mod(layout, group.buffer, num_blocks, sliding_window, by_batch=True),
-        seq_lengths=(1, num_blocks * layout.block_size), compute_q_blocks=False)
+    return _block_mask(layout, layout.decode, num_blocks, sliding_window, pad_to_cache, by_batch=True)
 
 
 def prefill_mask(layout: StepLayout, num_blocks: int, sliding_window: Optional[int], pad_to_cache: bool
                  ) -> BlockMask:
     """The other tokens as one flat sequence, in tiles of ``PREFILL_Q_TILE``."""
-    group = layout.prefill
-    counts, indices = _block_lists(layout, group, PREFILL_Q_TILE, num_blocks, sliding_window, pad_to_cache)
+    return _block_mask(layout, layout.prefill, num_blocks, sliding_window, pad_to_cache, by_batch=False)
+
+
+def _block_mask(layout: StepLayout, group: TokenGroup, num_blocks: int, sliding_window: Optional[int],
+                pad_to_cache: bool, by_batch: bool) -> BlockMask:
+    """``group``'s mask: with ``by_batch`` one sequence of one query per token (the batch
+    dimension), else one flat sequence in tiles of PREFILL_Q_TILE."""
+    tile = 1 if by_batch else PREFILL_Q_TILE
+    counts, indices = _block_lists(layout, group, tile, num_blocks, sliding_window, pad_to_cache)
+    # kv_num_blocks / kv_indices are [batch, heads, query tiles(, blocks)]: one head dimension for all
+    counts, indices = (counts[:, None, None], indices[:, None, None]) if by_batch else \
+        (counts[None, None], indices[None, None])
     return BlockMask.from_kv_blocks(
-        counts[None, None], indices[None, None], torch.zeros_like(counts)[None, None],
-        torch.zeros_like(indices)[None, None], BLOCK_SIZE=(PREFILL_Q_TILE, layout.block_size),
-        mask_mod=_mask_mod(layout, group.buffer, num_blocks, sliding_window, by_batch=False),
-        seq_lengths=(group.count, num_blocks * layout.block_size), compute_q_blocks=False)
+        counts, indices, torch.zeros_like(counts), torch.zeros_like(indices),
+        BLOCK_SIZE=(Q_TILE if by_batch else PREFILL_Q_TILE, layout.block_size),
+        mask_mod=_mask_mod(layout, group.buffer, num_blocks, sliding_window, by_batch),
+        seq_lengths=(1 if by_batch else group.count, num_blocks * layout.block_size), compute_q_blocks=False)
 
 
 def _block_lists(layout: StepLayout, group: TokenGroup, tile: int, num_blocks: int, sliding_window: Optional[int],

@@ -18,6 +18,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from tokenmill.interfaces.attention import AttentionCapabilities, AttentionLayerSpec, AttentionMetadata
+from tokenmill.plugins.attention.torch_ref import copy_blocks
 from tokenmill.plugins.attention.triton_paged import kernels
 from tokenmill.plugins.triton_env import INTERPRETED
 
@@ -63,7 +64,7 @@ class TritonPagedAttention:
         return (2, num_blocks, block_size, num_kv_heads, head_dim)
 
     def swap_blocks(self, src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor) -> None:
-        dst[:, pairs[:, 1].to(dst.device)] = src[:, pairs[:, 0].to(src.device)].to(dst.device)
+        copy_blocks(src, dst, pairs)
 
     def build_metadata(self, common: AttentionMetadata) -> TritonMetadata:
         """Once per step: from the host copies of the layout, no device synchronisation."""
