@@ -50,6 +50,16 @@ def test_a_kernel_build_logs_its_progress(tmp_path):
     assert logs[-1]["event"] == "compiled the C++ CPU kernels" and logs[-1]["seconds"] >= 0.2
 
 
+def test_a_kernel_build_belongs_to_one_torch(monkeypatch):
+    """The build directory is keyed by torch's version: a module built against one torch's
+    headers is never loaded by another, and two environments do not rebuild each other's."""
+    from tokenmill.plugins.platforms.cpu.kernels import _build_digest
+
+    here = _build_digest()
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    assert _build_digest() != here
+
+
 def test_kernel_sources_ship_in_the_wheel():
     """The kernels build from their sources at first use, so an installed (non-editable)
     tokenmill must carry every file under csrc/: the package-data globs must match them all."""

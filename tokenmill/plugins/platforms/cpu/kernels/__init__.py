@@ -4,7 +4,7 @@ the fused decode stack, screened greedy argmax), built at first use.
 Compiled by torch's extension builder rather than at install time, so that
 installing tokenmill never needs torch inside a build environment (which
 would pull a CUDA build from PyPI). Builds are cached per source and CPU
-feature set (``-march=native``) and source directory. Where no compiler is available, or with
+feature set (``-march=native``), source directory and torch version. Where no compiler is available, or with
 ``TOKENMILL_CPU_KERNELS=0``, callers fall back to PyTorch ops; the reason is
 logged once.
 
@@ -55,9 +55,11 @@ def _build_digest() -> str:
     except (OSError, StopIteration):
         flags = ""
     # the sources' directory too: ninja rebuilds when a build's paths change, so two checkouts
-    # sharing one build directory would rebuild each other's kernels on every start
+    # sharing one build directory would rebuild each other's kernels on every start; and torch's
+    # version, whose headers and ABI the module is built against (two environments with two
+    # torches would otherwise rebuild each other's kernels, or load one built for the other)
     sources = "".join(path.read_text() for path in sorted(_CSRC.iterdir()))
-    text = str(_CSRC) + flags + " ".join(_CFLAGS + _LDFLAGS) + sources
+    text = str(_CSRC) + torch.__version__ + flags + " ".join(_CFLAGS + _LDFLAGS) + sources
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
