@@ -7,10 +7,10 @@ match wins, and among its matches the earliest (vLLM's choice: it has the most t
 so a repeating pattern yields full-length drafts).
 
 Its host work is per step and per request, so it must not grow with the context in Python:
-each request's tokens live in an array the proposer extends by the step's new tokens (making
-one from the token list every step cost 0.23 ms at 8k tokens), and the lookup is a few array
-operations over the positions holding the last token, not a loop over them (0.27 -> 0.03 ms
-at 8k tokens).
+each request's tokens live in an array the proposer extends by the step's new tokens (not one
+made from the token list every step), and the lookup is a few array operations over the
+positions holding the last token, not a Python loop over them (about 20 us a request at 8k
+tokens of context).
 """
 
 from __future__ import annotations
