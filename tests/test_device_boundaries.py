@@ -80,6 +80,21 @@ def test_every_family_runs_on_the_device_stand_in_at_hf_parity(arch, model_dir):
     assert_matches_reference(reference, tokens, logprobs)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_prompt_prefilled_in_chunks_stages_each_chunk_after_the_last_ones_copies(async_scheduling, model_dir):
+    """A prompt of several chunks runs steps that sample nothing, so no result is read between
+    them: the host must not refill the pinned staging buffers before the device has run the
+    last chunk's copies out of them (the stand-in raises ``PinnedBufferRace`` where a GPU would
+    copy the next chunk's inputs into this one). Tokens and logprobs are HF's."""
+    prompts, max_tokens = [PROMPTS[2][:100], PROMPTS[0][:20]], [4, 4]  # 32 tokens a step: 3 chunk-only steps
+    assert len(prompts[0]) > 3 * 32
+    with fake_cuda():
+        tokens, logprobs = greedy(fake_cuda_llm(model_dir("llama"), async_scheduling=async_scheduling),
+                                  prompts, max_tokens)
+    reference = hf_greedy(model_dir("llama"), prompts, max(max_tokens))
+    assert_matches_reference(reference, tokens, logprobs)
+
+
 @pytest.mark.skipif(not CHECKPOINTS.is_dir(), reason=f"shared checkpoints not found at {CHECKPOINTS}")
 @pytest.mark.parametrize("name", QUANTIZED)
 def test_every_quantization_method_applies_to_device_weights(name):
@@ -163,6 +178,48 @@ def test_device_rules_follow_cuda():
         staged.copy_(torch.arange(4.0))
         assert isinstance(staged.to("cuda", non_blocking=True), DeviceTensor)
         assert np.array_equal(weight.tolist(), weight.cpu().numpy())
+
+
+def test_pinned_memory_is_written_again_only_after_its_copies_ran():
+    """A non-blocking copy out of pinned memory runs when the device reaches it: writing the
+    buffer before the host knows that (an event recorded after the copy, or a wait for the
+    device) is refused; pageable memory is copied before the call returns, so it is free."""
+    from tokenmill.testing.fake_cuda import PinnedBufferRace
+    from tokenmill.testing.fake_cuda_platform import StandInEvent
+
+    with fake_cuda(), torch.inference_mode():
+        pinned, pageable = torch.zeros(4, pin_memory=True), torch.zeros(4)
+        pinned.to("cuda", non_blocking=True)
+        pageable.to("cuda", non_blocking=True)
+        pageable.copy_(torch.ones(4))
+        with pytest.raises(PinnedBufferRace):
+            pinned.copy_(torch.ones(4))
+        event = StandInEvent()
+        device = torch.zeros(4, device="cuda")
+        device.copy_(pinned, non_blocking=True)  # queued after the event: still running after it
+        event.synchronize()
+        with pytest.raises(PinnedBufferRace):
+            pinned.copy_(torch.ones(4))
+        StandInEvent().synchronize()
+        pinned.copy_(torch.ones(4))
+        received = torch.zeros(4, pin_memory=True)
+        received.copy_(device, non_blocking=True)  # the device writes it later
+        with pytest.raises(PinnedBufferRace):
+            received.copy_(torch.ones(4))
+        device.tolist()  # a read back waits for the whole queue
+        received.copy_(torch.ones(4))
+
+
+def test_mutation_staging_refilled_before_its_copies_ran_fails(model_dir, monkeypatch):
+    """Without the mark after each step's input copies, the next prompt chunk refills the pinned
+    buffers while the device may still be copying out of them: the chunked prompt fails."""
+    from tokenmill.core.worker.input_staging import InputStaging
+
+    monkeypatch.setattr(InputStaging, "inputs_queued", lambda self: None)
+    with fake_cuda():
+        llm = fake_cuda_llm(model_dir("llama"), async_scheduling=False)
+        output = llm.generate([{"prompt_token_ids": PROMPTS[2][:100]}], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert output[0].outputs[0].finish_reason == "error"
 
 
 def test_triton_kernels_refuse_host_tensors():

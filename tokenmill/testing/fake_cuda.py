@@ -16,8 +16,15 @@ to be on the same device". Under ``fake_cuda()``:
   own message; ``.numpy()`` of a device tensor fails as on a GPU;
 - ``pin_memory=True`` gives ordinary host memory (what pinning changes is only speed).
 
+- pinned memory's copies run late: a non-blocking copy out of (or into) pinned host memory
+  is, on a GPU, a DMA the device runs when its queue reaches it, so the host must not write
+  that buffer again before it knows the copy ran (it waited for an event recorded after the
+  copy, or for the device). The stand-in's values move at once, but it keeps the queue's
+  order (``_CopyQueue``) and raises ``PinnedBufferRace`` at such a write: on a GPU the copy
+  would carry the new values, a later step's inputs.
+
 Values are real, so an engine on ``FakeCudaPlatform`` can be compared with Hugging Face.
-What it does not model: streams and asynchrony (every copy completes at once), memory
+What it does not model: kernels running late (every kernel completes at once), memory
 limits, and the address-level faults of recorded graphs (``device_graphs`` has those).
 What it records instead (``host_syncs()``): each point where a GPU's host would wait for the
 device, so that code meant to run ahead of the device (async scheduling) can be held to it;
@@ -30,6 +37,7 @@ could not sample), and on a CPU-only build their ``.to("cuda")``, cross-device
 from __future__ import annotations
 
 import threading
+import weakref
 from contextlib import ExitStack, contextmanager
 from typing import Any, Callable, Iterator, Optional
 
@@ -54,7 +62,79 @@ class DeviceMismatchError(RuntimeError):
     """A host tensor met a device tensor in an operation CUDA refuses."""
 
 
+class PinnedBufferRace(RuntimeError):
+    """The host wrote pinned memory that a queued copy may not have read (or written) yet."""
+
+
 _syncs = threading.local()
+
+
+def _address(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+class _CopyQueue:
+    """The device's queue as far as pinned host memory is concerned: each non-blocking copy out
+    of or into a pinned buffer takes the next position; the host knows every position up to
+    ``done`` has run (it waited for an event recorded there, or for the whole device)."""
+
+    def __init__(self) -> None:
+        self.queued = 0
+        self.done = 0
+        #: pinned storage address -> the queue position of its last copy
+        self.pending: dict[int, int] = {}
+        #: pinned storage address -> the pinned tensor (an address freed and reused is not pinned)
+        self.pinned: dict[int, weakref.ref] = {}
+
+    def pin(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.pinned[_address(tensor)] = weakref.ref(tensor)
+        return tensor
+
+    def copied(self, host: torch.Tensor) -> None:
+        """A non-blocking copy between ``host`` and the device was queued."""
+        address = _address(host)
+        pinned = self.pinned.get(address)
+        if pinned is not None and pinned() is not None:
+            self.queued += 1
+            self.pending[address] = self.queued
+
+    def mark(self) -> int:
+        self.queued += 1
+        return self.queued
+
+    def reach(self, mark: int) -> bool:
+        """The host waits for ``mark``; whether that was a wait (False: it had already passed)."""
+        if mark <= self.done:
+            return False
+        self.done = mark
+        self.pending = {address: at for address, at in self.pending.items() if at > mark}
+        return True
+
+    def drain(self) -> None:
+        """The host waited for the device: everything queued so far has run."""
+        self.done = self.queued
+        self.pending.clear()
+
+    def check_write(self, host: torch.Tensor) -> None:
+        at = self.pending.get(_address(host))
+        if at is not None and at > self.done:
+            raise PinnedBufferRace(f"pinned host memory {tuple(host.shape)} written while a copy queued from it "
+                                   f"may not have run: on a GPU that copy would carry the new values")
+
+
+_queue = _CopyQueue()
+
+
+def queue_mark() -> int:
+    """A position in the device's queue after every copy queued so far (an event's)."""
+    return _queue.mark()
+
+
+def wait_for_mark(mark: int) -> None:
+    """The host waits until the device reached ``mark``: a wait in ``host_syncs`` where it
+    had not passed it already."""
+    if _queue.reach(mark):
+        _record("events", "waited for a recorded event")
 
 
 @contextmanager
@@ -69,7 +149,9 @@ def host_syncs() -> Iterator[list[str]]:
 
 
 def synced(what: str) -> None:
-    """Note a wait of the host for the device (in ``host_syncs``' list, where one is open)."""
+    """Note a wait of the host for the device (in ``host_syncs``' list, where one is open),
+    after which every copy queued before it has run."""
+    _queue.drain()
     _record("events", what)
 
 
@@ -198,7 +280,9 @@ def _to(func: Any, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Ten
         if isinstance(tensor, DeviceTensor):
             moved = tensor.elem.to(**options, copy=bool(kwargs.get("copy")))
             return tensor if moved is tensor.elem else DeviceTensor(moved)
-        if not kwargs.get("non_blocking"):
+        if kwargs.get("non_blocking"):
+            _queue.copied(tensor)
+        else:
             synced(f"blocking copy of a host tensor {tuple(tensor.shape)} to the device")
         _copied_to_device(tensor)
         return DeviceTensor(tensor.to(**options, copy=True))
@@ -215,21 +299,25 @@ class _Placement(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         name = getattr(func, "__name__", "")
-        kwargs.pop("pin_memory", None)
+        pinned = kwargs.pop("pin_memory", False)
         if name == "to" and args and isinstance(args[0], torch.Tensor):
             return _to(func, *args, **kwargs)
         if name == "cuda" and args and isinstance(args[0], torch.Tensor):
             return _to(func, args[0], CUDA)
         if name == "pin_memory":
-            return args[0].clone()
+            return _queue.pin(args[0].clone())
         if name == "is_pinned":
             return False
+        if name in ("copy_", "__setitem__") and not isinstance(args[0], DeviceTensor):
+            _queue.check_write(args[0])
         if name == "copy_" and any(isinstance(x, DeviceTensor) for x in args[:2]):
             # a non-blocking copy to the host is taken to land in pinned memory (the stand-in's
             # pinned memory is plain): it waits for nothing, as on a GPU
             crossing = isinstance(args[0], DeviceTensor) != isinstance(args[1], DeviceTensor)
             if crossing and not kwargs.get("non_blocking"):
                 synced("blocking copy_ between the host and the device")
+            elif crossing:
+                _queue.copied(args[1] if isinstance(args[0], DeviceTensor) else args[0])
             if crossing and isinstance(args[0], DeviceTensor):
                 _copied_to_device(args[1])
             return aten.copy_.default(args[0], args[1])  # the binding's device guard needs CUDA
@@ -250,7 +338,8 @@ class _Placement(TorchFunctionMode):
             if name in ("tensor", "as_tensor"):
                 synced(f"torch.{name}(..., device=cuda): a blocking copy of host data")
             return _wrap(func(*tree_map(host_value, args), **{**kwargs, "device": torch.device("cpu")}))
-        return func(*args, **kwargs)
+        result = func(*args, **kwargs)
+        return _queue.pin(result) if pinned and isinstance(result, torch.Tensor) else result
 
     @staticmethod
     def _getitem(tensor: DeviceTensor, index: Any) -> torch.Tensor:
@@ -297,6 +386,8 @@ def fake_cuda() -> Iterator[None]:
     # Module.to("cuda") then wraps each parameter anew, rather than setting a host
     # parameter's ``.data`` to a device tensor (a shallow copy that loses the subclass)
     torch.__future__.set_overwrite_module_params_on_conversion(True)
+    global _queue
+    _queue = _CopyQueue()
     try:
         with ExitStack() as stack:
             stack.enter_context(_Placement())

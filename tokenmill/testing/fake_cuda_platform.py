@@ -3,7 +3,8 @@
 ``FakeCudaPlatform`` is ``CudaPlatform`` itself (device placement, pinned host buffers,
 the profiling forward pass, the Triton fused-MoE op, dtype rules), less the calls into
 the CUDA runtime, which a CPU-only torch lacks: memory figures come from the config
-(``cache.kv_cache_memory``), the profiling pass's peak is not measured, and decode steps
+(``cache.kv_cache_memory``), the profiling pass's peak is not measured (its wait for the
+device is kept: the stand-in's queue of pinned copies drains there too), and decode steps
 are recorded by the faithful graph stand-in (``device_graphs.record``) instead of
 ``torch.cuda.CUDAGraph``. Use it inside ``fake_cuda()``, with the Triton attention backend
 in the interpreter.
@@ -18,7 +19,7 @@ import torch
 from tokenmill.interfaces.platform import Detection
 from tokenmill.plugins.platforms.cuda.platform import CudaPlatform
 from tokenmill.testing.device_graphs import RecordsGraphs
-from tokenmill.testing.fake_cuda import synced
+from tokenmill.testing.fake_cuda import queue_mark, synced, wait_for_mark
 
 
 class FakeCudaPlatform(RecordsGraphs, CudaPlatform):
@@ -42,6 +43,7 @@ class FakeCudaPlatform(RecordsGraphs, CudaPlatform):
 
     def peak_memory(self, run: Callable[[], None]) -> int:
         run()
+        synced("torch.cuda.synchronize() after the profiling forward")  # as CudaPlatform's
         self.profiled += 1
         return 0
 
@@ -58,8 +60,11 @@ class FakeCudaPlatform(RecordsGraphs, CudaPlatform):
 
 
 class StandInEvent:
-    """Every copy of the stand-in completes at once, so there is nothing to wait for; a wait is
-    recorded (``host_syncs``) as one for this step's work only."""
+    """A mark in the stand-in's queue of copies: waiting for it (``host_syncs``: a wait, unless
+    the host knows the device passed it) lets the pinned buffers copied before it be written."""
+
+    def __init__(self) -> None:
+        self.mark = queue_mark()
 
     def synchronize(self) -> None:
-        synced("waited for a recorded event")
+        wait_for_mark(self.mark)

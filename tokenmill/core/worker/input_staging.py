@@ -3,12 +3,15 @@
 The host side is one persistent buffer per input (token ids, positions, the attention
 metadata's arrays), from the platform's ``host_buffer``: pinned memory on a GPU, so each
 copy is a DMA that overlaps with the host's work instead of a synchronous, pageable copy.
-A buffer is reused by a later step once the host has read the result of the step that
-filled it, which waits for that step's copies: the next step where every step's result is
-read before the next is launched, the one after it under async scheduling (``sets=2``:
-buffers taking turns, ``next_step`` at each step). A step's sampled tokens come back the
-same way (``to_host``): copied into host buffers as soon as they are sampled, then read once
-the device passed the step's mark, so that reading them never waits for a step launched since.
+The DMA reads the buffer when the device's queue reaches it, so a set of buffers is refilled
+only once the copies its last step queued have run: that step marks its queue after its
+inputs (``inputs_queued``) and ``next_step`` waits for the mark of the set it turns to. A
+step whose result the host read has long passed it (a free wait); a prompt chunk that samples
+nothing has no result, and the next chunk waits for the last one's copies, not its forward.
+The next step reuses the set; under async scheduling (``sets=2``: buffers taking turns) the
+one after it. A step's sampled tokens come back the same way (``to_host``): copied into host
+buffers as soon as they are sampled, then read once the device passed the step's mark, so
+that reading them never waits for a step launched since.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ class InputStaging:
         self._host_buffer = host_buffer
         self._record_event = record_event
         self._sets: list[dict[str, torch.Tensor]] = [{} for _ in range(sets)]
+        #: each set's mark after the copies its last step queued
+        self._copied: list[Optional[DeviceEvent]] = [None] * sets
         self._buffers = self._sets[0]
         self._turn = 0
 
@@ -40,9 +45,18 @@ class InputStaging:
         return cls(platform.device_type, platform.host_buffer, sets, platform.record_event)
 
     def next_step(self) -> None:
-        """A new step stages its inputs: in the next set of buffers."""
+        """A new step stages its inputs: in the next set of buffers, once the copies out of
+        them that the set's last step queued have run."""
         self._turn = (self._turn + 1) % len(self._sets)
         self._buffers = self._sets[self._turn]
+        copied, self._copied[self._turn] = self._copied[self._turn], None
+        if copied is not None:
+            copied.synchronize()
+
+    def inputs_queued(self) -> None:
+        """This step's inputs are queued: mark the device's queue after their copies."""
+        if self._record_event is not None:
+            self._copied[self._turn] = self._record_event()
 
     def to_device(self, name: str, values: np.ndarray) -> torch.Tensor:
         """``values`` on the device, through the host buffer ``name`` (grown as needed)."""

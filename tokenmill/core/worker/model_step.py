@@ -79,7 +79,7 @@ class ModelStep:
         host = HostInputs.of(step.rows, self.block_size)
         size = None if self.graphs is None else self.graphs.bucket(host.query_lens, host.block_table.shape[1])
         fill = None if placeholders is None else partial(placeholders.fill, put=self._put)
-        if size is not None:
+        if size is not None:  # decode rows only: the host reads their result before reusing the buffers
             hidden = self.graphs.run(size, host.token_ids, host.positions, host.slots, host.seq_lens,
                                      host.block_table, self._put, fill)
         else:
@@ -88,6 +88,8 @@ class ModelStep:
             input_ids, positions, metadata = self._prepare_inputs(host)
             if fill is not None:
                 fill(input_ids)
+            if self.staging is not None:  # before the forward, so that the next step waits for the copies only
+                self.staging.inputs_queued()
             hidden = self.model.forward(input_ids, positions, metadata)
         if not step.logits_rows:  # a prefill chunk that samples nothing: only its KV was wanted
             return StepResult() if stage.rank == 0 else None
