@@ -39,6 +39,8 @@ class CudaPlatform(Platform):
     profiles_memory = True
     #: the memory pool every captured graph allocates from (made with the first graph)
     _graph_pool = None
+    #: the stream every graph's warm-up runs on (made with the first graph)
+    _warmup_stream = None
     #: device memory in use when this process started (``setup_process``): not this engine's
     _used_before = 0
 
@@ -94,8 +96,12 @@ class CudaPlatform(Platform):
 
     def capture_graph(self, run: Callable[[], None]) -> Optional[DeviceGraph]:
         # the warm-up runs on a side stream, as CUDA graph capture requires (it also compiles
-        # the Triton kernels and lets cuBLAS pick its algorithms before recording)
-        side = torch.cuda.Stream()
+        # the Triton kernels and lets cuBLAS pick its algorithms before recording); one for
+        # every bucket, since cuBLAS keeps a workspace (32 MiB on Hopper) per stream it saw,
+        # for the life of the process, outside the memory the KV cache was sized against
+        if self._warmup_stream is None:
+            self._warmup_stream = torch.cuda.Stream()
+        side = self._warmup_stream
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             run()
