@@ -146,14 +146,16 @@ def decode_tiles(group: int, head_pad: int, ieee_fp32: bool) -> tuple[int, int, 
     """(GROUP_PAD, TILE_N, num_warps) of the decode kernel: the query heads of a KV head padded
     to 16 (``tl.dot``'s least rows), cache positions a tile, and warps. A gathered tile holds
     a 64-bit address per element, so the tiles are what fits without spilling on sm_80 and
-    sm_90 (tests/test_triton_compile.py): 64 positions of a 128-wide head over 8 warps (4
-    spilled), 32 of a 64-wide one over 4 (8 spilled a window's masks on sm_90) or of a 256-wide
-    one over 8, 16 where K and V are read as fp32."""
+    sm_90 under Triton 3.6 (torch 2.11's, the GPU image's) and 3.9 (tests/test_triton_compile.py;
+    benchmarks/README): 64 positions of a 128-wide head over 8 warps (4 spilled), 32 of a
+    64-wide one over 4 (8 spilled a window's masks on sm_90) or of a 256-wide one over 8; 16
+    where the queries are fp32 (IEEE dots), over 4 warps for 128-wide heads and 8 for the
+    others (the other way round, Triton 3.6 spills 8 bytes on sm_80)."""
     if ieee_fp32:
-        tile = 16
+        tile, warps = 16, 4 if head_pad == 128 else 8
     else:
-        tile = 64 if head_pad == 128 else 32
-    return max(16, triton.next_power_of_2(group)), tile, 4 if head_pad <= 64 else 8
+        tile, warps = 64 if head_pad == 128 else 32, 4 if head_pad <= 64 else 8
+    return max(16, triton.next_power_of_2(group)), tile, warps
 
 
 def write_kv(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -301,8 +303,11 @@ def prefill_attention(query: torch.Tensor, cache: torch.Tensor, block_table: tor
 
 def prefill_tiles(ieee_fp32: bool, head_pad: int) -> tuple[int, int]:
     """(context positions per step, warps) of the prefill kernel on a GPU, for its 32-token
-    query tiles: the largest that compile without spilling registers on sm_80 and sm_90
-    (fp32 tiles take twice the registers of bf16/fp16 ones; tests/test_triton_compile.py)."""
-    if not ieee_fp32 or head_pad <= 64:
-        return 32, 8
-    return (16, 4) if head_pad == 128 else (16, 8)
+    query tiles: the largest that compile without spilling registers on sm_80 and sm_90 under
+    Triton 3.6 and 3.9 (fp32 tiles take twice the registers of bf16/fp16 ones;
+    tests/test_triton_compile.py). Tensor-core tiles of 64-wide heads step 16 positions: at
+    32, Triton 3.6 caps them at 128 registers and spills 16-56 bytes. fp32 tiles of 256-wide
+    heads take 16 warps: over 8, either version spills 8-56 bytes for some cache block sizes."""
+    if ieee_fp32:
+        return (32, 8) if head_pad <= 64 else (16, 4) if head_pad == 128 else (16, 16)
+    return (16, 8) if head_pad <= 64 else (32, 8)
