@@ -123,3 +123,15 @@ def test_unseeded_sampling_draws_on_the_gpu_and_follows_the_engine_seed(model_di
         outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:4]], params, use_tqdm=False)
         runs[name] = [o.outputs[0].token_ids for o in outputs]
     assert runs["a"] == runs["b"] and runs["a"] != runs["c"]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_long_prompts_prefill_in_chunks_as_hf(model_dir, async_scheduling):
+    """Prompts of several chunks run steps that sample nothing, back to back, with no result
+    read between them: each chunk is staged in the pinned buffers only once the last chunk's
+    copies out of them ran (tests/test_device_boundaries.py has the stand-in's race check)."""
+    prompts = [p for p in PROMPTS if len(p) > 96][:3]
+    llm = cuda_llm(model_dir("llama"), dtype="float32", max_num_batched_tokens=32, max_num_seqs=4,
+                   async_scheduling=async_scheduling)
+    tokens, logprobs = greedy(llm, prompts)
+    assert_matches_reference(hf_greedy(model_dir("llama"), prompts, 16), tokens, logprobs)
