@@ -15,7 +15,9 @@ case it fails on says why in its row and the others still run.
 
 With ``--sweep`` it times the kernels' tile choices instead, at decode 64 x 4096 and 1 x 4096
 and prefill 1 x 4096: decode positions per tile and warps, prefill query tile (the backend's
-``block_m``), context step and warps; each against the default, fastest first.
+``block_m``), context step and warps; each against the default, fastest first. Prefill is
+swept at 128-wide heads and at the ``1b`` preset's (TinyLlama's 32 / 4 heads of 64, whose
+tensor-core tile steps 16 positions so that Triton 3.6 does not spill).
 
     python benchmarks/gpu_attention.py
     python benchmarks/gpu_attention.py --sweep
@@ -42,18 +44,22 @@ PREFILL = [(1, 4096), (8, 1024)]  # (sequences, length)
 #: the sweep: decode (TILE_N, warps); prefill (block_m, BLOCK_N, warps)
 DECODE_TILES = [(n, w) for n in (16, 32, 64, 128) for w in (4, 8)]
 PREFILL_TILES = [(m, n, w) for m in (32, 64, 128) for n in (32, 64) for w in (4, 8)]
+#: the prefill sweep's head layouts: (query heads, KV heads, head size, tiles)
+PREFILL_SWEEP = [(HEADS, KV_HEADS, HEAD_DIM, PREFILL_TILES),
+                 (32, 4, 64, [(m, n, w) for m in (32, 64) for n in (16, 32) for w in (4, 8)])]
 
 
-def paged(lengths: list[int], new: list[int], device: str, dtype: torch.dtype, generator: torch.Generator):
+def paged(lengths: list[int], new: list[int], device: str, dtype: torch.dtype, generator: torch.Generator,
+          kv_heads: int = KV_HEADS, head_dim: int = HEAD_DIM):
     """A cache holding each sequence's first ``length - new`` tokens (shuffled blocks), the
     step's metadata (``new`` query tokens each), and the contiguous K/V of the whole lengths."""
     blocks = [-(-n // BLOCK) for n in lengths]
     num_blocks = sum(blocks) + 1
     order = torch.randperm(num_blocks, generator=generator)[:sum(blocks)]
     table = torch.zeros(len(lengths), max(blocks), dtype=torch.int32)
-    k = torch.randn(sum(lengths), KV_HEADS, HEAD_DIM, generator=generator).to(dtype)
-    v = torch.randn(sum(lengths), KV_HEADS, HEAD_DIM, generator=generator).to(dtype)
-    cache = torch.zeros(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=dtype)
+    k = torch.randn(sum(lengths), kv_heads, head_dim, generator=generator).to(dtype)
+    v = torch.randn(sum(lengths), kv_heads, head_dim, generator=generator).to(dtype)
+    cache = torch.zeros(2, num_blocks, BLOCK, kv_heads, head_dim, dtype=dtype)
     slots, first, used, starts = [], 0, 0, [0]
     for i, (n, q) in enumerate(zip(lengths, new)):
         table[i, :blocks[i]] = order[used:used + blocks[i]]
@@ -119,24 +125,26 @@ def sweep(device: str, small: bool, generator: torch.Generator) -> list[dict]:
             rows.append({"case": f"decode {batch} x {context}", "tiles": f"TILE_N={tiles[0]} warps={tiles[1]}",
                          "ms": timed(lambda: decode(tiles), device), "rel_error": error})
     length = 40 if small else 4096
-    cache, common, k_all, v_all, picks = paged([length], [length], device, dtype, generator)
-    kernels.write_kv(cache, k_all[picks], v_all[picks], common.slot_mapping)  # the prompt's own K/V
-    q = torch.randn(length, HEADS, HEAD_DIM, generator=generator).to(dtype).to(device)
-    expected = None
-    for block_m, block_n, warps in PREFILL_TILES[:2] if small else PREFILL_TILES:
-        meta = TritonPagedAttention(block_m=block_m).build_metadata(common)
-        out = torch.empty_like(q)
+    for heads, kv_heads, head_dim, tiles in PREFILL_SWEEP:
+        cache, common, k_all, v_all, picks = paged([length], [length], device, dtype, generator, kv_heads, head_dim)
+        kernels.write_kv(cache, k_all[picks], v_all[picks], common.slot_mapping)  # the prompt's own K/V
+        q = torch.randn(length, heads, head_dim, generator=generator).to(dtype).to(device)
+        expected = None
+        for block_m, block_n, warps in tiles[:2] if small else tiles:
+            meta = TritonPagedAttention(block_m=block_m).build_metadata(common)
+            out = torch.empty_like(q)
 
-        def prefill():
-            kernels.prefill_attention(q, cache, meta.block_table, out, meta.tile_req, meta.tile_start,
-                                      meta.query_start_loc, meta.seq_lens, spec.scale, None, None, block_m,
-                                      step=(block_n, warps))
+            def prefill():
+                kernels.prefill_attention(q, cache, meta.block_table, out, meta.tile_req, meta.tile_start,
+                                          meta.query_start_loc, meta.seq_lens, head_dim**-0.5, None, None, block_m,
+                                          step=(block_n, warps))
 
-        prefill()
-        expected = out.clone() if expected is None else expected
-        error = ((out.float() - expected.float()).norm() / expected.float().norm()).item()
-        rows.append({"case": f"prefill 1 x {length}", "tiles": f"block_m={block_m} BLOCK_N={block_n} warps={warps}",
-                     "ms": timed(prefill, device), "rel_error": error})
+            prefill()
+            expected = out.clone() if expected is None else expected
+            error = ((out.float() - expected.float()).norm() / expected.float().norm()).item()
+            rows.append({"case": f"prefill 1 x {length}, {heads}/{kv_heads} x {head_dim}",
+                         "tiles": f"block_m={block_m} BLOCK_N={block_n} warps={warps}",
+                         "ms": timed(prefill, device), "rel_error": error})
     return rows
 
 
@@ -164,9 +172,9 @@ def main() -> None:
     device, dtype = args.device, torch.bfloat16
     if args.sweep:
         rows = sweep(device, args.small, torch.Generator().manual_seed(0))
-        print(f"{'case':<20} {'tiles':<34} {'ms':>8} {'rel err':>8}")
+        print(f"{'case':<34} {'tiles':<34} {'ms':>8} {'rel err':>8}")
         for row in sorted(rows, key=lambda r: (r["case"], r["ms"])):
-            print(f"{row['case']:<20} {row['tiles']:<34} {row['ms']:>8.3f} {row['rel_error']:>8.1e}")
+            print(f"{row['case']:<34} {row['tiles']:<34} {row['ms']:>8.3f} {row['rel_error']:>8.1e}")
         if args.json:
             with open(args.json, "w") as out:
                 json.dump({"rows": rows}, out, indent=1)
