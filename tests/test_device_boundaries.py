@@ -180,6 +180,19 @@ def test_device_rules_follow_cuda():
         assert np.array_equal(weight.tolist(), weight.cpu().numpy())
 
 
+def test_an_embedding_model_runs_on_the_device_stand_in(model_dir):
+    """The encoder path (tokenize, batch, encode, pool) with the model on the device: its ids,
+    mask and positions go there, the embeddings come back to the host, equal to the CPU's."""
+    texts = ["The quick brown fox", "a", "Rivers run to the sea, and the sea returns to the clouds"]
+    cpu = torch.tensor(LLM(str(model_dir("bert"))).embed(texts))
+    with fake_cuda():
+        llm = LLM(config=load_config(model=str(model_dir("bert")), device="fake-cuda", dtype="float32"),
+                  plugin_manager=with_platforms(FakeCudaPlatform))
+        assert isinstance(next(llm.llm_engine.model.parameters()), DeviceTensor)
+        device = torch.tensor(llm.embed(texts))
+    torch.testing.assert_close(device, cpu, atol=1e-6, rtol=1e-6)
+
+
 def test_pinned_memory_is_written_again_only_after_its_copies_ran():
     """A non-blocking copy out of pinned memory runs when the device reaches it: writing the
     buffer before the host knows that (an event recorded after the copy, or a wait for the

@@ -1,7 +1,8 @@
 """On a CUDA GPU: the engine's features beyond plain decoding, each against the same engine
 without it, or against HF, in fp32 (no TF32: torch's default for fp32 matmuls), so that the
 bound is fp32's up to summation order: GPTQ/AWQ through the Triton dequant-GEMM, LoRA, both
-speculative proposers, structured outputs, and preemption by swapping to host memory."""
+speculative proposers, structured outputs, preemption by swapping to host memory, long prompts in
+chunks and an embedding model."""
 
 from __future__ import annotations
 
@@ -135,3 +136,13 @@ def test_long_prompts_prefill_in_chunks_as_hf(model_dir, async_scheduling):
                    async_scheduling=async_scheduling)
     tokens, logprobs = greedy(llm, prompts)
     assert_matches_reference(hf_greedy(model_dir("llama"), prompts, 16), tokens, logprobs)
+
+
+def test_an_embedding_model_embeds_on_the_gpu_as_on_the_cpu(model_dir):
+    """The encoder path on the GPU (fp32, no TF32): the CPU engine's embeddings to fp32 summation."""
+    from tokenmill import LLM
+
+    texts = ["The quick brown fox", "a", "Rivers run to the sea, and the sea returns to the clouds"]
+    gpu = torch.tensor(cuda_llm(model_dir("bert"), dtype="float32").embed(texts))
+    cpu = torch.tensor(LLM(str(model_dir("bert")), device="cpu").embed(texts))
+    torch.testing.assert_close(gpu, cpu, atol=1e-5, rtol=1e-5)

@@ -62,9 +62,10 @@ class EmbeddingEngine:
 
     @torch.inference_mode()
     def _pooled(self, token_ids: list[list[int]], pool, width: int) -> torch.Tensor:
-        """``pool(encoder states, mask)`` of every input, in input order. Batches similar
-        lengths together."""
+        """``pool(encoder states, mask)`` of every input, in input order, on the host. Batches
+        similar lengths together; each batch's ids and mask go to the model's device."""
         order = sorted(range(len(token_ids)), key=lambda i: len(token_ids[i]))
+        device = next(self.model.parameters()).device
         out = torch.empty(len(token_ids), width)
         pad = self.tokenizer.pad_token_id or 0
         start = 0
@@ -79,6 +80,7 @@ class EmbeddingEngine:
             for row, seq in enumerate(batch):
                 ids[row, : len(seq)] = torch.tensor(seq)
                 mask[row, : len(seq)] = 1
-            out[order[start:end]] = pool(self.model.encode(ids, mask), mask)
+            ids, mask = ids.to(device), mask.to(device)
+            out[order[start:end]] = pool(self.model.encode(ids, mask), mask).cpu()
             start = end
         return out

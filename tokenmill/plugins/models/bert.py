@@ -76,12 +76,13 @@ class BertModel(nn.Module):
             param.requires_grad_(False)
 
     def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(input_ids.shape[1]).unsqueeze(0)
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
         x = (self.word_embeddings(input_ids) + self.position_embeddings(positions)
              + self.token_type_embeddings(torch.zeros_like(input_ids)))
         x = self.embeddings_norm(x)
         # additive mask [batch, 1, 1, seq]: padding keys get -inf
-        mask = torch.zeros(attention_mask.shape, dtype=x.dtype).masked_fill(attention_mask == 0, float("-inf"))
+        mask = torch.zeros(attention_mask.shape, dtype=x.dtype, device=x.device).masked_fill(attention_mask == 0,
+                                                                                           float("-inf"))
         mask = mask[:, None, None, :]
         for layer in self.layers:
             x = layer(x, mask)
