@@ -85,14 +85,22 @@ def test_a_prompt_prefilled_in_chunks_stages_each_chunk_after_the_last_ones_copi
     """A prompt of several chunks runs steps that sample nothing, so no result is read between
     them: the host must not refill the pinned staging buffers before the device has run the
     last chunk's copies out of them (the stand-in raises ``PinnedBufferRace`` where a GPU would
-    copy the next chunk's inputs into this one). Tokens and logprobs are HF's."""
+    copy the next chunk's inputs into this one); so must one-token rows that sample nothing,
+    replayed from the recorded graphs. Tokens and logprobs are HF's."""
     prompts, max_tokens = [PROMPTS[2][:100], PROMPTS[0][:20]], [4, 4]  # 32 tokens a step: 3 chunk-only steps
     assert len(prompts[0]) > 3 * 32
     with fake_cuda():
         tokens, logprobs = greedy(fake_cuda_llm(model_dir("llama"), async_scheduling=async_scheduling),
                                   prompts, max_tokens)
+        # one token a step: the prompt's steps are one-token rows that sample nothing, replayed
+        # from the recorded graphs, which stage their inputs through the same buffers
+        one_by_one = fake_cuda_llm(model_dir("llama"), async_scheduling=async_scheduling, max_num_batched_tokens=1,
+                                   max_num_seqs=1, long_prefill_token_threshold=1)
+        single_tokens, single_logprobs = greedy(one_by_one, prompts[1:], [4])
+        assert one_by_one.llm_engine.runner.model_step.graphs.graphs[1].replays > len(prompts[1])
     reference = hf_greedy(model_dir("llama"), prompts, max(max_tokens))
     assert_matches_reference(reference, tokens, logprobs)
+    assert_matches_reference(reference[1:], single_tokens, single_logprobs)
 
 
 @pytest.mark.skipif(not CHECKPOINTS.is_dir(), reason=f"shared checkpoints not found at {CHECKPOINTS}")

@@ -145,3 +145,33 @@ def test_a_step_failing_after_sampling_is_retried_with_the_generators_wound_back
     assert "injected logprobs failure" in finals["bad"].error
     assert finals["seeded"].error is None
     assert finals["seeded"].outputs[0].token_ids == clean[0].outputs[0].token_ids
+
+
+def test_the_retries_run_without_the_failed_steps_tensors(model_dir, monkeypatch):
+    """A step that raises (on a GPU: out of memory) is retried one request at a time; the
+    tensors of the failed attempt, which its exception's frames hold, are freed first."""
+    import weakref
+
+    from tokenmill import SamplingParams
+
+    bias, failed, alive_in_retries = LogitBias.apply, [], []
+
+    def failing_bias(self, logits):
+        if failed:
+            alive_in_retries.append(failed[0]() is not None)
+        if any(biases.get(SAMPLER_FAULT_TOKEN) == SAMPLER_FAULT_BIAS for biases in self._rows.values()):
+            failed.append(weakref.ref(logits))
+            raise RuntimeError("injected sampler failure")
+        return bias(self, logits)
+
+    monkeypatch.setattr(LogitBias, "apply", failing_bias)
+    engine = make_llm(model_dir("llama")).llm_engine
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logit_bias={5: 1.0})
+    engine.add_request("ok", {"prompt_token_ids": [11, 12, 13]}, params)
+    engine.add_request("bad", {"prompt_token_ids": [41, 42, 43]},
+                       SamplingParams(temperature=0, max_tokens=2, logit_bias={SAMPLER_FAULT_TOKEN: SAMPLER_FAULT_BIAS}))
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    assert finals["ok"].error is None and "injected sampler failure" in finals["bad"].error
+    assert alive_in_retries and not any(alive_in_retries)

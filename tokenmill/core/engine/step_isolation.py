@@ -10,6 +10,7 @@ is not a request's failure and propagates.
 
 from __future__ import annotations
 
+import traceback
 from typing import Callable, Optional
 
 from tokenmill.core.worker.model_runner import ModelRunner
@@ -48,6 +49,9 @@ def isolate(runner: ModelRunner, batch: SchedulerOutput, exc: BaseException, gen
             raise_fatal: Callable[[BaseException], None]) -> tuple[ModelRunnerOutput, Failures]:
     """Run the requests of a batch that raised ``exc`` one at a time, from the random state
     ``generators`` held before it (``runner.generator_states``)."""
+    # the exception's frames hold the failed step's tensors (activations, logits): freed before
+    # the retries, which an out-of-memory step needs, and the message and lines stay
+    traceback.clear_frames(exc.__traceback__)
     if len(batch.scheduled) <= 1:
         return NOTHING, {item.request_id: exc for item in batch.scheduled}
     sampled, logprobs, prompt_logprobs, failures = {}, {}, {}, {}

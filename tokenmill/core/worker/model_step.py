@@ -79,9 +79,11 @@ class ModelStep:
         host = HostInputs.of(step.rows, self.block_size)
         size = None if self.graphs is None else self.graphs.bucket(host.query_lens, host.block_table.shape[1])
         fill = None if placeholders is None else partial(placeholders.fill, put=self._put)
-        if size is not None:  # decode rows only: the host reads their result before reusing the buffers
+        if size is not None:
             hidden = self.graphs.run(size, host.token_ids, host.positions, host.slots, host.seq_lens,
                                      host.block_table, self._put, fill)
+            if self.staging is not None:  # after the replay: one-token rows nearly always sample, and are read
+                self.staging.inputs_queued()
         else:
             if self.adapters is not None:
                 self.adapters.prepare_step([r.adapter for r in step.rows], [len(r.token_ids) for r in step.rows])
