@@ -201,6 +201,43 @@ def test_an_embedding_model_runs_on_the_device_stand_in(model_dir):
     torch.testing.assert_close(device, cpu, atol=1e-6, rtol=1e-6)
 
 
+def test_lora_on_the_device_stand_in_launches_its_steps_without_a_wait(model_dir, tmp_path):
+    """An adapter in the batch (the Triton LoRA kernel, async scheduling): the CPU engine's tokens,
+    and, once the adapter sits in its slot (its first step copies its weights there), each step
+    launched without a wait for the device. The token slots go to the device once a step, not
+    with a blocking copy in every LoRA layer (each would wait for every kernel queued before it)."""
+    from tokenmill.interfaces.adapters import LoRARequest
+    from tokenmill.testing.fake_cuda import host_syncs
+    from tokenmill.testing.tiny_adapters import make_lora_adapter
+
+    adapter = make_lora_adapter(model_dir("llama"), tmp_path / "qvo", rank=4, targets=["q_proj", "v_proj", "o_proj"])
+    prompts = [{"prompt_token_ids": PROMPTS[0][:12]}, {"prompt_token_ids": PROMPTS[1][:12]}]
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    requests = [LoRARequest("qvo", 1, str(adapter)), None]
+    lora = {"enable_lora": True, "max_loras": 2, "max_lora_rank": 8}
+    cpu = LLM(str(model_dir("llama")), block_size=8, **lora).generate(prompts, params, use_tqdm=False,
+                                                                       lora_request=requests)
+    waits = []
+    with fake_cuda():
+        llm = fake_cuda_llm(model_dir("llama"), **lora)
+        first = llm.generate(prompts, params, use_tqdm=False, lora_request=requests)
+        runner = llm.llm_engine.runner
+        launch = runner.launch
+
+        def watched(batch, *args, **kwargs):
+            with host_syncs() as events:
+                launched = launch(batch, *args, **kwargs)
+            waits.extend(events)
+            return launched
+
+        runner.launch = watched
+        device = llm.generate(prompts, params, use_tqdm=False, lora_request=requests)
+    assert llm.llm_engine.scheduler.async_scheduling
+    assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in cpu]
+    assert [o.outputs[0].token_ids for o in device] == [o.outputs[0].token_ids for o in cpu]
+    assert waits == []
+
+
 def test_pinned_memory_is_written_again_only_after_its_copies_ran():
     """A non-blocking copy out of pinned memory runs when the device reaches it: writing the
     buffer before the host knows that (an event recorded after the copy, or a wait for the

@@ -351,7 +351,12 @@ class _Placement(TorchFunctionMode):
     @staticmethod
     def _setitem(tensor: DeviceTensor, index: Any, value: Any) -> None:
         if isinstance(value, torch.Tensor):
-            check_devices(aten.index_put_.default, (tensor, [], value), {})
+            parts = index if isinstance(index, tuple) else (index,)
+            if any(isinstance(part, (torch.Tensor, list)) for part in parts):  # CUDA's index_put_
+                check_devices(aten.index_put_.default, (tensor, [], value), {})
+            elif not isinstance(value, DeviceTensor) and value.dim() > 0:
+                # basic indexing is a view and a copy_, which crosses devices (blocking)
+                synced(f"a host tensor {tuple(value.shape)} set into a device tensor (a blocking copy)")
             if not isinstance(value, DeviceTensor) and value.dim() > 0:
                 _copied_to_device(value)
         _host_index(index)

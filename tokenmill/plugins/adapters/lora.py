@@ -36,6 +36,17 @@ class _StepGroups:
     def __init__(self) -> None:
         self.groups: list[tuple[int, torch.Tensor]] = []
         self.token_slots = torch.empty(0, dtype=torch.int32)
+        self._on_device: Optional[torch.Tensor] = None
+
+    def set(self, groups: list[tuple[int, torch.Tensor]], token_slots: torch.Tensor) -> None:
+        self.groups, self.token_slots, self._on_device = groups, token_slots, None
+
+    def token_slots_on(self, device: torch.device) -> torch.Tensor:
+        """The token slots on ``device``: copied once a step, without waiting for the device (a
+        blocking copy in every LoRA layer would wait for all the kernels queued before it)."""
+        if self._on_device is None or self._on_device.device != device:
+            self._on_device = self.token_slots.to(device, non_blocking=True)
+        return self._on_device
 
 
 class LoRALayer:
@@ -80,7 +91,7 @@ class LoRALayer:
         if x.device.type == "cuda":  # one gather kernel over the mixed batch
             from tokenmill.plugins.adapters.triton_lora import lora_delta
 
-            lora_delta(x, self.A, self.B, self.step.token_slots.to(x.device), y)
+            lora_delta(x, self.A, self.B, self.step.token_slots_on(x.device), y)
             return
         for slot, tokens in self.step.groups:
             xs = x.index_select(0, tokens)
@@ -217,11 +228,11 @@ class LoRAAdapters:
                 tokens.setdefault(name, []).extend(range(starts[i], starts[i + 1]))
         if len(tokens) > self.max_active:
             raise RuntimeError(f"{len(tokens)} adapters in one step, max_loras={self.max_active}")
-        self._step.groups = [(self._slot_for(name), torch.tensor(idx)) for name, idx in tokens.items()]
+        groups = [(self._slot_for(name), torch.tensor(idx)) for name, idx in tokens.items()]
         slots = torch.full((starts[-1],), -1, dtype=torch.int32)
-        for slot, idx in self._step.groups:
+        for slot, idx in groups:
             slots[idx] = slot
-        self._step.token_slots = slots
+        self._step.set(groups, slots)
 
     def _slot_for(self, name: str) -> int:
         if name in self._slots:
