@@ -127,6 +127,26 @@ def test_prefix_caching_and_chunked_prefill(method, model_dir, hf_reference):
     assert stats(llm).num_accepted_tokens > 0
 
 
+def test_the_draft_model_reads_a_prompt_in_passes_within_the_token_budget(model_dir, hf_reference):
+    """A draft's first rows are whole prompts, which no memory profile sized: they are fed in
+    passes of at most max_num_batched_tokens, a prompt's pieces in order (each reads the KV the
+    last wrote: the target as its own draft accepts nearly every draft)."""
+    llm = make_llm(model_dir("llama"), max_num_batched_tokens=16, block_size=8,
+                   speculative_config=draft_config(model_dir))
+    step = llm.llm_engine.speculator.proposer.model.model_step
+    run, sizes = step.run, []
+
+    def watched(batch, *args, **kwargs):
+        sizes.append(sum(len(row.token_ids) for row in batch.rows))
+        return run(batch, *args, **kwargs)
+
+    step.run = watched
+    _, tokens, logprobs = generate(llm)
+    assert_matches_reference(hf_reference("llama"), tokens, logprobs)
+    assert max(sizes) == 16 and sum(sizes) >= sum(map(len, PROMPTS))
+    assert stats(llm).acceptance_rate > 0.9, stats(llm)
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_preemption_with_drafts_in_flight(mode, method, model_dir, hf_reference):

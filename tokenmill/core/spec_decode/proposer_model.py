@@ -31,13 +31,16 @@ log = structlog.get_logger("tokenmill.speculative")
 
 
 class LocalProposerModel:
-    """Implements ``tokenmill.interfaces.speculative.ProposerModel`` over a ModelStep."""
+    """Implements ``tokenmill.interfaces.speculative.ProposerModel`` over a ModelStep, in
+    forward passes of at most ``max_tokens`` tokens (the engine's ``max_num_batched_tokens``):
+    a proposer's first rows are whole prompts, which the memory profile never sized."""
 
-    def __init__(self, built: BuiltModel, model_step: ModelStep, platform: Platform) -> None:
+    def __init__(self, built: BuiltModel, model_step: ModelStep, platform: Platform, max_tokens: int) -> None:
         self.built = built
         self.model_step = model_step
         self.platform = platform
         self.vocab_size = model_step.vocab_size
+        self.max_tokens = max(1, max_tokens)
 
     def kv_bytes_per_block(self) -> int:
         return self.built.kv_bytes_per_block(self.model_step.block_size)
@@ -49,16 +52,39 @@ class LocalProposerModel:
         log.info("draft model KV cache", kv_cache_mib=round(self.kv_bytes_per_block() * num_blocks / 2**20, 2))
 
     def next_tokens(self, rows: Sequence[ForwardRow]) -> list[int]:
-        ends, total = [], 0
-        for row in rows:
-            total += len(row.token_ids)
-            ends.append(total - 1)
-        step = Step([Row(tuple(r.token_ids), r.num_computed_tokens, tuple(r.block_ids), None) for r in rows],
-                    ends, True)
-        result = self.model_step.run(step)
-        if result.tokens is not None:
-            return result.tokens
-        return result.logits.argmax(dim=-1).tolist()
+        tokens: list[int] = [0] * len(rows)
+        for batch in self._batches(rows):
+            pieces, ends, sampled, total = [], [], [], 0
+            for index, row, last in batch:
+                pieces.append(row)
+                total += len(row.token_ids)
+                if last:
+                    ends.append(total - 1)
+                    sampled.append(index)
+            result = self.model_step.run(Step(pieces, ends, True))
+            if sampled:
+                found = result.tokens if result.tokens is not None else result.logits.argmax(dim=-1).tolist()
+                for index, token in zip(sampled, found):
+                    tokens[index] = token
+        return tokens
+
+    def _batches(self, rows: Sequence[ForwardRow]) -> list[list[tuple[int, Row, bool]]]:
+        """Forward passes of at most ``max_tokens`` tokens: each row cut into pieces that fit,
+        a row's pieces in successive passes (each reads the KV the last one wrote), tagged
+        (row index, piece, whether it is the row's last, which samples)."""
+        batches: list[list[tuple[int, Row, bool]]] = [[]]
+        used = 0
+        for index, row in enumerate(rows):
+            ids, computed = tuple(row.token_ids), row.num_computed_tokens
+            for start in range(0, len(ids), self.max_tokens):
+                piece = ids[start:start + self.max_tokens]
+                if used + len(piece) > self.max_tokens or any(i == index for i, _, _ in batches[-1]):
+                    batches.append([])
+                    used = 0
+                batches[-1].append((index, Row(piece, computed + start, tuple(row.block_ids), None),
+                                    start + len(piece) == len(ids)))
+                used += len(piece)
+        return [batch for batch in batches if batch]
 
 
 def load_proposer_model(path: str, config: EngineConfig, components: Components, pm: PluginManager,
@@ -75,4 +101,4 @@ def load_proposer_model(path: str, config: EngineConfig, components: Components,
     step = ModelStep(built.model, built.backend, config.cache.block_size, built.model_config.vocab_size,
                      greedy_head=greedy_head, staging=InputStaging.for_platform(platform))
     log.info("draft model loaded", model=path, architecture=built.model_config.architecture)
-    return LocalProposerModel(built, step, platform)
+    return LocalProposerModel(built, step, platform, config.scheduler.max_num_batched_tokens)
