@@ -33,6 +33,35 @@ def test_a_device_error_stops_the_engine_and_an_oom_fails_only_its_step(model_di
         llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 2, [fatal, params], use_tqdm=False)
 
 
+def test_a_device_fault_between_steps_stops_the_loop_and_no_call_waits_for_it(model_dir):
+    """A call on the engine thread between steps (waking, loading weights) that breaks the
+    device stops the loop as a step's fault does; the call queued behind it, and calls or
+    pauses made afterwards, fail at once instead of awaiting a loop that is gone."""
+    import asyncio
+
+    import torch
+
+    from tokenmill.core.engine.async_llm import AsyncLLM, EngineDead
+    from tokenmill.testing.device_faults import illegal_address
+
+    llm = AsyncLLM(make_llm(model_dir("llama")).llm_engine)
+
+    async def scenario():
+        fault = asyncio.ensure_future(llm.run_on_engine(lambda engine: illegal_address(torch.zeros(1))))
+        queued = asyncio.ensure_future(llm.run_on_engine(lambda engine: "ran"))
+        with pytest.raises(torch.AcceleratorError):
+            await asyncio.wait_for(fault, 30)
+        with pytest.raises(EngineDead, match="device failed"):
+            await asyncio.wait_for(queued, 30)
+        with pytest.raises(EngineDead, match="device failed"):
+            await asyncio.wait_for(llm.run_on_engine(lambda engine: None), 5)
+        with pytest.raises(EngineDead, match="device failed"):
+            await asyncio.wait_for(llm.pause_generation(), 5)
+
+    asyncio.run(scenario())
+    assert isinstance(llm.error, DeviceFailed)
+
+
 def assert_a_device_fault_ends_the_server(process: subprocess.Popen, base: str, model: str) -> None:
     """A request in flight and the one that breaks the device both fail, and the process
     ends with status 1."""

@@ -20,6 +20,7 @@ from typing import AsyncIterator, Callable, Optional
 import structlog
 
 from tokenmill.core.engine.llm_engine import LLMEngine
+from tokenmill.core.engine.step_isolation import raise_if_fatal
 from tokenmill.core.engine.prompt_input import PromptType
 from tokenmill.interfaces.errors import InvalidRequest, TokenmillError
 from tokenmill.interfaces.types import RequestOutput, SamplingParams
@@ -105,6 +106,8 @@ class AsyncLLM:
         #: requests that arrived while paused (or pausing), admitted on resume
         self._held: list[_Add] = []
         self.error: Optional[BaseException] = None
+        #: the loop has ended: calls and pauses are refused (their futures would never settle)
+        self._stopped = False
         self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
         self._thread.start()
 
@@ -184,7 +187,7 @@ class AsyncLLM:
             raise InvalidRequest("mode", f"pause mode {mode!r}: one of {', '.join(PAUSE_MODES)}")
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._send(_Pause(mode, clear_cache, future, loop))
+        self._send_awaited(_Pause(mode, clear_cache, future, loop))
         await future
 
     async def resume_generation(self) -> None:
@@ -197,7 +200,7 @@ class AsyncLLM:
         """Run ``fn(engine)`` on the engine thread between two steps and return its result."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._send(_Call(fn, future, loop))
+        self._send_awaited(_Call(fn, future, loop))
         return await future
 
     async def _iterate(self, request_id: str, stream: asyncio.Queue) -> AsyncIterator[RequestOutput]:
@@ -236,6 +239,15 @@ class AsyncLLM:
         self._commands.put(command)
         self._wake.set()
 
+    def _send_awaited(self, command: "_Call | _Pause") -> None:
+        """Queue a command whose caller awaits its future: refused once the loop has stopped
+        (nothing would settle it), and settled with the loop's end if it stops first."""
+        with self._lock:
+            if self._stopped:
+                raise EngineDead(f"the engine stopped: {self.error!r}" if self.error is not None
+                                 else "the server is shutting down")
+            self._send(command)
+
     # --- loop thread -------------------------------------------------------
     def _run(self) -> None:
         engine = self.engine
@@ -258,8 +270,10 @@ class AsyncLLM:
             engine.shutdown()  # a multi-process engine's surviving workers have nothing left to do
         finally:
             # 503 to every waiting client: the engine, not their request, is what failed
-            self._fail_all(EngineDead(f"the engine stopped: {self.error!r}") if self.error is not None
-                           else EngineDead("the server is shutting down"))
+            ended = (EngineDead(f"the engine stopped: {self.error!r}") if self.error is not None
+                     else EngineDead("the server is shutting down"))
+            self._fail_all(ended)
+            self._fail_awaited(ended)
 
     def _drain_commands(self) -> None:
         while True:
@@ -279,6 +293,8 @@ class AsyncLLM:
                 except Exception as exc:  # handed to the awaiting caller
                     result, error = None, exc
                 command.loop.call_soon_threadsafe(_settle, command.future, result, error)
+                if error is not None:  # a device fault (waking, loading weights) stops the loop as a step's does
+                    raise_if_fatal(self.engine.platform, error)
             else:
                 self._observe(self.engine.abort_request(command.request_id))
                 with self._lock:
@@ -362,6 +378,23 @@ class AsyncLLM:
         for loop, stream in streams.values():
             if not loop.is_closed():
                 loop.call_soon_threadsafe(stream.put_nowait, exc)
+
+    def _fail_awaited(self, exc: BaseException) -> None:
+        """Settle the futures of the calls and pauses left in the queue (or pausing) with ``exc``,
+        and refuse new ones."""
+        with self._lock:
+            self._stopped = True
+        awaited = [self._pausing] if self._pausing is not None else []
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(command, (_Call, _Pause)):
+                awaited.append(command)
+        for command in awaited:
+            if not command.loop.is_closed():
+                command.loop.call_soon_threadsafe(_settle, command.future, None, exc)
 
 
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
