@@ -62,6 +62,33 @@ def test_a_device_fault_between_steps_stops_the_loop_and_no_call_waits_for_it(mo
     assert isinstance(llm.error, DeviceFailed)
 
 
+def test_a_device_fault_in_an_embedding_model_turns_health_to_503(model_dir, monkeypatch):
+    """An embedding model's device error that poisons the device: that request gets a 503 that
+    says why, /health turns 503 (``tokenmill serve`` exits on it, as for generation), and later
+    requests fail with the same reason rather than touching the device again."""
+    from server_harness import running_server
+    from tokenmill import LLM
+    from tokenmill.testing.device_faults import illegal_address
+
+    engine = LLM(str(model_dir("bert"))).llm_engine
+    encode = engine.model.encode
+
+    def poisoned(input_ids, attention_mask):
+        if input_ids.shape[1] > 6:  # a long input breaks the device
+            illegal_address(input_ids)
+        return encode(input_ids, attention_mask)
+
+    monkeypatch.setattr(engine.model, "encode", poisoned)
+    with running_server(engine, served_model_name=["bert"]) as (url, _):
+        embed = lambda text: httpx.post(url + "/v1/embeddings", json={"model": "bert", "input": text}, timeout=60)
+        assert embed("short").status_code == 200 and httpx.get(url + "/health").status_code == 200
+        failed = embed("a much longer input that breaks the device")
+        assert failed.status_code == 503 and "device failed" in failed.json()["error"]["message"]
+        assert httpx.get(url + "/health").status_code == 503
+        again = embed("short")
+        assert again.status_code == 503 and "illegal memory access" in again.json()["error"]["message"]
+
+
 def assert_a_device_fault_ends_the_server(process: subprocess.Popen, base: str, model: str) -> None:
     """A request in flight and the one that breaks the device both fail, and the process
     ends with status 1."""

@@ -95,7 +95,7 @@ def server_chat_template(value: Optional[str]) -> Optional[str]:
     raise ConfigError("chat_template", f"{value!r} is neither a readable file nor a Jinja template")
 
 
-async def _watch_engine(llm: AsyncLLM, on_stopped: Callable[[], None]) -> None:
+async def _watch_engine(llm: AsyncLLM | EmbeddingEngine, on_stopped: Callable[[], None]) -> None:
     """Wait until the engine loop stops on an error; then /health says 503, every request in
     flight has failed with the reason, and ``on_stopped`` runs."""
     while llm.error is None:
@@ -138,7 +138,7 @@ def create_app(llm: AsyncLLM | EmbeddingEngine, config: Optional[ServerConfig] =
     async def lifespan(app: FastAPI):
         freeze_startup_heap()  # the app's routes and schemas too, now that they exist
         watcher = None
-        if generating and on_engine_stopped is not None:
+        if on_engine_stopped is not None:
             watcher = asyncio.get_running_loop().create_task(_watch_engine(llm, on_engine_stopped))
         yield
         if watcher is not None:
@@ -239,7 +239,7 @@ def create_app(llm: AsyncLLM | EmbeddingEngine, config: Optional[ServerConfig] =
              responses={503: {"model": HealthResponse}})
     async def health():
         """200 while the engine serves; 503 with the reason once it stopped."""
-        if generating and llm.error is not None:
+        if llm.error is not None:
             return JSONResponse({"status": "error", "detail": repr(llm.error)}, status_code=503)
         return {"status": "ok"}
 

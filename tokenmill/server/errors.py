@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenmill.core.engine.async_llm import EngineDead, EngineOverloaded, RequestFailed
 from tokenmill.core.engine.rollout import EngineAsleep
-from tokenmill.interfaces.errors import InvalidRequest
+from tokenmill.interfaces.errors import DeviceFailed, InvalidRequest
 
 log = structlog.get_logger("tokenmill.server")
 
@@ -69,7 +69,7 @@ def api_error_from(exc: Exception) -> APIError:
         return APIError(400, str(exc), exc.param)
     if isinstance(exc, (ValidationError, RequestValidationError)):
         return APIError(400, *validation_message(exc))
-    if isinstance(exc, (EngineOverloaded, EngineDead, EngineAsleep)):
+    if isinstance(exc, (EngineOverloaded, EngineDead, EngineAsleep, DeviceFailed)):
         return APIError(503, str(exc))
     if isinstance(exc, RequestFailed):
         return APIError(500, str(exc))

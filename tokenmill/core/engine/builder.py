@@ -114,7 +114,7 @@ def _build_engine(config: EngineConfig, pm: PluginManager, components: Component
     )
     if built.is_embedding_model:
         engine = EmbeddingEngine(config, model_config, tokenizer, model, Pooler.from_model_dir(model_config.path),
-                                 pm, config.scheduler.max_num_batched_tokens)
+                                 pm, config.scheduler.max_num_batched_tokens, platform)
         log.info("embedding engine built", model=str(model_config.path), architecture=model_config.architecture,
                  pooling=engine.pooler.mode, normalize=engine.pooler.normalize)
         pm.hook.engine_started(engine=engine)

@@ -2,24 +2,30 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
 from tokenmill.core.config.engine_config import EngineConfig
 from tokenmill.core.config.model_config import ModelConfig
 from tokenmill.core.layers.pooler import Pooler
+from tokenmill.core.engine.step_isolation import raise_if_fatal
 from tokenmill.core.plugin_host.plugin_manager import PluginManager
-from tokenmill.interfaces.errors import InvalidRequest
+from tokenmill.interfaces.errors import DeviceFailed, InvalidRequest
 from tokenmill.interfaces.models import EmbeddingModel
+from tokenmill.interfaces.platform import Platform
 
 
 class EmbeddingEngine:
-    """Embeds batches of texts or token ids. Not thread-safe: one caller at a time."""
+    """Embeds batches of texts or token ids. Not thread-safe: one caller at a time.
+
+    A device error the platform calls fatal (a CUDA illegal address) stops it, as it stops a
+    generation engine: ``error`` is set, every later call raises it, and the server's /health
+    turns 503 (``tokenmill serve`` exits, so that a supervisor starts a fresh process)."""
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, tokenizer: Any,
                  model: EmbeddingModel, pooler: Pooler, plugin_manager: PluginManager,
-                 max_batch_tokens: int) -> None:
+                 max_batch_tokens: int, platform: Optional[Platform] = None) -> None:
         self.config = config
         self.model_config = model_config
         self.tokenizer = tokenizer
@@ -28,6 +34,8 @@ class EmbeddingEngine:
         self.plugin_manager = plugin_manager
         self.max_batch_tokens = max_batch_tokens
         self.max_model_len = min(model_config.max_model_len, pooler.max_seq_length or model_config.max_model_len)
+        self.platform = platform
+        self.error: Optional[DeviceFailed] = None
 
     def tokenize(self, inputs: Sequence[str | Sequence[int]]) -> list[list[int]]:
         """Texts (with the tokenizer's special tokens) or token ids, length-checked."""
@@ -60,8 +68,23 @@ class EmbeddingEngine:
                                           "needs a ...ForSequenceClassification checkpoint")
         return self._pooled(token_ids, self.model.classify, self.model.classifier.out_features)
 
-    @torch.inference_mode()
     def _pooled(self, token_ids: list[list[int]], pool, width: int) -> torch.Tensor:
+        if self.error is not None:
+            raise self.error
+        try:
+            return self._batched(token_ids, pool, width)
+        except DeviceFailed:
+            raise
+        except Exception as exc:
+            try:
+                raise_if_fatal(self.platform, exc)
+            except DeviceFailed as failed:
+                self.error = failed
+                raise
+            raise
+
+    @torch.inference_mode()
+    def _batched(self, token_ids: list[list[int]], pool, width: int) -> torch.Tensor:
         """``pool(encoder states, mask)`` of every input, in input order, on the host. Batches
         similar lengths together; each batch's ids and mask go to the model's device."""
         order = sorted(range(len(token_ids)), key=lambda i: len(token_ids[i]))
