@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import PREEMPTING, PROMPTS, make_llm
 from server_harness import running_server
-from test_device_boundaries import fake_cuda_llm, greedy
+from test_device_boundaries import fake_cuda_llm, greedy, launch_waits
 from test_fault_isolation import SAMPLER_FAULT_BIAS, SAMPLER_FAULT_TOKEN, faults  # noqa: F401 (a fixture)
 
 from tokenmill import SamplingParams
@@ -361,19 +361,9 @@ RANDOM_ROWS = [SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_tokens=5
 def stand_in_launch_waits(model_dir, prompts, params):
     """The completions on the CUDA stand-in (async scheduling, its default there) and the host's
     waits for the device while each step was launched."""
-    waits = []
     with fake_cuda():
         llm = fake_cuda_llm(model_dir("llama"))
-        runner = llm.llm_engine.runner
-        launch = runner.launch
-
-        def watched(batch, *args, **kwargs):
-            with host_syncs() as events:
-                launched = launch(batch, *args, **kwargs)
-            waits.extend(events)
-            return launched
-
-        runner.launch = watched
+        waits = launch_waits(llm)
         return generate(llm, prompts, params), waits
 
 

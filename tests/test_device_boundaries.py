@@ -30,7 +30,7 @@ from tokenmill.core.worker import memory_profile
 from tokenmill.plugins.platforms.cuda.fused_ops import FUSED_OPS
 from tokenmill.plugins.quantization import fp8
 from tokenmill.testing.device_graphs import FreedTensorError
-from tokenmill.testing.fake_cuda import DeviceMismatchError, DeviceTensor, fake_cuda
+from tokenmill.testing.fake_cuda import DeviceMismatchError, DeviceTensor, fake_cuda, host_syncs
 from tokenmill.testing.fake_cuda_platform import FakeCudaPlatform
 from tokenmill.testing.hf_reference import assert_matches_reference, hf_greedy
 from tokenmill.testing.logits import prompt_logits
@@ -47,6 +47,23 @@ def fake_cuda_llm(path: Path, **overrides) -> LLM:
     args = dict(model=str(path), device="fake-cuda", attention_backend="triton", dtype="float32", block_size=8,
                 max_num_seqs=4, max_num_batched_tokens=32, kv_cache_memory_bytes=2**23)
     return LLM(config=load_config(**{**args, **overrides}), plugin_manager=with_platforms(FakeCudaPlatform))
+
+
+def launch_waits(llm: LLM) -> list[str]:
+    """The host's waits for the device while each of ``llm``'s steps is launched, from now on
+    (``host_syncs``; the engine must run inside ``fake_cuda()``)."""
+    waits: list[str] = []
+    runner = llm.llm_engine.runner
+    launch = runner.launch
+
+    def watched(batch, *args, **kwargs):
+        with host_syncs() as events:
+            launched = launch(batch, *args, **kwargs)
+        waits.extend(events)
+        return launched
+
+    runner.launch = watched
+    return waits
 
 
 def greedy(llm: LLM, prompts, max_tokens: list[int]):
@@ -207,7 +224,6 @@ def test_lora_on_the_device_stand_in_launches_its_steps_without_a_wait(model_dir
     launched without a wait for the device. The token slots go to the device once a step, not
     with a blocking copy in every LoRA layer (each would wait for every kernel queued before it)."""
     from tokenmill.interfaces.adapters import LoRARequest
-    from tokenmill.testing.fake_cuda import host_syncs
     from tokenmill.testing.tiny_adapters import make_lora_adapter
 
     adapter = make_lora_adapter(model_dir("llama"), tmp_path / "qvo", rank=4, targets=["q_proj", "v_proj", "o_proj"])
@@ -217,20 +233,10 @@ def test_lora_on_the_device_stand_in_launches_its_steps_without_a_wait(model_dir
     lora = {"enable_lora": True, "max_loras": 2, "max_lora_rank": 8}
     cpu = LLM(str(model_dir("llama")), block_size=8, **lora).generate(prompts, params, use_tqdm=False,
                                                                        lora_request=requests)
-    waits = []
     with fake_cuda():
         llm = fake_cuda_llm(model_dir("llama"), **lora)
         first = llm.generate(prompts, params, use_tqdm=False, lora_request=requests)
-        runner = llm.llm_engine.runner
-        launch = runner.launch
-
-        def watched(batch, *args, **kwargs):
-            with host_syncs() as events:
-                launched = launch(batch, *args, **kwargs)
-            waits.extend(events)
-            return launched
-
-        runner.launch = watched
+        waits = launch_waits(llm)
         device = llm.generate(prompts, params, use_tqdm=False, lora_request=requests)
     assert llm.llm_engine.scheduler.async_scheduling
     assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in cpu]
