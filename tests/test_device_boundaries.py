@@ -279,7 +279,7 @@ def test_mutation_staging_refilled_before_its_copies_ran_fails(model_dir, monkey
     buffers while the device may still be copying out of them: the chunked prompt fails."""
     from tokenmill.core.worker.input_staging import InputStaging
 
-    monkeypatch.setattr(InputStaging, "inputs_queued", lambda self: None)
+    monkeypatch.setattr(InputStaging, "mark_copies", lambda self: None)
     with fake_cuda():
         llm = fake_cuda_llm(model_dir("llama"), async_scheduling=False)
         output = llm.generate([{"prompt_token_ids": PROMPTS[2][:100]}], SamplingParams(max_tokens=2), use_tqdm=False)

@@ -168,8 +168,8 @@ def test_the_retries_run_without_the_failed_steps_tensors(model_dir, monkeypatch
     engine = make_llm(model_dir("llama")).llm_engine
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logit_bias={5: 1.0})
     engine.add_request("ok", {"prompt_token_ids": [11, 12, 13]}, params)
-    engine.add_request("bad", {"prompt_token_ids": [41, 42, 43]},
-                       SamplingParams(temperature=0, max_tokens=2, logit_bias={SAMPLER_FAULT_TOKEN: SAMPLER_FAULT_BIAS}))
+    poisoned = SamplingParams(temperature=0, max_tokens=2, logit_bias={SAMPLER_FAULT_TOKEN: SAMPLER_FAULT_BIAS})
+    engine.add_request("bad", {"prompt_token_ids": [41, 42, 43]}, poisoned)
     finals = {}
     while engine.has_unfinished_requests():
         finals.update({o.request_id: o for o in engine.step() if o.finished})

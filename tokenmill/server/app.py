@@ -96,8 +96,9 @@ def server_chat_template(value: Optional[str]) -> Optional[str]:
 
 
 async def _watch_engine(llm: AsyncLLM | EmbeddingEngine, on_stopped: Callable[[], None]) -> None:
-    """Wait until the engine loop stops on an error; then /health says 503, every request in
-    flight has failed with the reason, and ``on_stopped`` runs."""
+    """Wait until the engine stops on an error (its loop, or an embedding model's device); then
+    /health says 503, every request in flight has failed with the reason, and ``on_stopped``
+    runs."""
     while llm.error is None:
         await asyncio.sleep(0.2)
     log.error("the engine stopped; the server exits so that a supervisor can restart it", error=repr(llm.error))

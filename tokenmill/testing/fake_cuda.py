@@ -87,7 +87,9 @@ class _CopyQueue:
         self.pinned: dict[int, weakref.ref] = {}
 
     def pin(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.pinned[_address(tensor)] = weakref.ref(tensor)
+        address = _address(tensor)
+        self.pinned[address] = weakref.ref(tensor)
+        self.pending.pop(address, None)  # memory freed and pinned anew: no copy of its own yet
         return tensor
 
     def copied(self, host: torch.Tensor) -> None:
@@ -116,8 +118,12 @@ class _CopyQueue:
         self.pending.clear()
 
     def check_write(self, host: torch.Tensor) -> None:
-        at = self.pending.get(_address(host))
-        if at is not None and at > self.done:
+        """The host writes ``host``: refused while a copy queued from or into it may not have run
+        (a write by the device, a copy from it, is ordered on the stream and is not checked)."""
+        address = _address(host)
+        pinned = self.pinned.get(address)
+        at = self.pending.get(address)
+        if pinned is not None and pinned() is not None and at is not None and at > self.done:
             raise PinnedBufferRace(f"pinned host memory {tuple(host.shape)} written while a copy queued from it "
                                    f"may not have run: on a GPU that copy would carry the new values")
 
@@ -308,7 +314,7 @@ class _Placement(TorchFunctionMode):
             return _queue.pin(args[0].clone())
         if name == "is_pinned":
             return False
-        if name in ("copy_", "__setitem__") and not isinstance(args[0], DeviceTensor):
+        if name in ("copy_", "__setitem__") and not any(isinstance(x, DeviceTensor) for x in args[:3]):
             _queue.check_write(args[0])
         if name == "copy_" and any(isinstance(x, DeviceTensor) for x in args[:2]):
             # a non-blocking copy to the host is taken to land in pinned memory (the stand-in's

@@ -20,8 +20,8 @@ from typing import AsyncIterator, Callable, Optional
 import structlog
 
 from tokenmill.core.engine.llm_engine import LLMEngine
-from tokenmill.core.engine.step_isolation import raise_if_fatal
 from tokenmill.core.engine.prompt_input import PromptType
+from tokenmill.core.engine.step_isolation import raise_if_fatal
 from tokenmill.interfaces.errors import InvalidRequest, TokenmillError
 from tokenmill.interfaces.types import RequestOutput, SamplingParams
 
@@ -106,7 +106,7 @@ class AsyncLLM:
         #: requests that arrived while paused (or pausing), admitted on resume
         self._held: list[_Add] = []
         self.error: Optional[BaseException] = None
-        #: the loop has ended: calls and pauses are refused (their futures would never settle)
+        #: the loop has ended: requests, calls and pauses are refused (nothing would settle them)
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
         self._thread.start()
@@ -171,6 +171,9 @@ class AsyncLLM:
         self.engine.check_params(params)
         stream: asyncio.Queue = asyncio.Queue()
         with self._lock:
+            if self._stopped:  # the loop ended after the check above: nothing would serve this stream
+                raise EngineDead(f"the engine stopped: {self.error!r}" if self.error is not None
+                                 else "the server is shutting down")
             if request_id in self._streams:
                 raise InvalidRequest("request_id", f"request id {request_id!r} is already in use")
             self._streams[request_id] = (asyncio.get_running_loop(), stream)
@@ -272,6 +275,8 @@ class AsyncLLM:
             # 503 to every waiting client: the engine, not their request, is what failed
             ended = (EngineDead(f"the engine stopped: {self.error!r}") if self.error is not None
                      else EngineDead("the server is shutting down"))
+            with self._lock:
+                self._stopped = True  # before failing the streams: none is registered after them
             self._fail_all(ended)
             self._fail_awaited(ended)
 
@@ -381,9 +386,7 @@ class AsyncLLM:
 
     def _fail_awaited(self, exc: BaseException) -> None:
         """Settle the futures of the calls and pauses left in the queue (or pausing) with ``exc``,
-        and refuse new ones."""
-        with self._lock:
-            self._stopped = True
+        (new ones are refused: ``_stopped``)."""
         awaited = [self._pausing] if self._pausing is not None else []
         while True:
             try:

@@ -8,8 +8,8 @@ import torch
 
 from tokenmill.core.config.engine_config import EngineConfig
 from tokenmill.core.config.model_config import ModelConfig
-from tokenmill.core.layers.pooler import Pooler
 from tokenmill.core.engine.step_isolation import raise_if_fatal
+from tokenmill.core.layers.pooler import Pooler
 from tokenmill.core.plugin_host.plugin_manager import PluginManager
 from tokenmill.interfaces.errors import DeviceFailed, InvalidRequest
 from tokenmill.interfaces.models import EmbeddingModel
@@ -69,8 +69,8 @@ class EmbeddingEngine:
         return self._pooled(token_ids, self.model.classify, self.model.classifier.out_features)
 
     def _pooled(self, token_ids: list[list[int]], pool, width: int) -> torch.Tensor:
-        if self.error is not None:
-            raise self.error
+        if self.error is not None:  # a fresh exception: re-raising the kept one would grow its traceback
+            raise DeviceFailed(str(self.error)) from self.error
         try:
             return self._batched(token_ids, pool, width)
         except DeviceFailed:

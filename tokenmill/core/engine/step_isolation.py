@@ -49,9 +49,14 @@ def isolate(runner: ModelRunner, batch: SchedulerOutput, exc: BaseException, gen
             raise_fatal: Callable[[BaseException], None]) -> tuple[ModelRunnerOutput, Failures]:
     """Run the requests of a batch that raised ``exc`` one at a time, from the random state
     ``generators`` held before it (``runner.generator_states``)."""
-    # the exception's frames hold the failed step's tensors (activations, logits): freed before
-    # the retries, which an out-of-memory step needs, and the message and lines stay
-    traceback.clear_frames(exc.__traceback__)
+    # the exception's frames (and those of the exceptions it chains) hold the failed step's
+    # tensors (activations, logits): freed before the retries, which an out-of-memory step
+    # needs; the messages and lines stay
+    chained, seen = exc, set()
+    while chained is not None and id(chained) not in seen:
+        seen.add(id(chained))
+        traceback.clear_frames(chained.__traceback__)
+        chained = chained.__cause__ or chained.__context__
     if len(batch.scheduled) <= 1:
         return NOTHING, {item.request_id: exc for item in batch.scheduled}
     sampled, logprobs, prompt_logprobs, failures = {}, {}, {}, {}

@@ -70,15 +70,16 @@ class LocalProposerModel:
 
     def _batches(self, rows: Sequence[ForwardRow]) -> list[list[tuple[int, Row, bool]]]:
         """Forward passes of at most ``max_tokens`` tokens: each row cut into pieces that fit,
-        a row's pieces in successive passes (each reads the KV the last one wrote), tagged
-        (row index, piece, whether it is the row's last, which samples)."""
+        tagged (row index, piece, whether it is the row's last, which samples). A row's pieces
+        land in successive passes (each reads the KV the last one wrote): every piece but a
+        row's last fills ``max_tokens``, so the next piece never fits beside it."""
         batches: list[list[tuple[int, Row, bool]]] = [[]]
         used = 0
         for index, row in enumerate(rows):
             ids, computed = tuple(row.token_ids), row.num_computed_tokens
             for start in range(0, len(ids), self.max_tokens):
                 piece = ids[start:start + self.max_tokens]
-                if used + len(piece) > self.max_tokens or any(i == index for i, _, _ in batches[-1]):
+                if used + len(piece) > self.max_tokens:
                     batches.append([])
                     used = 0
                 batches[-1].append((index, Row(piece, computed + start, tuple(row.block_ids), None),

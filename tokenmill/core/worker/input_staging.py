@@ -4,10 +4,11 @@ The host side is one persistent buffer per input (token ids, positions, the atte
 metadata's arrays), from the platform's ``host_buffer``: pinned memory on a GPU, so each
 copy is a DMA that overlaps with the host's work instead of a synchronous, pageable copy.
 The DMA reads the buffer when the device's queue reaches it, so a set of buffers is refilled
-only once the copies its last step queued have run: that step marks its queue after its
-inputs (``inputs_queued``) and ``next_step`` waits for the mark of the set it turns to. A
-step whose result the host read has long passed it (a free wait); a prompt chunk that samples
-nothing has no result, and the next chunk waits for the last one's copies, not its forward.
+only once the copies its last step queued have run: that step marks the queue after its
+copies (``mark_copies``: after its inputs, and again after the rows it samples) and
+``next_step`` waits for the mark of the set it turns to. A step whose result the host read
+has long passed it (a free wait); a prompt chunk that samples nothing has no result, and the
+next chunk waits for the last one's copies, not its forward.
 The next step reuses the set; under async scheduling (``sets=2``: buffers taking turns) the
 one after it. A step's sampled tokens come back the same way (``to_host``): copied into host
 buffers as soon as they are sampled, then read once the device passed the step's mark, so
@@ -53,8 +54,8 @@ class InputStaging:
         if copied is not None:
             copied.synchronize()
 
-    def inputs_queued(self) -> None:
-        """This step's inputs are queued: mark the device's queue after their copies."""
+    def mark_copies(self) -> None:
+        """Mark the device's queue after the copies this step has queued so far."""
         if self._record_event is not None:
             self._copied[self._turn] = self._record_event()
 

@@ -83,7 +83,7 @@ class ModelStep:
             hidden = self.graphs.run(size, host.token_ids, host.positions, host.slots, host.seq_lens,
                                      host.block_table, self._put, fill)
             if self.staging is not None:  # after the replay: one-token rows nearly always sample, and are read
-                self.staging.inputs_queued()
+                self.staging.mark_copies()
         else:
             if self.adapters is not None:
                 self.adapters.prepare_step([r.adapter for r in step.rows], [len(r.token_ids) for r in step.rows])
@@ -91,7 +91,7 @@ class ModelStep:
             if fill is not None:
                 fill(input_ids)
             if self.staging is not None:  # before the forward, so that the next step waits for the copies only
-                self.staging.inputs_queued()
+                self.staging.mark_copies()
             hidden = self.model.forward(input_ids, positions, metadata)
         if not step.logits_rows:  # a prefill chunk that samples nothing: only its KV was wanted
             return StepResult() if stage.rank == 0 else None
@@ -99,6 +99,8 @@ class ModelStep:
             return self.receive(step) if stage.rank == 0 and wait else None
         # the rows' index staged like the inputs: a host index tensor is a blocking copy
         rows = self._put(np.asarray(step.logits_rows, dtype=np.int64), "logits_rows")
+        if self.staging is not None:  # a stage that hands its logits on reads no result here
+            self.staging.mark_copies()
         result = self._head(hidden[rows], step.greedy)
         if stage.rank == 0 or result is None:
             return result
