@@ -6,8 +6,10 @@
 # .gpu-data/; both ignored). Then, on the GPU machine, from the repository root, with those
 # two folders carried along:  bash benchmarks/gpu_check.sh
 #
-# Stages, each under a hard cap (45 + 240 + 70 + 110 + 60 + 40 s), each run whatever the one before
-# it did, so a crash of one hides none of the others' results:
+# Stages, each under a hard cap (30 + 240 + 70 + 110 + 75 + 40 s), each run whatever the one before
+# it did, so a crash of one hides none of the others' results; a stage's cap shrinks to what is
+# left of DEADLINE (575 s, set it to the device call's timeout_s less 15), and a stage with
+# under 10 s left is skipped, so the summary always prints:
 #   0. install: the wheels with --no-index --no-deps, the project without its dependencies;
 #   1. the GPU suite (tests/gpu): the tests marked gpu_alone, then the rest on 4 workers;
 #      meanwhile the CPUs make the 1b model (TinyLlama-1.1B's shapes, random bf16 weights);
@@ -31,12 +33,19 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 summary=()
 started=$SECONDS
+deadline=${DEADLINE:-575}
 
 stage() {  # stage NAME SECONDS COMMAND...: run under a cap, log to $OUT/NAME.txt, note the status
     local name=$1 cap=$2
     shift 2
     local t0=$SECONDS
-    timeout --signal=INT --kill-after=20 "$cap" "$@" >"$OUT/$name.txt" 2>&1
+    local left=$((deadline - (SECONDS - started) - 10))  # 10 s for a stopped stage's kill and the summary
+    if ((left < 10)); then
+        summary+=("$name: skipped, $((SECONDS - started)) s of the ${deadline}s deadline used")
+        return 0
+    fi
+    ((cap > left)) && cap=$left
+    timeout --signal=INT --kill-after=5 "$cap" "$@" >"$OUT/$name.txt" 2>&1
     local rc=$?
     local what="exit $rc"
     [[ $rc == 124 || $rc == 137 ]] && what="stopped at its ${cap}s cap"
@@ -55,9 +64,10 @@ install() {
     PYTHONPATH=/tmp/site python3 -c "import tokenmill, fastapi, uvicorn, openai, xgrammar, torch
 assert torch.cuda.is_available(), 'torch sees no CUDA device'
 print('tokenmill', tokenmill.__version__, 'torch', torch.__version__, torch.cuda.get_device_name())"
+    PYTHONPATH=/tmp/site python3 -m pip check || true  # the image's versions against the wheels' needs (--no-deps)
 }
 export -f install
-stage install 45 bash -c install
+stage install 30 bash -c install
 export PYTHONPATH=/tmp/site
 stages=" ${*:-suite attention throughput latency profile} "
 
@@ -73,6 +83,7 @@ suite() {  # the tests that read the GPU's free memory alone, then 4 workers; a 
                   --ignore tests/gpu/test_cuda_flex.py)
     "${pytest[@]}" -v -m gpu_alone --report-log "$OUT/suite-alone.jsonl"  # appended to suite.jsonl after
     local alone=$?
+    ((alone == 2)) && return 2  # interrupted at the cap: no time for the rest
     "${pytest[@]}" -v -n 4 -m "gpu and not gpu_alone" --report-log "$OUT/suite.jsonl" || return $?
     return $alone
 }
@@ -100,7 +111,7 @@ fi
     --num-prompts 256 --input-len 256 --output-len 128 --hf-batch-size 128 --rounds 2 --async-scheduling both \
     --json "$OUT/throughput.json"
 
-[[ $stages == *" latency "* ]] && stage latency 60 python3 -m tokenmill.cli bench latency --device cuda --model "$model" --dtype bfloat16 \
+[[ $stages == *" latency "* ]] && stage latency 75 python3 -m tokenmill.cli bench latency --device cuda --model "$model" --dtype bfloat16 \
     --input-len 256 --output-len 128 --num-iters 3 --rounds 2 --async-scheduling both
 
 [[ $stages == *" profile "* ]] && stage profile 40 python3 benchmarks/gpu_profile.py --model "$model"

@@ -6,6 +6,7 @@ bookkeeping a reader relies on: one figure per round, medians, and ratios that m
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import subprocess
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tokenmill.bench.common import interleaved_rounds
+from tokenmill.bench.common import engine_memory, interleaved_rounds
 from tokenmill.bench.roofline import Machine, Workload, model_workload, offline_bound
 from tokenmill.demo_models import DEMO_MODEL
 
@@ -143,6 +144,17 @@ def test_latency_reports_a_tpot_per_round(tmp_path):
         assert len(r["tpot_ms_median_by_round"]) == 2
         assert min(r["tpot_ms_median_by_round"]) <= r["tpot_ms_median"] <= max(r["tpot_ms_median_by_round"])
     assert len(results["tpot_speedup_vs_hf_by_round"]) == 2
+
+
+def test_engines_in_one_bench_process_share_the_gpu(tmp_path):
+    """`--async-scheduling both` keeps two tokenmill engines up in one process: on a GPU each
+    takes half the default share (two at 0.9 cannot both start), or `--gpu-memory-utilization`."""
+    results = _run("latency", tmp_path, "--input-len", "8", "--output-len", "3", "--num-iters", "1",
+                   "--async-scheduling", "both", "--skip-hf")
+    assert set(results["engines"]) == {"tokenmill", "tokenmill-async"}
+    assert results["config"]["engine_memory"] == {"gpu_memory_utilization": 0.45}
+    assert engine_memory(argparse.Namespace(gpu_memory_utilization=None), 1) == {}
+    assert engine_memory(argparse.Namespace(gpu_memory_utilization=0.3), 2) == {"gpu_memory_utilization": 0.3}
 
 
 @pytest.mark.slow

@@ -71,6 +71,23 @@ def add_async_scheduling_arg(parser: argparse.ArgumentParser) -> None:
                              "without it and one with it (tokenmill-async), timed side by side")
 
 
+def add_gpu_memory_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None,
+                        help="vLLM's engine flag: each tokenmill engine's share of the GPU (default: 0.9 shared out "
+                             "among the tokenmill engines this process builds, which all stay up while they take "
+                             "turns)")
+
+
+def engine_memory(args: argparse.Namespace, engines: int) -> dict[str, float]:
+    """``LLM`` keyword arguments for each of ``engines`` tokenmill engines alive in one process:
+    the GPU share asked for, or the platform's default 0.9 split between them (each engine
+    counts only its own memory against its share, so two at 0.45 fit where two at 0.9 cannot;
+    without a GPU the share is unused)."""
+    if args.gpu_memory_utilization is not None:
+        return {"gpu_memory_utilization": args.gpu_memory_utilization}
+    return {"gpu_memory_utilization": round(0.9 / engines, 2)} if engines > 1 else {}
+
+
 def tokenmill_engines(args: argparse.Namespace) -> dict[str, Optional[bool]]:
     """The tokenmill engines ``--async-scheduling`` asks for: name -> its async_scheduling."""
     return {"auto": {"tokenmill": None}, "off": {"tokenmill": False}, "on": {"tokenmill": True},

@@ -26,8 +26,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.bench.common import (add_async_scheduling_arg, add_common_args, hf_device, hf_dtype, interleaved_rounds,
-                                    prepare, random_prompts, tokenmill_engines, write_json)
+from tokenmill.bench.common import (add_async_scheduling_arg, add_common_args, add_gpu_memory_arg, engine_memory,
+                                    hf_device, hf_dtype, interleaved_rounds, prepare, random_prompts,
+                                    tokenmill_engines, write_json)
 from tokenmill.bench.llama_cpp import add_llama_cpp_args, batched_bench
 
 Timings = tuple[list[float], list[float]]  # TTFTs, TPOTs (seconds)
@@ -39,7 +40,7 @@ def tokenmill_pass(path, prompt, args, async_scheduling: Optional[bool] = None) 
     the end of the step that returned it (under async scheduling, the step after the one that
     computed it)."""
     engine = LLM(str(path), dtype=args.dtype, enforce_eager=args.enforce_eager, num_threads=args.threads,
-                 device=args.device, async_scheduling=async_scheduling).llm_engine
+                 device=args.device, async_scheduling=async_scheduling, **args.engine_memory).llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     counter = iter(range(1 << 30))
 
@@ -104,14 +105,16 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--enforce-eager", action="store_true", help="tokenmill without prepacked/fused ops")
     parser.add_argument("--skip-hf", action="store_true")
     add_async_scheduling_arg(parser)
+    add_gpu_memory_arg(parser)
     add_llama_cpp_args(parser)
     args = parser.parse_args(argv)
 
     path = prepare(args)
     prompt = random_prompts(1, args.input_len, path, seed=0)[0]
-    results = {"config": {k: v for k, v in vars(args).items() if k != "json"}, "engines": {}}
     makers = {name: partial(tokenmill_pass, async_scheduling=overlapped)
               for name, overlapped in tokenmill_engines(args).items()}
+    args.engine_memory = engine_memory(args, len(makers))
+    results = {"config": {k: v for k, v in vars(args).items() if k != "json"}, "engines": {}}
     makers.update({**({} if args.skip_hf else {"hf-generate": hf_pass}),
                    **({"llama.cpp": llama_cpp_pass} if args.llama_cpp else {})})
     rounds = interleaved_rounds({name: make(path, prompt, args) for name, make in makers.items()}, args.rounds)

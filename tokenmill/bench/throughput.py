@@ -36,8 +36,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.bench.common import (add_async_scheduling_arg, add_common_args, hf_device, hf_dtype, interleaved_rounds,
-                                    prepare, random_prompts, tokenmill_engines, write_json)
+from tokenmill.bench.common import (add_async_scheduling_arg, add_common_args, add_gpu_memory_arg, engine_memory,
+                                    hf_device, hf_dtype, interleaved_rounds, prepare, random_prompts,
+                                    tokenmill_engines, write_json)
 from tokenmill.bench.llama_cpp import add_llama_cpp_args, batched_bench
 from tokenmill.bench.roofline import Workload, measure_machine, model_workload, offline_bound
 from tokenmill.bench.vllm_peer import add_vllm_args, throughput_seconds
@@ -62,7 +63,7 @@ def tokenmill_pass(path, prompt_sets, output_len, args, tp: int = 1, pp: int = 1
               max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
               enforce_eager=args.enforce_eager, num_threads=args.threads, kv_cache_dtype=args.kv_cache_dtype,
               tensor_parallel_size=tp, pipeline_parallel_size=pp, device=args.device,
-              async_scheduling=async_scheduling,
+              async_scheduling=async_scheduling, **args.engine_memory,
               **({"kv_cache_memory_bytes": args.kv_cache_memory_bytes} if args.kv_cache_memory_bytes else {}))
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in prompt_sets[-1][:2]], params, use_tqdm=False)
@@ -171,6 +172,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--parallel", default="tp1", help="tokenmill layouts, comma-separated (tp1,tp2,pp2): "
                                                           "one engine each; tp1 is the one peers are compared with")
     add_async_scheduling_arg(parser)
+    add_gpu_memory_arg(parser)
     add_llama_cpp_args(parser)
     add_vllm_args(parser)
     args = parser.parse_args(argv)
@@ -189,6 +191,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
               (lambda p, s, o, a, shape=shape: tokenmill_pass(p, s, o, a, *shape)) for name, shape in layouts.items()}
     for name, overlapped in tokenmill_engines(args).items():  # one process each: the tp1 layout
         makers[name] = lambda p, s, o, a, overlapped=overlapped: tokenmill_pass(p, s, o, a, async_scheduling=overlapped)
+    args.engine_memory = engine_memory(args, len(makers))
     makers.update({**({} if args.skip_hf else {"hf-generate": hf_pass}),
                    **({"vllm": vllm_pass} if args.vllm else {}),
                    **({"llama.cpp": llama_cpp_pass} if args.llama_cpp else {})})
