@@ -6,7 +6,7 @@
 # .gpu-data/; both ignored). Then, on the GPU machine, from the repository root, with those
 # two folders carried along:  bash benchmarks/gpu_check.sh
 #
-# Stages, each under a hard cap (30 + 240 + 70 + 110 + 75 + 40 s), each run whatever the one before
+# Stages, each under a hard cap (45 + 240 + 70 + 110 + 75 + 40 s), each run whatever the one before
 # it did, so a crash of one hides none of the others' results; a stage's cap shrinks to what is
 # left of DEADLINE (575 s, set it to the device call's timeout_s less 15), and a stage with
 # under 10 s left is skipped, so the summary always prints:
@@ -34,18 +34,19 @@ export PYTHONUNBUFFERED=1
 summary=()
 started=$SECONDS
 deadline=${DEADLINE:-575}
+[[ $deadline =~ ^[0-9]+$ ]] || { echo "DEADLINE is whole seconds, not $deadline" >&2; exit 2; }
 
 stage() {  # stage NAME SECONDS COMMAND...: run under a cap, log to $OUT/NAME.txt, note the status
     local name=$1 cap=$2
     shift 2
     local t0=$SECONDS
-    local left=$((deadline - (SECONDS - started) - 10))  # 10 s for a stopped stage's kill and the summary
+    local left=$((deadline - (SECONDS - started) - 20))  # for a stopped stage's kill and the summary
     if ((left < 10)); then
         summary+=("$name: skipped, $((SECONDS - started)) s of the ${deadline}s deadline used")
-        return 0
+        return 125  # not run: never a pass
     fi
     ((cap > left)) && cap=$left
-    timeout --signal=INT --kill-after=5 "$cap" "$@" >"$OUT/$name.txt" 2>&1
+    timeout --signal=INT --kill-after=15 "$cap" "$@" >"$OUT/$name.txt" 2>&1
     local rc=$?
     local what="exit $rc"
     [[ $rc == 124 || $rc == 137 ]] && what="stopped at its ${cap}s cap"
@@ -67,14 +68,14 @@ print('tokenmill', tokenmill.__version__, 'torch', torch.__version__, torch.cuda
     PYTHONPATH=/tmp/site python3 -m pip check || true  # the image's versions against the wheels' needs (--no-deps)
 }
 export -f install
-stage install 30 bash -c install
+stage install 45 bash -c install
 export PYTHONPATH=/tmp/site
 stages=" ${*:-suite attention throughput latency profile} "
 
 model=/tmp/tokenmill-1b
 maker=
 if [[ $stages == *" throughput "* || $stages == *" latency "* || $stages == *" profile "* ]]; then
-    python3 -m tokenmill.cli make-model "$model" --preset 1b >"$OUT/model.log" 2>&1 &
+    timeout --kill-after=5 240 python3 -m tokenmill.cli make-model "$model" --preset 1b >"$OUT/model.log" 2>&1 &
     maker=$!
 fi
 

@@ -11,6 +11,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 version=${1:-3.6.0}
+[[ $version =~ ^[0-9]+\.[0-9]+\.[0-9]+ ]] || { echo "a full version, such as 3.6.0" >&2; exit 2; }
 venv=${TMPDIR:-/tmp}/tokenmill-triton-$version
 if [ ! -x "$venv/bin/python" ]; then
     python -m venv --system-site-packages "$venv"
