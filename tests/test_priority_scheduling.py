@@ -221,3 +221,14 @@ def test_fifo_ignores_priorities_with_one_warning(model_dir, capsys):
     llm.generate(["a b", "c d"], SamplingParams(max_tokens=2), use_tqdm=False, priority=[3, 4])
     llm.generate(["e f"], SamplingParams(max_tokens=2), use_tqdm=False, priority=[1])
     assert capsys.readouterr().out.count("priorities are ignored") == 1
+
+
+def test_the_swap_space_is_one_host_allocation(model_dir):
+    """Every layer's host twin is a view of one buffer: torch's pinned allocator rounds each
+    allocation up to a power of two, so one per layer pinned up to twice the swap space."""
+    llm = make_llm(model_dir("llama"), num_gpu_blocks_override=24, block_size=8, max_model_len=192,
+                   preemption_mode="swap", swap_space="4MiB")
+    host = llm.llm_engine.runner.model_step.swap.host
+    storage = host[0].untyped_storage()
+    assert len(host) > 1 and all(h.untyped_storage().data_ptr() == storage.data_ptr() for h in host)
+    assert sum(h.numel() for h in host) * host[0].element_size() == storage.nbytes()
