@@ -16,13 +16,12 @@ venv=${TMPDIR:-/tmp}/tokenmill-triton-$version
 if [ ! -x "$venv/bin/python" ]; then
     python -m venv --system-site-packages "$venv"
 fi
-installed=$("$venv/bin/python" -c "import triton; print(triton.__version__)" 2>/dev/null || true)
-if [ "$installed" != "$version" ]; then  # a fresh venv, or an install that failed half way
+installed() { "$venv/bin/python" -c "import triton; print(triton.__version__)" 2>/dev/null || true; }
+if [ "$(installed)" != "$version" ]; then  # a fresh venv, or an install that failed half way
     "$venv/bin/pip" install -q --no-deps "triton==$version"
 fi
-installed=$("$venv/bin/python" -c "import triton; print(triton.__version__)")
-if [ "$installed" != "$version" ]; then
-    echo "the venv $venv runs triton $installed, not $version" >&2
+if [ "$(installed)" != "$version" ]; then
+    echo "the venv $venv runs triton $(installed), not $version" >&2
     exit 2
 fi
 table=$(PYTHONPATH=$PWD "$venv/bin/python" -m tokenmill.testing.triton_aot)

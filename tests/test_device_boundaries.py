@@ -248,7 +248,7 @@ def test_pinned_memory_is_written_again_only_after_its_copies_ran():
     """A non-blocking copy out of pinned memory runs when the device reaches it: writing the
     buffer before the host knows that (an event recorded after the copy, or a wait for the
     device) is refused; pageable memory is copied before the call returns, so it is free."""
-    from tokenmill.testing.fake_cuda import PinnedBufferRace
+    from tokenmill.testing.pinned_copies import PinnedBufferRace
     from tokenmill.testing.fake_cuda_platform import StandInEvent
 
     with fake_cuda(), torch.inference_mode():

@@ -14,14 +14,11 @@ to be on the same device". Under ``fake_cuda()``:
   copies between devices, and host index tensors in indexing (CUDA moves those itself);
 - a Triton kernel gets the device tensors' memory and refuses a host tensor, with Triton's
   own message; ``.numpy()`` of a device tensor fails as on a GPU;
-- ``pin_memory=True`` gives ordinary host memory (what pinning changes is only speed).
-
-- pinned memory's copies run late: a non-blocking copy out of (or into) pinned host memory
-  is, on a GPU, a DMA the device runs when its queue reaches it, so the host must not write
-  that buffer again before it knows the copy ran (it waited for an event recorded after the
-  copy, or for the device). The stand-in's values move at once, but it keeps the queue's
-  order (``_CopyQueue``) and raises ``PinnedBufferRace`` at such a write: on a GPU the copy
-  would carry the new values, a later step's inputs.
+- ``pin_memory=True`` gives ordinary host memory (what pinning changes is only speed);
+- a non-blocking copy out of (or into) pinned memory runs when the device's queue reaches
+  it: the stand-in keeps the queue's order (``pinned_copies``) and raises ``PinnedBufferRace``
+  where the host writes such a buffer before it knows the copy ran (on a GPU the copy would
+  carry the new values, a later step's inputs).
 
 Values are real, so an engine on ``FakeCudaPlatform`` can be compared with Hugging Face.
 What it does not model: kernels running late (every kernel completes at once), memory
@@ -37,7 +34,6 @@ could not sample), and on a CPU-only build their ``.to("cuda")``, cross-device
 from __future__ import annotations
 
 import threading
-import weakref
 from contextlib import ExitStack, contextmanager
 from typing import Any, Callable, Iterator, Optional
 
@@ -46,6 +42,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from tokenmill.testing.kernel_launches import intercept_launches
+from tokenmill.testing.pinned_copies import CopyQueue
 
 CUDA = torch.device("cuda", 0)
 aten = torch.ops.aten
@@ -62,73 +59,10 @@ class DeviceMismatchError(RuntimeError):
     """A host tensor met a device tensor in an operation CUDA refuses."""
 
 
-class PinnedBufferRace(RuntimeError):
-    """The host wrote pinned memory that a queued copy may not have read (or written) yet."""
-
-
 _syncs = threading.local()
 
 
-def _address(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage().data_ptr()
-
-
-class _CopyQueue:
-    """The device's queue as far as pinned host memory is concerned: each non-blocking copy out
-    of or into a pinned buffer takes the next position; the host knows every position up to
-    ``done`` has run (it waited for an event recorded there, or for the whole device)."""
-
-    def __init__(self) -> None:
-        self.queued = 0
-        self.done = 0
-        #: pinned storage address -> the queue position of its last copy
-        self.pending: dict[int, int] = {}
-        #: pinned storage address -> the pinned tensor (an address freed and reused is not pinned)
-        self.pinned: dict[int, weakref.ref] = {}
-
-    def pin(self, tensor: torch.Tensor) -> torch.Tensor:
-        address = _address(tensor)
-        self.pinned[address] = weakref.ref(tensor)
-        self.pending.pop(address, None)  # memory freed and pinned anew: no copy of its own yet
-        return tensor
-
-    def copied(self, host: torch.Tensor) -> None:
-        """A non-blocking copy between ``host`` and the device was queued."""
-        address = _address(host)
-        pinned = self.pinned.get(address)
-        if pinned is not None and pinned() is not None:
-            self.queued += 1
-            self.pending[address] = self.queued
-
-    def mark(self) -> int:
-        self.queued += 1
-        return self.queued
-
-    def reach(self, mark: int) -> bool:
-        """The host waits for ``mark``; whether that was a wait (False: it had already passed)."""
-        if mark <= self.done:
-            return False
-        self.done = mark
-        self.pending = {address: at for address, at in self.pending.items() if at > mark}
-        return True
-
-    def drain(self) -> None:
-        """The host waited for the device: everything queued so far has run."""
-        self.done = self.queued
-        self.pending.clear()
-
-    def check_write(self, host: torch.Tensor) -> None:
-        """The host writes ``host``: refused while a copy queued from or into it may not have run
-        (a write by the device, a copy from it, is ordered on the stream and is not checked)."""
-        address = _address(host)
-        pinned = self.pinned.get(address)
-        at = self.pending.get(address)
-        if pinned is not None and pinned() is not None and at is not None and at > self.done:
-            raise PinnedBufferRace(f"pinned host memory {tuple(host.shape)} written while a copy queued from it "
-                                   f"may not have run: on a GPU that copy would carry the new values")
-
-
-_queue = _CopyQueue()
+_queue = CopyQueue()
 
 
 def queue_mark() -> int:
@@ -398,7 +332,7 @@ def fake_cuda() -> Iterator[None]:
     # parameter's ``.data`` to a device tensor (a shallow copy that loses the subclass)
     torch.__future__.set_overwrite_module_params_on_conversion(True)
     global _queue
-    _queue = _CopyQueue()
+    _queue = CopyQueue()
     try:
         with ExitStack() as stack:
             stack.enter_context(_Placement())

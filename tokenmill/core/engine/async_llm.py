@@ -14,12 +14,12 @@ import asyncio
 import queue
 import threading
 import time
-from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Optional
 
 import structlog
 
 from tokenmill.core.engine.llm_engine import LLMEngine
+from tokenmill.core.engine.loop_commands import PAUSE_MODES, AbortRequest, AddRequest, EngineCall, PauseRequest
 from tokenmill.core.engine.prompt_input import PromptType
 from tokenmill.core.engine.step_isolation import raise_if_fatal
 from tokenmill.interfaces.errors import InvalidRequest, TokenmillError
@@ -47,46 +47,6 @@ class RequestFailed(TokenmillError):
         self.request_id = request_id
 
 
-@dataclass(frozen=True)
-class _Add:
-    request_id: str
-    prompt: dict
-    params: SamplingParams
-    priority: int
-    user: Optional[str]
-    arrival_time: float
-    adapter_name: Optional[str]
-
-
-@dataclass(frozen=True)
-class _Call:
-    """Run ``fn(engine)`` on the engine thread between steps (adapter loads, ...)."""
-
-    fn: Callable[[LLMEngine], object]
-    future: "asyncio.Future"
-    loop: asyncio.AbstractEventLoop
-
-
-@dataclass(frozen=True)
-class _Abort:
-    request_id: str
-
-
-@dataclass(frozen=True)
-class _Pause:
-    """Stop stepping (vLLM's pause modes): "abort" the running requests, "wait" for them to
-    finish, or "keep" them where they are; then settle ``future``."""
-
-    mode: str
-    clear_cache: bool
-    future: "asyncio.Future"
-    loop: asyncio.AbstractEventLoop
-
-
-#: vLLM's pause modes
-PAUSE_MODES = ("abort", "wait", "keep")
-
-
 class AsyncLLM:
     def __init__(self, engine: LLMEngine, max_queued_requests: Optional[int] = None) -> None:
         self.engine = engine
@@ -102,9 +62,9 @@ class AsyncLLM:
         #: paused: no step runs, and requests that arrive wait (pause_generation)
         self._paused = False
         #: a pause in "wait" mode, until the running requests finish
-        self._pausing: Optional[_Pause] = None
+        self._pausing: Optional[PauseRequest] = None
         #: requests that arrived while paused (or pausing), admitted on resume
-        self._held: list[_Add] = []
+        self._held: list[AddRequest] = []
         self.error: Optional[BaseException] = None
         #: the loop has ended: requests, calls and pauses are refused (nothing would settle them)
         self._stopped = False
@@ -160,7 +120,7 @@ class AsyncLLM:
         consumed or closed: closing it early aborts the request.
         """
         if self.error is not None:
-            raise EngineDead(f"the engine stopped: {self.error!r}")
+            raise self._ended()
         if self._draining:
             raise EngineOverloaded("the server is shutting down")
         if self.engine.control is not None:
@@ -172,13 +132,12 @@ class AsyncLLM:
         stream: asyncio.Queue = asyncio.Queue()
         with self._lock:
             if self._stopped:  # the loop ended after the check above: nothing would serve this stream
-                raise EngineDead(f"the engine stopped: {self.error!r}" if self.error is not None
-                                 else "the server is shutting down")
+                raise self._ended()
             if request_id in self._streams:
                 raise InvalidRequest("request_id", f"request id {request_id!r} is already in use")
             self._streams[request_id] = (asyncio.get_running_loop(), stream)
             self._pending_adds += 1
-        self._send(_Add(request_id, prepared, params, priority, user, time.monotonic(), adapter_name))
+        self._send(AddRequest(request_id, prepared, params, priority, user, time.monotonic(), adapter_name))
         return self._iterate(request_id, stream)
 
     async def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
@@ -190,7 +149,7 @@ class AsyncLLM:
             raise InvalidRequest("mode", f"pause mode {mode!r}: one of {', '.join(PAUSE_MODES)}")
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._send_awaited(_Pause(mode, clear_cache, future, loop))
+        self._send_awaited(PauseRequest(mode, clear_cache, future, loop))
         await future
 
     async def resume_generation(self) -> None:
@@ -203,7 +162,7 @@ class AsyncLLM:
         """Run ``fn(engine)`` on the engine thread between two steps and return its result."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._send_awaited(_Call(fn, future, loop))
+        self._send_awaited(EngineCall(fn, future, loop))
         return await future
 
     async def _iterate(self, request_id: str, stream: asyncio.Queue) -> AsyncIterator[RequestOutput]:
@@ -224,7 +183,7 @@ class AsyncLLM:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        self._send(_Abort(request_id))
+        self._send(AbortRequest(request_id))
 
     def shutdown(self, drain_timeout: float = 5.0) -> None:
         """Let in-flight requests finish for up to ``drain_timeout`` seconds, then fail
@@ -242,14 +201,18 @@ class AsyncLLM:
         self._commands.put(command)
         self._wake.set()
 
-    def _send_awaited(self, command: "_Call | _Pause") -> None:
+    def _send_awaited(self, command: "EngineCall | PauseRequest") -> None:
         """Queue a command whose caller awaits its future: refused once the loop has stopped
         (nothing would settle it), and settled with the loop's end if it stops first."""
         with self._lock:
             if self._stopped:
-                raise EngineDead(f"the engine stopped: {self.error!r}" if self.error is not None
-                                 else "the server is shutting down")
+                raise self._ended()
             self._send(command)
+
+    def _ended(self) -> EngineDead:
+        """Why nothing is served any more: the loop's error, or a shutdown."""
+        return EngineDead(f"the engine stopped: {self.error!r}" if self.error is not None
+                          else "the server is shutting down")
 
     # --- loop thread -------------------------------------------------------
     def _run(self) -> None:
@@ -273,8 +236,7 @@ class AsyncLLM:
             engine.shutdown()  # a multi-process engine's surviving workers have nothing left to do
         finally:
             # 503 to every waiting client: the engine, not their request, is what failed
-            ended = (EngineDead(f"the engine stopped: {self.error!r}") if self.error is not None
-                     else EngineDead("the server is shutting down"))
+            ended = self._ended()
             with self._lock:
                 self._stopped = True  # before failing the streams: none is registered after them
             self._fail_all(ended)
@@ -286,13 +248,13 @@ class AsyncLLM:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(command, _Add) and (self._paused or self._pausing is not None):
+            if isinstance(command, AddRequest) and (self._paused or self._pausing is not None):
                 self._held.append(command)
-            elif isinstance(command, _Add):
+            elif isinstance(command, AddRequest):
                 self._admit(command)
-            elif isinstance(command, _Pause):
+            elif isinstance(command, PauseRequest):
                 self._pause(command)
-            elif isinstance(command, _Call):
+            elif isinstance(command, EngineCall):
                 try:
                     result, error = command.fn(self.engine), None
                 except Exception as exc:  # handed to the awaiting caller
@@ -305,7 +267,7 @@ class AsyncLLM:
                 with self._lock:
                     self._streams.pop(command.request_id, None)
 
-    def _admit(self, command: _Add) -> None:
+    def _admit(self, command: AddRequest) -> None:
         with self._lock:
             self._pending_adds -= 1
         if command.request_id not in self._streams:
@@ -320,7 +282,7 @@ class AsyncLLM:
             log.error("adding a request failed", request_id=command.request_id, exc_info=exc)
             self._deliver(command.request_id, RequestFailed(command.request_id, repr(exc)), final=True)
 
-    def _pause(self, command: _Pause) -> None:
+    def _pause(self, command: PauseRequest) -> None:
         if command.mode == "abort":
             running = [request_id for request_id in list(self._streams) if self.engine.outputs.states.get(request_id)]
             for output in self.engine.abort_request(running):
@@ -330,7 +292,7 @@ class AsyncLLM:
             return
         self._paused_now(command)
 
-    def _paused_now(self, command: _Pause) -> None:
+    def _paused_now(self, command: PauseRequest) -> None:
         self._paused, self._pausing = True, None
         if command.clear_cache and not self.engine.has_unfinished_requests():
             self.engine.scheduler.kv_cache.pool.reset_prefix_cache()
@@ -393,7 +355,7 @@ class AsyncLLM:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 break
-            if isinstance(command, (_Call, _Pause)):
+            if isinstance(command, (EngineCall, PauseRequest)):
                 awaited.append(command)
         for command in awaited:
             if not command.loop.is_closed():

@@ -73,8 +73,6 @@ class EmbeddingEngine:
             raise DeviceFailed(str(self.error)) from self.error
         try:
             return self._batched(token_ids, pool, width)
-        except DeviceFailed:
-            raise
         except Exception as exc:
             try:
                 raise_if_fatal(self.platform, exc)

@@ -82,16 +82,14 @@ class ModelStep:
         if size is not None:
             hidden = self.graphs.run(size, host.token_ids, host.positions, host.slots, host.seq_lens,
                                      host.block_table, self._put, fill)
-            if self.staging is not None:  # after the replay: one-token rows nearly always sample, and are read
-                self.staging.mark_copies()
+            self._mark_copies()  # after the replay: one-token rows nearly always sample, and are read
         else:
             if self.adapters is not None:
                 self.adapters.prepare_step([r.adapter for r in step.rows], [len(r.token_ids) for r in step.rows])
             input_ids, positions, metadata = self._prepare_inputs(host)
             if fill is not None:
                 fill(input_ids)
-            if self.staging is not None:  # before the forward, so that the next step waits for the copies only
-                self.staging.mark_copies()
+            self._mark_copies()  # before the forward, so that the next step waits for the copies only
             hidden = self.model.forward(input_ids, positions, metadata)
         if not step.logits_rows:  # a prefill chunk that samples nothing: only its KV was wanted
             return StepResult() if stage.rank == 0 else None
@@ -99,8 +97,7 @@ class ModelStep:
             return self.receive(step) if stage.rank == 0 and wait else None
         # the rows' index staged like the inputs: a host index tensor is a blocking copy
         rows = self._put(np.asarray(step.logits_rows, dtype=np.int64), "logits_rows")
-        if self.staging is not None:  # a stage that hands its logits on reads no result here
-            self.staging.mark_copies()
+        self._mark_copies()  # a stage that hands its logits on reads no result here
         result = self._head(hidden[rows], step.greedy)
         if stage.rank == 0 or result is None:
             return result
@@ -136,6 +133,10 @@ class ModelStep:
         if step.greedy:
             return StepResult(tokens=comm.recv((rows,), torch.long, comm.last_stage_driver).tolist())
         return StepResult(logits=comm.recv((rows, self.vocab_size), torch.float32, comm.last_stage_driver))
+
+    def _mark_copies(self) -> None:
+        if self.staging is not None:
+            self.staging.mark_copies()
 
     def _put(self, values: np.ndarray, name: str) -> torch.Tensor:
         staging = self.staging

@@ -1,0 +1,52 @@
+"""What the callers of ``AsyncLLM`` hand its engine thread, through one queue: a request to
+admit, a call to run between two steps, an abort, a pause. Calls and pauses carry the future
+their caller awaits, settled on its own event loop."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from tokenmill.core.engine.llm_engine import LLMEngine
+from tokenmill.interfaces.types import SamplingParams
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    request_id: str
+    prompt: dict
+    params: SamplingParams
+    priority: int
+    user: Optional[str]
+    arrival_time: float
+    adapter_name: Optional[str]
+
+
+@dataclass(frozen=True)
+class EngineCall:
+    """Run ``fn(engine)`` on the engine thread between steps (adapter loads, ...)."""
+
+    fn: Callable[[LLMEngine], object]
+    future: "asyncio.Future"
+    loop: asyncio.AbstractEventLoop
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class PauseRequest:
+    """Stop stepping (vLLM's pause modes): "abort" the running requests, "wait" for them to
+    finish, or "keep" them where they are; then settle ``future``."""
+
+    mode: str
+    clear_cache: bool
+    future: "asyncio.Future"
+    loop: asyncio.AbstractEventLoop
+
+
+#: vLLM's pause modes
+PAUSE_MODES = ("abort", "wait", "keep")
