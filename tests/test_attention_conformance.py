@@ -199,3 +199,22 @@ def test_triton_decode_tiles_span_blocks_and_serve_a_kv_heads_group(head_dim, bl
                          dtype=torch.float32, requests=((150, 1), (70, 1), (0, 1)), sliding_window=window,
                          soft_cap=None)
     check_backend(TritonPagedAttention(), case)
+
+
+def test_triton_kernels_address_a_cache_past_int32_offsets():
+    """A GPU's per-layer cache holds more than 2**31 elements per K/V half for a model of few
+    layers (80 GB over 2 layers): the cache write, decode and prefill kernels compute block
+    offsets in 64 bits. In a child process, since a 32-bit offset there reads and writes stray
+    memory (a GPU's illegal address), which could take the test process with it."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch\n"
+            "from tokenmill.plugins.attention.triton_paged.backend import TritonPagedAttention\n"
+            "from tokenmill.testing.attention_conformance import AttentionCase, check_backend\n"
+            "case = AttentionCase(5, 4, 2, 16, 16, torch.bfloat16, ((20, 12), (40, 1), (0, 33)), sliding_window=24)\n"
+            "check_backend(TritonPagedAttention(), case, past_int32=True)\n")
+    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TRITON_INTERPRET": "1"},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]

@@ -24,6 +24,11 @@ def test_flex_attention_matches_the_reference_at_serving_shapes(case):
     check_backend(FlexAttentionBackend(), case, device="cuda")
 
 
+def test_flex_attention_reaches_a_cache_past_int32_offsets():
+    """FlexAttention's generated indexing over a per-layer cache past 2**31 elements a K/V half."""
+    check_backend(FlexAttentionBackend(), SERVING[0], device="cuda", past_int32=True)
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])  # plain GQA; sliding windows and soft caps
 def test_engine_on_flex_matches_hf(arch, model_dir):
     llm = cuda_llm(model_dir(arch), dtype="bfloat16", attention_backend="flex")

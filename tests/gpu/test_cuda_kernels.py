@@ -30,6 +30,14 @@ def test_triton_attention_matches_the_reference_at_serving_shapes(case):
     check_backend(TritonPagedAttention(), case, device="cuda")
 
 
+@pytest.mark.gpu_alone  # 8.6 GB of cache, kept out of the other workers' memory budgets
+def test_triton_attention_reaches_a_cache_past_int32_offsets():
+    """The serving case's blocks at the top of a per-layer cache past 2**31 elements a K/V half
+    (a model of few layers on 80 GB): block offsets computed in 32 bits would be an illegal
+    address."""
+    check_backend(TritonPagedAttention(), SERVING[0], device="cuda", past_int32=True)
+
+
 @pytest.mark.parametrize("tokens", [1, 16, 600])  # the small tiles (decode) and the large ones
 def test_fused_moe_matches_the_loop_path_and_replays_in_a_cuda_graph(tokens):
     """Mixtral-like experts scaled down (8 experts, top-2, 1024 -> 3584): both paths round each

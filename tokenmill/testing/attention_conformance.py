@@ -16,6 +16,7 @@ decodes, only prefills, one-token prompts and lengths on block boundaries.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 from typing import Optional
@@ -144,24 +145,47 @@ def build_inputs(case: AttentionCase, shape_of: AttentionBackend, device: str = 
     return spec, query, key, value, cache, metadata
 
 
-def check_backend(backend: AttentionBackend, case: AttentionCase, device: str = "cpu") -> None:
-    """Assert ``backend`` matches the reference on ``case`` (output and written cache)."""
+#: elements a 32-bit offset reaches; a GPU's per-layer cache holds more for a model of few layers
+INT32_OFFSETS = 2**31
+
+
+def check_backend(backend: AttentionBackend, case: AttentionCase, device: str = "cpu",
+                  past_int32: bool = False) -> None:
+    """Assert ``backend`` matches the reference on ``case`` (output and written cache).
+
+    ``past_int32``: the case's blocks sit at the top of a cache whose K half alone holds more
+    than 2**31 elements (80 GB of an H100 over a few layers), where a kernel that computes a
+    block's offset in 32 bits reads and writes elsewhere (on a GPU: an illegal address). That
+    cache is ``torch.empty`` in the reference layout: on the CPU only the pages of the case's
+    blocks are ever committed."""
     reference = TorchReferenceAttention()
     if not supports(backend, case):
         return
     spec, q, k, v, cache, metadata = build_inputs(case, reference)
     expected_cache = cache.clone()
     expected = reference.forward(spec, q, k, v, expected_cache, metadata)
-    # the backend may lay its cache out differently: rebuild the same contents in its layout
-    got_cache = to_layout(cache, backend, case).to(device)
     _, _, _, _, _, device_metadata = build_inputs(case, reference, device)
+    first = 0
+    if past_int32:
+        if getattr(backend, "from_reference_layout", None) is not None:
+            raise ValueError("past_int32 checks backends that keep the reference cache layout")
+        used = cache.shape[1]
+        first = INT32_OFFSETS // cache[0, 0].numel() + 1
+        got_cache = torch.empty(reference.kv_cache_shape(first + used, *cache.shape[2:]), dtype=cache.dtype,
+                                device=device)
+        got_cache[:, first:] = cache.to(device)
+        device_metadata = dataclasses.replace(device_metadata, block_table=device_metadata.block_table + first,
+                                              slot_mapping=device_metadata.slot_mapping + first * case.block_size)
+    else:  # the backend may lay its cache out differently: rebuild the same contents in its layout
+        got_cache = to_layout(cache, backend, case).to(device)
     build_metadata = getattr(backend, "build_metadata", None)  # once per step, as the model runner does
     if build_metadata is not None:
         device_metadata = build_metadata(device_metadata)
     got = backend.forward(spec, q.to(device), k.to(device), v.to(device), got_cache, device_metadata).cpu()
     tolerance = TOLERANCES[case.dtype]
     torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
-    torch.testing.assert_close(from_layout(got_cache.cpu(), backend, case), expected_cache, atol=0, rtol=0)
+    written = got_cache[:, first:].cpu() if past_int32 else from_layout(got_cache.cpu(), backend, case)
+    torch.testing.assert_close(written, expected_cache, atol=0, rtol=0)
 
 
 def to_layout(reference_cache: torch.Tensor, backend: AttentionBackend, case: AttentionCase) -> torch.Tensor:

@@ -244,7 +244,8 @@ def _prefill_attention_kernel(
         kv = start + tl.arange(0, BLOCK_N)
         kv_valid = kv <= last_pos
         physical = tl.load(block_table_ptr + req * stride_bt + kv // BLOCK_SIZE, mask=kv_valid, other=0)
-        base = cache_ptr + physical * stride_c_block + (kv % BLOCK_SIZE) * stride_c_off + kv_head * stride_c_head
+        base = (cache_ptr + physical.to(tl.int64) * stride_c_block + (kv % BLOCK_SIZE) * stride_c_off
+                + kv_head * stride_c_head)
         kv_mask = kv_valid[:, None] & dim_mask[None, :]
         k = tl.load(base[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         if IEEE_FP32:
