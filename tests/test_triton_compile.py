@@ -80,3 +80,13 @@ def test_kernel_compiles_for_the_gpu(case, target, compiled):
     # not count: every tile the wrappers pick is sized to need none
     assert figures["stack_bytes"] == 0, f"{case.id} spills {figures['stack_bytes']} stack bytes on {target}"
     assert figures["shared_bytes"] <= SHARED_LIMIT[target]
+
+
+def test_decode_splits_are_the_compiled_powers_of_two():
+    """``NUM_SPLITS`` is a kernel constant: any context length takes a split count that the
+    table compiles, not one of sixteen compiled on first use in the middle of serving."""
+    from tokenmill.plugins.attention.triton_paged.backend import TritonPagedAttention
+    from tokenmill.testing.triton_aot import NUM_SPLITS
+
+    backend = TritonPagedAttention()
+    assert {backend.num_splits(n) for n in range(0, 2**17)} == set(NUM_SPLITS)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 import torch
+import triton
 
 from tokenmill.interfaces.attention import AttentionCapabilities, AttentionLayerSpec, AttentionMetadata
 from tokenmill.plugins.attention.torch_ref import copy_blocks
@@ -92,7 +93,7 @@ class TritonPagedAttention:
             decode_tokens=on_device(decode_tokens).long(), decode_req=on_device(decode_req),
             decode_pos=on_device(decode_pos), decode_only=len(decode_tokens) == starts[-1],
             tile_req=on_device(tile_req), tile_start=on_device(tile_start),
-            num_splits=self._num_splits(longest_decode))
+            num_splits=self.num_splits(longest_decode))
 
     def graph_metadata(self, common: AttentionMetadata, positions: torch.Tensor, max_seq_len: int) -> TritonMetadata:
         """A recorded decode step's plan: row i is request i, at ``positions[i]`` (the graph's
@@ -102,10 +103,14 @@ class TritonPagedAttention:
         return TritonMetadata(
             *(getattr(common, name) for name in _COMMON_FIELDS),
             decode_tokens=rows.long(), decode_req=rows, decode_pos=positions, decode_only=True,
-            tile_req=rows[:0], tile_start=rows[:0], num_splits=self._num_splits(max_seq_len))
+            tile_req=rows[:0], tile_start=rows[:0], num_splits=self.num_splits(max_seq_len))
 
-    def _num_splits(self, longest_decode: int) -> int:
-        return max(1, min(16, -(-longest_decode // self.tokens_per_split)))
+    def num_splits(self, longest_decode: int) -> int:
+        """Ways to split the decode contexts: a power of two up to 16, as ``NUM_SPLITS`` is a
+        kernel constant: five compiled variants (tokenmill/testing/triton_aot.py compiles
+        them), not sixteen compiled on first use in the middle of serving. Splits past a
+        context's blocks stay empty, and the merge skips them."""
+        return min(16, triton.next_power_of_2(max(1, -(-longest_decode // self.tokens_per_split))))
 
     def forward(self, layer: AttentionLayerSpec, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
