@@ -383,6 +383,46 @@ def test_on_the_cuda_stand_in_random_rows_with_penalties_launch_without_a_wait(m
         assert device[index].outputs[0].token_ids == cpu[index].outputs[0].token_ids
 
 
+#: a request for each built-in logits processor (a grammar's is structured outputs)
+PROCESSOR_ROWS = {
+    "logit_bias": SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias={5: 4.0, 17: -100.0}),
+    "allowed_token_ids": SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                        allowed_token_ids=[3, 5, 7, 11, 13]),
+    "bad_words": SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, bad_words=["a", "the"]),
+    "min_tokens": SamplingParams(temperature=0, max_tokens=6, min_tokens=4),
+    "structured_outputs": SamplingParams(temperature=0, max_tokens=10,
+                                         structured_outputs=StructuredOutputsParams(regex="[0-9]{3}-[a-z]+")),
+}
+
+
+def processor_rows_on_the_stand_in(model_dir, name):
+    """A processor's request beside a plain one (which ends first, so the batch changes under
+    the processor): the completions on the stand-in, and the launches' waits."""
+    params = [PROCESSOR_ROWS[name], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)]
+    prompts = [PROMPTS[0][:10], PROMPTS[1][:10]]
+    return prompts, params, *stand_in_launch_waits(model_dir, prompts, params)
+
+
+@pytest.mark.parametrize("name", PROCESSOR_ROWS)
+def test_on_the_cuda_stand_in_each_logits_processor_launches_without_a_wait(name, model_dir):
+    """Each built-in processor moves its indices, biases and masks with non-blocking copies (a
+    grammar's bitmask crosses packed and is unpacked on the device): launching its steps waits
+    for nothing, and its request comes out as on the CPU."""
+    prompts, params, device, waits = processor_rows_on_the_stand_in(model_dir, name)
+    assert waits == []
+    same_completions(generate(make_llm(model_dir("llama"), block_size=8), prompts, params), device)
+
+
+@pytest.mark.parametrize("name,module", [("logit_bias", "logit_bias"), ("structured_outputs", "bitmask")])
+def test_mutation_a_processor_moving_host_values_with_blocking_copies_waits(name, module, model_dir, monkeypatch):
+    import importlib
+
+    package = "tokenmill.core.structured_output." if module == "bitmask" else "tokenmill.core.sample.logits_processors."
+    monkeypatch.setattr(importlib.import_module(package + module), "on_device",
+                        lambda device, values, dtype=None: torch.as_tensor(values, dtype=dtype).to(device))
+    assert processor_rows_on_the_stand_in(model_dir, name)[3]
+
+
 def test_mutation_penalties_moved_with_blocking_copies_are_waits(model_dir, monkeypatch):
     """The sampler's host values moved with blocking copies (as ``torch.tensor(..., device=)``
     does): the stand-in sees the waits."""
@@ -391,7 +431,7 @@ def test_mutation_penalties_moved_with_blocking_copies_are_waits(model_dir, monk
     def blocking(device, values, dtype=None):
         return torch.as_tensor(values, dtype=dtype).to(device)
 
-    monkeypatch.setattr(sampler, "_on", blocking)
+    monkeypatch.setattr(sampler, "on_device", blocking)
     assert random_rows_on_the_stand_in(model_dir)[1]
 
 

@@ -21,8 +21,9 @@ from tokenmill.core.sample.logits_processors import (
     LogitBias,
     MinTokens,
 )
+from tokenmill.core.sample.logits_processors.bad_words import bad_word_token_ids
 from tokenmill.interfaces.errors import ConfigError, InvalidRequest
-from tokenmill.interfaces.logits_processor import BatchUpdate, LogitsProcessor
+from tokenmill.interfaces.logits_processor import AddedRow, BatchUpdate, LogitsProcessor
 from tokenmill.testing.logits_processor_conformance import check_logits_processor, default_context
 from tokenmill.testing.tiny_models import train_tokenizer
 
@@ -288,3 +289,19 @@ def test_a_reused_request_id_starts_with_fresh_processor_state(model_dir):
     free = run(SP(temperature=0, max_tokens=6, ignore_eos=True))
     assert set(run(SP(temperature=0, max_tokens=6, ignore_eos=True, allowed_token_ids=[7, 8]))) <= {7, 8}
     assert run(SP(temperature=0, max_tokens=6, ignore_eos=True)) == free
+
+
+def test_bad_words_with_tokens_past_the_models_vocabulary_are_never_completed():
+    """A tokenizer may hold ids the model's vocabulary lacks (added tokens): the model never
+    writes them, so a word with one can never be completed. Indexing the logits with such an
+    id would be a device-side assert on a GPU (the engine stops), an IndexError here."""
+    tokenizer = train_tokenizer()
+    vocab = len(tokenizer)
+    tokenizer.add_tokens(["zebraquux"])
+    assert tokenizer.encode("zebraquux", add_special_tokens=False) == [vocab]
+    processor = BadWords(default_context(vocab_size=vocab, tokenizer=tokenizer))
+    processor.update_state(BatchUpdate(2, added=(AddedRow(0, SP(bad_words=["zebraquux", "is"]), [4], []),
+                                                 AddedRow(1, SP(bad_words=["zebraquux"]), [4], []))))
+    logits = processor.apply(torch.zeros(2, vocab))
+    banned = {ids[-1] for ids in bad_word_token_ids(["is"], tokenizer)}  # one token, spaced or not
+    assert set(torch.isinf(logits[0]).nonzero().flatten().tolist()) == banned and not torch.isinf(logits[1]).any()

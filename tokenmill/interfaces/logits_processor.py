@@ -26,6 +26,17 @@ from tokenmill.interfaces.types import SamplingParams
 T = TypeVar("T")
 
 
+def on_device(device: torch.device, values: Sequence | torch.Tensor, dtype: Optional[torch.dtype] = None
+              ) -> torch.Tensor:
+    """Host values (a list, or a host tensor) on ``device``, without waiting for it. A plain
+    ``torch.tensor(..., device=)``, a ``.to(device)`` without ``non_blocking``, or a list used
+    to index a device tensor is a blocking copy: on a GPU it waits for every kernel queued
+    before it (the step's forward pass), and with async scheduling the host cannot prepare the
+    next step meanwhile. Processors build their index and value tensors with this."""
+    tensor = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    return tensor.to(device, non_blocking=True)
+
+
 @dataclass(frozen=True, slots=True)
 class LogitsProcessorContext:
     """What a processor is built with: facts about the engine it serves."""

@@ -264,6 +264,8 @@ class _Placement(TorchFunctionMode):
         if name == "contiguous" and isinstance(args[0], DeviceTensor):  # its binding's guard needs CUDA
             contiguous = args[0].elem.contiguous(*args[1:], **kwargs)
             return args[0] if contiguous is args[0].elem else DeviceTensor(contiguous)
+        if name == "__invert__" and isinstance(args[0], DeviceTensor):  # so does ``~``'s
+            return DeviceTensor(~args[0].elem)
         if name in ("tolist", "__int__", "__float__", "__bool__", "__index__") and isinstance(args[0], DeviceTensor):
             synced(f"{name} of a device tensor")
             return getattr(args[0].elem, name)()  # read back (a synchronisation), as CUDA does

@@ -20,7 +20,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from tokenmill.interfaces.hookspecs import hookimpl
-from tokenmill.interfaces.logits_processor import AddedRow, BatchUpdate, LogitsProcessor
+from tokenmill.interfaces.logits_processor import AddedRow, BatchUpdate, LogitsProcessor, on_device
 from tokenmill.interfaces.types import SamplingParams
 
 #: the request argument (``SamplingParams.extra_args``; ``vllm_xargs`` on the wire)
@@ -116,8 +116,8 @@ class NoRepeatNGram(LogitsProcessor):
                     rows.append(index)
                     tokens.append(token)
         if rows:
-            logits[torch.tensor(rows, device=logits.device),
-                   torch.tensor(tokens, device=logits.device)] = float("-inf")
+            device = logits.device
+            logits[on_device(device, rows, torch.long), on_device(device, tokens, torch.long)] = float("-inf")
         return logits
 
 

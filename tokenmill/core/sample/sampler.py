@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from tokenmill.interfaces.logits_processor import BatchUpdate, LogitsProcessor
+from tokenmill.interfaces.logits_processor import BatchUpdate, LogitsProcessor, on_device
 from tokenmill.interfaces.types import ALL_TOKENS, Logprob, PositionLogprobs, SamplingParams
 
 
@@ -67,7 +67,7 @@ class Sampler:
         tokens = processed.argmax(dim=-1)  # the greedy rows' tokens; the sampling rows' are drawn
         random_index = [i for i, g in enumerate(greedy) if not g]
         if random_index:
-            index = _on(logits.device, random_index, torch.long)
+            index = on_device(logits.device, random_index, torch.long)
             tokens[index] = self.draw(processed[index].softmax(dim=-1), [rows[i].generator for i in random_index])
         ks = [row.params.logprobs for row in rows]
         if all(k is None for k in ks):
@@ -92,14 +92,15 @@ class Sampler:
         greedy = [row.params.greedy for row in rows]
         if all(greedy):
             return logits, greedy
-        temperature = _on(logits.device, [row.params.temperature or 1.0 for row in rows], logits.dtype).unsqueeze(1)
+        temperatures = [row.params.temperature or 1.0 for row in rows]
+        temperature = on_device(logits.device, temperatures, logits.dtype).unsqueeze(1)
         logits = logits / temperature
         for processor in self._argmax_invariant:
             if processor.is_active():
                 logits = processor.apply(logits)
         random_index = [i for i, g in enumerate(greedy) if not g]
         random_rows = [rows[i] for i in random_index]
-        index = _on(logits.device, random_index, torch.long)
+        index = on_device(logits.device, random_index, torch.long)
         logits[index] = self._truncate(logits[index], random_rows)
         return logits, greedy
 
@@ -115,7 +116,7 @@ class Sampler:
     def _truncate(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """min-p, then top-k and top-p, on logits already divided by each row's temperature."""
         if any(row.params.min_p > 0 for row in rows):
-            min_p = _on(logits.device, [row.params.min_p for row in rows], logits.dtype)
+            min_p = on_device(logits.device, [row.params.min_p for row in rows], logits.dtype)
             probs = logits.softmax(dim=-1)
             threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
             logits = logits.masked_fill(probs < threshold, float("-inf"))
@@ -144,9 +145,9 @@ class Sampler:
             return (probs / self._noise(len(unseeded), probs)).argmax(dim=-1)
         q = torch.empty_like(probs)
         if unseeded:
-            q[_on(device, unseeded, torch.long)] = self._noise(len(unseeded), probs)
+            q[on_device(device, unseeded, torch.long)] = self._noise(len(unseeded), probs)
         seeded = [i for i, generator in enumerate(generators) if generator is not None]
-        q[_on(device, seeded, torch.long)] = _on(device, torch.stack(
+        q[on_device(device, seeded, torch.long)] = on_device(device, torch.stack(
             [torch.empty(vocab, dtype=probs.dtype).exponential_(generator=generators[i]) for i in seeded]))
         return (probs / q).argmax(dim=-1)
 
@@ -155,7 +156,7 @@ class Sampler:
         if self.noise_generator is not None:
             return torch.empty(rows, probs.shape[1], dtype=probs.dtype, device=probs.device).exponential_(
                 generator=self.noise_generator)
-        return _on(probs.device, torch.empty(rows, probs.shape[1], dtype=probs.dtype).exponential_(
+        return on_device(probs.device, torch.empty(rows, probs.shape[1], dtype=probs.dtype).exponential_(
             generator=self.generator))
 
     @staticmethod
@@ -167,16 +168,16 @@ class Sampler:
             return logits
         logits = logits.clone()
         params = [rows[i].params for i in penalized]
-        index = _on(logits.device, penalized, torch.long)
+        index = on_device(logits.device, penalized, torch.long)
         selected = logits[index]
         counts = _token_counts([rows[i].output_token_ids for i in penalized], selected)
         if any(p.repetition_penalty != 1.0 for p in params):
-            repetition = _on(logits.device, [p.repetition_penalty for p in params], logits.dtype).unsqueeze(1)
+            repetition = on_device(logits.device, [p.repetition_penalty for p in params], logits.dtype).unsqueeze(1)
             seen = (_token_counts([rows[i].prompt_token_ids for i in penalized], selected) > 0) | (counts > 0)
             selected = torch.where(seen, torch.where(selected > 0, selected / repetition, selected * repetition),
                                    selected)
-        frequency = _on(logits.device, [p.frequency_penalty for p in params], logits.dtype).unsqueeze(1)
-        presence = _on(logits.device, [p.presence_penalty for p in params], logits.dtype).unsqueeze(1)
+        frequency = on_device(logits.device, [p.frequency_penalty for p in params], logits.dtype).unsqueeze(1)
+        presence = on_device(logits.device, [p.presence_penalty for p in params], logits.dtype).unsqueeze(1)
         logits[index] = selected - (frequency * counts + presence * (counts > 0))
         return logits
 
@@ -187,7 +188,7 @@ def _token_counts(token_lists: Sequence[Sequence[int]], like: torch.Tensor) -> t
     ids = torch.tensor([t for tokens in token_lists for t in tokens], dtype=torch.long)
     rows = torch.repeat_interleave(torch.arange(len(token_lists)), lengths)
     counts = torch.zeros(like.shape, dtype=like.dtype, device=like.device)
-    return counts.index_put_((_on(like.device, rows), _on(like.device, ids)),
+    return counts.index_put_((on_device(like.device, rows), on_device(like.device, ids)),
                              torch.ones(len(ids), dtype=like.dtype, device=like.device), accumulate=True)
 
 
@@ -210,8 +211,8 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
     top_k = [vocab if v == ALL_TOKENS else min(v, vocab) for v in top_k]
     if all(v == vocab for v in top_k) and all(v >= 1.0 for v in top_p):
         return logits
-    k = _on(logits.device, top_k, torch.long)
-    p = _on(logits.device, top_p, logits.dtype)
+    k = on_device(logits.device, top_k, torch.long)
+    p = on_device(logits.device, top_p, logits.dtype)
     sorted_logits, order = logits.sort(dim=-1, descending=False)
     kth = sorted_logits.gather(1, (vocab - k).unsqueeze(1))
     sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
@@ -220,14 +221,6 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
     outside[:, -1] = False  # always keep the most likely token
     sorted_logits = sorted_logits.masked_fill(outside, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
-
-
-def _on(device: torch.device, values: Sequence | torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """Host values on ``device`` without waiting for it: a plain ``torch.tensor(..., device=)``
-    (or a list index into a device tensor) is a blocking copy, which on a GPU waits for every
-    kernel queued before it."""
-    tensor = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
-    return tensor.to(device, non_blocking=True)
 
 
 @dataclass(slots=True)

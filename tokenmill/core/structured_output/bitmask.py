@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-_BIT = torch.arange(32, dtype=torch.int32)
-
+from tokenmill.interfaces.logits_processor import on_device
 
 def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     """An int32 bitmask for ``rows`` rows, every token allowed."""
@@ -13,9 +12,13 @@ def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Set ``logits[rows[i], t]`` to -inf wherever bit ``t`` of ``bitmask[i]`` is clear."""
-    allowed = ((bitmask.unsqueeze(-1) >> _BIT.to(bitmask.device)) & 1).bool().flatten(1)[:, :logits.shape[1]]
-    logits[rows] = logits[rows].masked_fill(~allowed.to(logits.device), float("-inf"))
+    """Set ``logits[rows[i], t]`` to -inf wherever bit ``t`` of the host ``bitmask[i]`` is clear.
+    The packed words cross to the logits' device (a 32nd of the unpacked mask, without a wait)
+    and are unpacked there."""
+    words = on_device(logits.device, bitmask)
+    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
+    blocked = ((words.unsqueeze(-1) >> bits) & 1).flatten(1)[:, :logits.shape[1]] == 0
+    logits[rows] = logits[rows].masked_fill(blocked, float("-inf"))
     return logits
 
 

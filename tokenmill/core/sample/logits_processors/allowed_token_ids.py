@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from tokenmill.interfaces.logits_processor import BatchUpdate, LogitsProcessor
+from tokenmill.interfaces.logits_processor import BatchUpdate, LogitsProcessor, on_device
 
 
 class AllowedTokenIds(LogitsProcessor):
@@ -33,9 +33,10 @@ class AllowedTokenIds(LogitsProcessor):
         if self._mask is None:
             rows = sorted(self._rows)
             mask = torch.ones(len(rows), logits.shape[1], dtype=torch.bool, device=logits.device)
-            for i, row in enumerate(rows):
-                mask[i, torch.tensor(self._rows[row], dtype=torch.long, device=logits.device)] = False
-            self._mask = (torch.tensor(rows, dtype=torch.long, device=logits.device), mask)
+            at = [i for i, row in enumerate(rows) for _ in self._rows[row]]
+            allowed = [token for row in rows for token in self._rows[row]]
+            mask[on_device(logits.device, at, torch.long), on_device(logits.device, allowed, torch.long)] = False
+            self._mask = (on_device(logits.device, rows, torch.long), mask)
         rows, mask = self._mask
         logits[rows] = logits[rows].masked_fill(mask, float("-inf"))
         return logits

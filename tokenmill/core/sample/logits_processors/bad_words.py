@@ -11,7 +11,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from tokenmill.interfaces.logits_processor import AddedRow, BatchUpdate, LogitsProcessor
+from tokenmill.interfaces.logits_processor import AddedRow, BatchUpdate, LogitsProcessor, on_device
 
 
 def bad_word_token_ids(words: Sequence[str], tokenizer: Any) -> list[list[int]]:
@@ -45,7 +45,13 @@ class BadWords(LogitsProcessor):
     def _state(self, row: AddedRow) -> Optional[tuple[list[list[int]], Sequence[int]]]:
         if not row.params.bad_words:
             return None
-        return bad_word_token_ids(row.params.bad_words, self.context.tokenizer), row.output_token_ids
+        # a tokenizer may hold ids past the model's vocabulary (added tokens): the model never
+        # writes them, so a word with one can never be completed (and indexing the logits with
+        # it is a device-side assert on a GPU, which stops the engine)
+        vocab = self.context.vocab_size
+        sequences = [ids for ids in bad_word_token_ids(row.params.bad_words, self.context.tokenizer)
+                     if all(0 <= token < vocab for token in ids)]
+        return (sequences, row.output_token_ids) if sequences else None
 
     def is_active(self) -> bool:
         return bool(self._rows)
@@ -59,5 +65,6 @@ class BadWords(LogitsProcessor):
                     rows.append(i)
                     tokens.append(ids[-1])
         if rows:
-            logits[torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device)] = float("-inf")
+            device = logits.device
+            logits[on_device(device, rows, torch.long), on_device(device, tokens, torch.long)] = float("-inf")
         return logits

@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from tokenmill.interfaces.logits_processor import BatchUpdate, LogitsProcessor
+from tokenmill.interfaces.logits_processor import BatchUpdate, LogitsProcessor, on_device
 
 
 class LogitBias(LogitsProcessor):
@@ -33,8 +33,7 @@ class LogitBias(LogitsProcessor):
         if self._flat is None:
             items = [(i, token, bias) for i, biases in self._rows.items() for token, bias in biases.items()]
             rows, tokens, biases = zip(*items)
-            self._flat = (torch.tensor(rows, dtype=torch.long, device=logits.device),
-                          torch.tensor(tokens, dtype=torch.long, device=logits.device),
-                          torch.tensor(biases, dtype=logits.dtype, device=logits.device))
+            self._flat = (on_device(logits.device, rows, torch.long), on_device(logits.device, tokens, torch.long),
+                          on_device(logits.device, biases, logits.dtype))
         rows, tokens, biases = self._flat
         return logits.index_put_((rows, tokens), biases, accumulate=True)

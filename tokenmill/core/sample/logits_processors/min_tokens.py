@@ -7,7 +7,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from tokenmill.interfaces.logits_processor import AddedRow, BatchUpdate, LogitsProcessor
+from tokenmill.interfaces.logits_processor import AddedRow, BatchUpdate, LogitsProcessor, on_device
 
 
 class MinTokens(LogitsProcessor):
@@ -40,7 +40,7 @@ class MinTokens(LogitsProcessor):
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         masked = self._masked()
         if masked:
-            rows = torch.tensor([i for i, stops in masked for _ in stops], dtype=torch.long)
-            tokens = torch.tensor([t for _, stops in masked for t in stops], dtype=torch.long)
-            logits[rows.to(logits.device), tokens.to(logits.device)] = float("-inf")
+            rows = on_device(logits.device, [i for i, stops in masked for _ in stops], torch.long)
+            tokens = on_device(logits.device, [t for _, stops in masked for t in stops], torch.long)
+            logits[rows, tokens] = float("-inf")
         return logits

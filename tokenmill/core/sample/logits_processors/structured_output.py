@@ -12,7 +12,8 @@ import torch
 
 from tokenmill.core.structured_output.bitmask import allocate_bitmask, allow_only, apply_bitmask
 from tokenmill.core.structured_output.manager import StructuredOutputManager
-from tokenmill.interfaces.logits_processor import AddedRow, BatchUpdate, LogitsProcessor, LogitsProcessorContext
+from tokenmill.interfaces.logits_processor import (AddedRow, BatchUpdate, LogitsProcessor, LogitsProcessorContext,
+                                                  on_device)
 from tokenmill.interfaces.structured_output import ConstraintMatcher
 
 
@@ -84,4 +85,4 @@ class StructuredOutput(LogitsProcessor):
                 allow_only(bitmask, position, self.context.eos_token_ids)
             else:
                 row.matcher.fill_bitmask(bitmask, position)
-        return apply_bitmask(logits, bitmask, torch.tensor(indices, dtype=torch.long, device=logits.device))
+        return apply_bitmask(logits, bitmask, on_device(logits.device, indices, torch.long))
