@@ -26,10 +26,11 @@ from conftest import PROMPTS, QUANT_CHECKPOINTS, with_platforms
 from tokenmill import LLM, SamplingParams, load_config
 from tokenmill.core.distributed.messages import Row, Step
 from tokenmill.core.layers.custom_op import CustomOp
-from tokenmill.core.worker import memory_profile
+from tokenmill.core.worker import memory_profile, model_builder
 from tokenmill.plugins.platforms.cuda.fused_ops import FUSED_OPS
 from tokenmill.plugins.quantization import fp8
 from tokenmill.testing.device_graphs import FreedTensorError
+from tokenmill.testing.device_memory import DEVICE_MEMORY
 from tokenmill.testing.fake_cuda import DeviceMismatchError, DeviceTensor, fake_cuda, host_syncs
 from tokenmill.testing.fake_cuda_platform import FakeCudaPlatform
 from tokenmill.testing.hf_reference import assert_matches_reference, hf_greedy
@@ -84,7 +85,7 @@ def test_every_family_runs_on_the_device_stand_in_at_hf_parity(arch, model_dir):
     with fake_cuda():
         llm = fake_cuda_llm(model_dir(arch))
         engine = llm.llm_engine
-        assert engine.platform.profiled == 1
+        assert len(engine.platform.peaks) == 1
         assert isinstance(next(engine.runner.model.parameters()), DeviceTensor)
         ops = [m for m in engine.runner.model.modules() if isinstance(m, CustomOp)]
         assert all(m.op_impl in FUSED_OPS.values() for m in ops)  # every elementwise op on its Triton kernel
@@ -156,6 +157,43 @@ def test_mutation_profiling_forward_without_staging_fails(model_dir, monkeypatch
     monkeypatch.setattr(memory_profile, "InputStaging", NoStaging)
     with fake_cuda(), pytest.raises(DeviceMismatchError, match="aten.embedding"):
         fake_cuda_llm(model_dir("llama"))
+
+
+def profile_and_sampling_peaks(model_dir) -> tuple[int, int]:
+    """(the startup profile's device memory peak, the highest peak of a real step's sampling),
+    on the stand-in, for ``max_num_seqs`` requests with penalties, top-k/top-p and 20 logprobs:
+    the sampler's [rows, vocab] temporaries outweigh this tiny model's forward pass."""
+    peaks = []
+    with fake_cuda():
+        llm = fake_cuda_llm(model_dir("llama"), max_num_seqs=8, max_num_batched_tokens=8)
+        sampler = llm.llm_engine.runner.sampler
+        sample = sampler.sample
+
+        def measured(logits, rows):
+            before = DEVICE_MEMORY.allocated
+            DEVICE_MEMORY.reset_peak()
+            out = sample(logits, rows)
+            peaks.append(DEVICE_MEMORY.peak - before)
+            return out
+
+        sampler.sample = measured
+        params = SamplingParams(temperature=0.8, top_p=0.9, top_k=40, repetition_penalty=1.2,
+                                frequency_penalty=0.2, max_tokens=3, ignore_eos=True, logprobs=20)
+        llm.generate([{"prompt_token_ids": p[:3]} for p in (PROMPTS * 2)[:8]], params, use_tqdm=False)
+    return llm.llm_engine.platform.peaks[0], max(peaks)
+
+
+def test_the_memory_profile_holds_the_largest_sampling_step(model_dir):
+    """The KV cache gets what the profile leaves: the profile runs the sampler on as many rows as
+    a step can sample, so that a full batch of random rows cannot run out of device memory."""
+    profiled, sampling = profile_and_sampling_peaks(model_dir)
+    assert 0 < sampling <= profiled
+
+
+def test_mutation_a_profile_without_sampling_is_below_a_sampling_step(model_dir, monkeypatch):
+    monkeypatch.setattr(model_builder, "profile_sampling", lambda *args: None)
+    profiled, sampling = profile_and_sampling_peaks(model_dir)
+    assert profiled < sampling
 
 
 @pytest.mark.skipif(not CHECKPOINTS.is_dir(), reason=f"shared checkpoints not found at {CHECKPOINTS}")

@@ -22,7 +22,8 @@ to be on the same device". Under ``fake_cuda()``:
 
 Values are real, so an engine on ``FakeCudaPlatform`` can be compared with Hugging Face.
 What it does not model: kernels running late (every kernel completes at once), memory
-limits, and the address-level faults of recorded graphs (``device_graphs`` has those).
+limits (it counts what device tensors hold: ``device_memory``), and the address-level faults
+of recorded graphs (``device_graphs`` has those).
 What it records instead (``host_syncs()``): each point where a GPU's host would wait for the
 device, so that code meant to run ahead of the device (async scheduling) can be held to it;
 and (``host_to_device_copies()``) the shape of each host tensor copied to the device.
@@ -41,6 +42,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from tokenmill.testing.device_memory import DEVICE_MEMORY
 from tokenmill.testing.kernel_launches import intercept_launches
 from tokenmill.testing.pinned_copies import CopyQueue
 
@@ -138,6 +140,7 @@ class DeviceTensor(torch.Tensor):
             cls, elem.size(), strides=elem.stride(), storage_offset=elem.storage_offset(), dtype=elem.dtype,
             device=CUDA, requires_grad=elem.requires_grad)
         tensor.elem = elem
+        DEVICE_MEMORY.hold(tensor, elem)
         return tensor
 
     __torch_function__ = torch._C._disabled_torch_function_impl

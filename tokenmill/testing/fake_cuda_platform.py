@@ -19,6 +19,7 @@ import torch
 from tokenmill.interfaces.platform import Detection
 from tokenmill.plugins.platforms.cuda.platform import CudaPlatform
 from tokenmill.testing.device_graphs import RecordsGraphs
+from tokenmill.testing.device_memory import DEVICE_MEMORY
 from tokenmill.testing.fake_cuda import queue_mark, synced, wait_for_mark
 
 
@@ -28,8 +29,8 @@ class FakeCudaPlatform(RecordsGraphs, CudaPlatform):
 
     def __init__(self, config, options=None) -> None:
         super().__init__(config, options)
-        #: how many profiling forward passes ran
-        self.profiled = 0
+        #: the device memory each profiling pass peaked at (bytes above what was held before)
+        self.peaks: list[int] = []
 
     @classmethod
     def detect(cls) -> Detection:
@@ -42,10 +43,14 @@ class FakeCudaPlatform(RecordsGraphs, CudaPlatform):
         return requested
 
     def peak_memory(self, run: Callable[[], None]) -> int:
+        """As ``CudaPlatform``'s, over the stand-in's device memory; the KV budget is
+        ``kv_cache_memory_bytes`` all the same (``peaks`` keeps each measure)."""
+        before = DEVICE_MEMORY.allocated
+        DEVICE_MEMORY.reset_peak()
         run()
         synced("torch.cuda.synchronize() after the profiling forward")  # as CudaPlatform's
-        self.profiled += 1
-        return 0
+        self.peaks.append(max(0, DEVICE_MEMORY.peak - before))
+        return self.peaks[-1]
 
     def describe(self) -> dict:
         return {"platform": self.name, "device": self.device_type}

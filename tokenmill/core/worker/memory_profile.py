@@ -8,6 +8,11 @@ requests as ``max_num_seqs`` allows (each at most ``max_model_len``), every requ
 token taking logits. Its KV goes into a one-block cache bound for the pass, which the real
 allocation replaces. Every rank runs it at the same point, so the collectives of tensor and
 pipeline parallelism pair up.
+
+Sampling is profiled too (vLLM's dummy sampler run): the most rows a step can sample
+(``max_num_seqs``, times k + 1 with k speculative tokens) through every [rows, vocab]
+transformation the sampler has. At 1024 rows of a 256k vocabulary those are ~10 GB, which a
+profile of the forward alone leaves to the KV cache.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import itertools
 import torch
 
 from tokenmill.core.distributed.messages import Row, Step
+from tokenmill.core.sample.sampler import Sampler, SamplingRow
 from tokenmill.core.worker.kv_cache import allocate_kv_caches
 from tokenmill.core.worker.input_staging import InputStaging
 from tokenmill.core.worker.model_step import ModelStep
@@ -24,6 +30,7 @@ from tokenmill.interfaces.attention import AttentionBackend
 from tokenmill.interfaces.models import CausalLM
 from tokenmill.interfaces.parallel import ParallelContext
 from tokenmill.interfaces.platform import Platform
+from tokenmill.interfaces.types import SamplingParams
 
 
 def profile_step(num_tokens: int, max_num_seqs: int, max_model_len: int, block_size: int) -> Step:
@@ -43,3 +50,14 @@ def profile_forward(model: CausalLM, backend: AttentionBackend, parallel: Parall
     allocate_kv_caches(model, backend, 1, block_size, cache_dtype, platform.device_type)
     ModelStep(model, backend, block_size, vocab_size, parallel, staging=InputStaging.for_platform(platform)).run(
         profile_step(num_tokens, max_num_seqs, max_model_len, block_size))
+
+
+def profile_sampling(vocab_size: int, rows: int, max_logprobs: int, platform: Platform) -> None:
+    """Sample ``rows`` rows of random logits with all the sampler holds at once: penalties,
+    temperature, min-p, top-k and top-p (a sort of the whole vocabulary), the draw's noise and
+    the largest logprobs a request may ask for."""
+    params = SamplingParams(temperature=0.7, top_p=0.9, top_k=50, min_p=0.01, repetition_penalty=1.1,
+                            presence_penalty=0.1, frequency_penalty=0.1, logprobs=max_logprobs)
+    logits = torch.randn(rows, vocab_size, dtype=torch.float32, device=platform.device_type)
+    sampler = Sampler(0, noise_generator=platform.noise_generator(0))
+    sampler.sample(logits, [SamplingRow(params, [0], [0], None)] * rows)

@@ -24,7 +24,7 @@ from tokenmill.core.model_loader.weights import load_strictly
 from tokenmill.core.plugin_host.components import Components
 from tokenmill.core.plugin_host.plugin_manager import PluginManager
 from tokenmill.core.worker.kv_cache import SwapCaches, allocate_kv_caches
-from tokenmill.core.worker.memory_profile import profile_forward
+from tokenmill.core.worker.memory_profile import profile_forward, profile_sampling
 from tokenmill.interfaces.adapters import AdapterType
 from tokenmill.interfaces.attention import AttentionBackend
 from tokenmill.interfaces.errors import ConfigError
@@ -69,12 +69,19 @@ class BuiltModel:
         per_block = max(1, self.kv_bytes_per_block(config.cache.block_size) + extra_bytes_per_block)
         activations = 0
         if platform.profiles_memory:
-            activations = platform.peak_memory(lambda: profile_forward(
-                self.model, self.backend, self.parallel, self.model_config.vocab_size, self.cache_dtype,
-                platform, config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs,
-                self.model_config.max_model_len, config.cache.block_size))
+            drafts = (config.speculative.num_speculative_tokens or 0) if config.speculative.method else 0
+            sampled_rows = config.scheduler.max_num_seqs * (1 + drafts)
+
+            def largest_step() -> None:
+                profile_forward(self.model, self.backend, self.parallel, self.model_config.vocab_size,
+                                self.cache_dtype, platform, config.scheduler.max_num_batched_tokens,
+                                config.scheduler.max_num_seqs, self.model_config.max_model_len,
+                                config.cache.block_size)
+                profile_sampling(self.model_config.vocab_size, sampled_rows, config.server.max_logprobs, platform)
+
+            activations = platform.peak_memory(largest_step)
             log.info("memory profiled", activation_mib=round(activations / 2**20, 1),
-                     tokens=config.scheduler.max_num_batched_tokens)
+                     tokens=config.scheduler.max_num_batched_tokens, sampled_rows=sampled_rows)
         budget = platform.kv_cache_memory(int(config.cache.kv_cache_memory), activations)
         return budget // per_block, int(config.cache.swap_space) // per_block
 
