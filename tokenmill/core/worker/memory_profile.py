@@ -53,11 +53,11 @@ def profile_forward(model: CausalLM, backend: AttentionBackend, parallel: Parall
 
 
 def profile_sampling(vocab_size: int, rows: int, max_logprobs: int, platform: Platform) -> None:
-    """Sample ``rows`` rows of random logits with all the sampler holds at once: penalties,
+    """Sample ``rows`` rows of logits with all the sampler holds at once: penalties,
     temperature, min-p, top-k and top-p (a sort of the whole vocabulary), the draw's noise and
     the largest logprobs a request may ask for."""
     params = SamplingParams(temperature=0.7, top_p=0.9, top_k=50, min_p=0.01, repetition_penalty=1.1,
                             presence_penalty=0.1, frequency_penalty=0.1, logprobs=max_logprobs)
-    logits = torch.randn(rows, vocab_size, dtype=torch.float32, device=platform.device_type)
+    logits = torch.zeros(rows, vocab_size, dtype=torch.float32, device=platform.device_type)  # no global RNG draw
     sampler = Sampler(0, noise_generator=platform.noise_generator(0))
     sampler.sample(logits, [SamplingRow(params, [0], [0], None)] * rows)
