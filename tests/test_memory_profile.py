@@ -44,7 +44,10 @@ class ProfilingPlatform(Platform):
 def test_the_profiled_step_is_the_largest_the_scheduler_can_form(tokens, max_seqs, max_len, block, lengths):
     step = profile_step(tokens, max_seqs, max_len, block)
     assert [len(row.token_ids) for row in step.rows] == lengths
-    assert all(len(row.block_ids) * block >= len(row.token_ids) for row in step.rows)
+    assert all(len(row.block_ids) * block >= row.num_computed_tokens + len(row.token_ids) for row in step.rows)
+    # the last request ends the longest context: the widest block table a step can have
+    assert step.rows[-1].num_computed_tokens + len(step.rows[-1].token_ids) == max_len
+    assert len(step.rows[-1].block_ids) == -(-max_len // block)
     assert step.logits_rows == [sum(lengths[:i + 1]) - 1 for i in range(len(lengths))]
 
 

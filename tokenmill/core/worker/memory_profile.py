@@ -35,10 +35,14 @@ from tokenmill.interfaces.types import SamplingParams
 
 def profile_step(num_tokens: int, max_num_seqs: int, max_model_len: int, block_size: int) -> Step:
     """The largest step: ``num_tokens`` split as evenly as possible over up to
-    ``max_num_seqs`` requests of at most ``max_model_len`` tokens, all in block 0."""
+    ``max_num_seqs`` requests of at most ``max_model_len`` tokens, all in block 0. The last
+    request's tokens end a context of ``max_model_len`` (a long prompt's last chunk), so the
+    step's block table is as wide as any step's: what attention builds per token and block
+    table column (the flex backend's block masks) is measured at its widest."""
     num_seqs = max(min(max_num_seqs, num_tokens), -(-num_tokens // max_model_len))
     lengths = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
-    rows = [Row([0] * n, 0, [0] * -(-n // block_size), None) for n in lengths]
+    rows = [Row([0] * n, 0, [0] * -(-n // block_size), None) for n in lengths[:-1]]
+    rows.append(Row([0] * lengths[-1], max_model_len - lengths[-1], [0] * -(-max_model_len // block_size), None))
     return Step(rows, [end - 1 for end in itertools.accumulate(lengths)], False)
 
 
