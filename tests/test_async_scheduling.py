@@ -342,14 +342,18 @@ def test_mutation_tokens_read_from_the_device_wait_for_the_step_after(model_dir,
 
 def test_on_the_cuda_stand_in_prompt_logprobs_and_sampling_rows_come_out_as_on_the_cpu(model_dir):
     """A step with prompt-logprob rows picks its sampling rows out of the logits through a staged
-    index (a host index is a blocking copy on a GPU); tokens and prompt logprobs are the CPU
-    engine's."""
+    index (a host index is a blocking copy on a GPU), and its prompt logprobs go to the host
+    with its tokens (read from the logits, they would wait for the step launched since); tokens
+    and prompt logprobs are the CPU engine's."""
     params = [SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, prompt_logprobs=2, logprobs=1),
               SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)]
     prompts = [PROMPTS[0][:12], PROMPTS[1][:9]]
-    device, waits = stand_in_launch_waits(model_dir, prompts, params)
+    reads = []
+    device, waits = stand_in_launch_waits(model_dir, prompts, params, reads)
     same_completions(generate(make_llm(model_dir("llama"), block_size=8), prompts, params), device)
     assert device[0].prompt_logprobs is not None and waits == []
+    # the prompt logprobs came back with the step's tokens: its reads waited for its marks only
+    assert reads and all(set(events) <= {"waited for a recorded event"} for events in reads)
 
 
 RANDOM_ROWS = [SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_tokens=5, ignore_eos=True),
@@ -358,12 +362,24 @@ RANDOM_ROWS = [SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_tokens=5
                SamplingParams(temperature=0.7, seed=3, max_tokens=5, ignore_eos=True)]
 
 
-def stand_in_launch_waits(model_dir, prompts, params):
+def stand_in_launch_waits(model_dir, prompts, params, reads=None):
     """The completions on the CUDA stand-in (async scheduling, its default there) and the host's
-    waits for the device while each step was launched."""
+    waits for the device while each step was launched; with ``reads`` (a list), the waits of
+    each step's read (``runner.finish``) are appended to it."""
     with fake_cuda():
         llm = fake_cuda_llm(model_dir("llama"))
         waits = launch_waits(llm)
+        if reads is not None:
+            runner = llm.llm_engine.runner
+            finish = runner.finish
+
+            def watched_finish(launched):
+                with host_syncs() as events:
+                    result = finish(launched)
+                reads.append(events)
+                return result
+
+            runner.finish = watched_finish
         return generate(llm, prompts, params), waits
 
 

@@ -66,12 +66,12 @@ class InputStaging:
         staged.copy_(tensor)
         return staged.to(self.device, non_blocking=True)
 
-    def to_host(self, tensors: Sequence[torch.Tensor]) -> "HostCopies":
-        """Copies of device ``tensors`` into this step's host buffers, queued without waiting
-        (a step's sampled tokens, read once the step is done: ``HostCopies.wait``)."""
+    def to_host(self, tensors: Sequence[torch.Tensor], name: str = "to_host") -> "HostCopies":
+        """Copies of device ``tensors`` into this step's host buffers ``name``, queued without
+        waiting (a step's sampled tokens, read once the step is done: ``HostCopies.wait``)."""
         copies = []
         for index, tensor in enumerate(tensors):
-            staged = self._staged(f"to_host{index}", tensor)
+            staged = self._staged(f"{name}{index}", tensor)
             staged.copy_(tensor, non_blocking=True)
             copies.append(staged)
         return HostCopies(copies, self._record_event())

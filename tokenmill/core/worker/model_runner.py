@@ -23,10 +23,11 @@ import torch
 from tokenmill.core.distributed.messages import Row, Step
 from tokenmill.core.sample.persistent_batch import PersistentBatch
 from tokenmill.core.sample.rejection_sampler import accept_greedy, row_starts, verify
-from tokenmill.core.sample.sampler import LogprobValues, Sampler, SamplingRow, gather_logprobs
+from tokenmill.core.sample.sampler import LogprobValues, Sampler, SamplingRow
 from tokenmill.core.worker.input_staging import HostCopies, InputStaging
 from tokenmill.core.worker.model_step import ModelStep, StepResult
 from tokenmill.core.worker.placeholder_tokens import PlaceholderTokens
+from tokenmill.core.worker.prompt_logprobs import PromptLogprobs
 from tokenmill.interfaces.batch import (
     PLACEHOLDER_TOKEN,
     ModelRunnerOutput,
@@ -68,6 +69,8 @@ class LaunchedStep:
     owners: dict[str, "_RequestState"] = field(default_factory=dict)
     #: the samples of ``sample_items``, once the result is in (still on the model's device)
     samples: Optional["_Samples"] = None
+    #: the values of ``prompt_spans``, once the result is in
+    prompt_logprobs: Optional[PromptLogprobs] = None
 
 
 @dataclass(slots=True)
@@ -229,6 +232,14 @@ class ModelRunner:
         """Sample the launched step's rows from its result. The tokens stay on the model's
         device (``finish`` reads them), so that another step can be launched first."""
         result, items = launched.result, launched.sample_items
+        if launched.prompt_spans and result.logits is not None:
+            owners = launched.owners
+            launched.prompt_logprobs = PromptLogprobs.of(result.logits, [
+                (item.request_id, row, owners[item.request_id].data.prompt_token_ids[first:first + count],
+                 owners[item.request_id].data.sampling_params.prompt_logprobs)
+                for item, row, first, count in launched.prompt_spans])
+            if self._readback is not None:
+                launched.prompt_logprobs.copy_to_host(self._readback)
         drafts = [item.spec_token_ids for item in items]
         row_index = [row + j for item, row in zip(items, launched.sample_rows)
                      for j in range(len(item.spec_token_ids) + 1)]
@@ -284,10 +295,13 @@ class ModelRunner:
                 launched.sampling_rows = self._update_processors(launched.sample_items)
                 self._processors_hold = launched
             self._sample(launched)
-        result = launched.result
         spans = [span for span in launched.prompt_spans
                  if self._states.get(span[0].request_id) is owners[span[0].request_id]]
-        prompt_logprobs = self._prompt_logprobs(result.logits, spans) if result.logits is not None else {}
+        prompt_logprobs = {}
+        if launched.prompt_logprobs is not None:
+            live = {item.request_id for item, *_ in spans}
+            prompt_logprobs = {request_id: entries for request_id, entries in launched.prompt_logprobs.read().items()
+                               if request_id in live}
         for item, _, first, count in spans:
             self._states[item.request_id].num_prompt_logprobs_done = first + count
         sampled: dict[str, list[int]] = {}
@@ -347,17 +361,3 @@ class ModelRunner:
         if end < first:
             return None
         return first, end - first + 1
-
-    def _prompt_logprobs(
-        self, logits: torch.Tensor, spans: list[tuple[ScheduledRequest, int, int, int]]
-    ) -> dict[str, list[Optional[PositionLogprobs]]]:
-        result: dict[str, list[Optional[PositionLogprobs]]] = {}
-        for item, row0, first, count in spans:
-            state = self._states[item.request_id]
-            targets = torch.tensor(state.data.prompt_token_ids[first:first + count], dtype=torch.long,
-                                   device=logits.device)
-            k = state.data.sampling_params.prompt_logprobs
-            result[item.request_id] = gather_logprobs(
-                logits[row0:row0 + count].log_softmax(dim=-1), targets, [k] * count
-            )
-        return result
