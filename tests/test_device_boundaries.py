@@ -342,10 +342,11 @@ def test_triton_kernels_refuse_host_tensors():
 
 
 def test_random_sampling_draws_its_noise_on_the_device(model_dir):
-    """Unseeded random rows draw the sampling noise with the platform's device generator: a
-    step copies the device no [rows, vocab] host tensor (on a GPU, 32 MB a step at 256 rows
-    of a 32k vocabulary). A seeded request's row still comes from its host generator, one row
-    of the vocabulary. Mutation: drawn on the host and copied over, the first check fails."""
+    """Random rows draw the sampling noise with device generators (the platform's): a step
+    copies the device no [rows, vocab] host tensor (on a GPU, 32 MB a step at 256 rows of a
+    32k vocabulary), nor a seeded row's vocabulary-long draw (a host loop of 5-13 ms at a
+    152k vocabulary). A seeded request samples alike in another batch. Mutation: drawn on the
+    host and copied over, the first check fails."""
     from tokenmill.testing.fake_cuda import host_to_device_copies
 
     params = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True)
@@ -356,7 +357,9 @@ def test_random_sampling_draws_its_noise_on_the_device(model_dir):
         with host_to_device_copies() as copies:
             llm.generate(prompts, params, use_tqdm=False)
         assert copies and max(math.prod(shape) for shape in copies) < vocab
+        seeded = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, seed=3)
         with host_to_device_copies() as copies:
-            seeded = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, seed=3)
-            llm.generate(prompts, [params] * 3 + [seeded], use_tqdm=False)
-        assert max(math.prod(shape) for shape in copies) == vocab
+            batched = llm.generate(prompts, [params] * 3 + [seeded], use_tqdm=False)[3]
+        assert max(math.prod(shape) for shape in copies) < vocab
+        alone = llm.generate(prompts[3:], seeded, use_tqdm=False)[0]
+        assert batched.outputs[0].token_ids == alone.outputs[0].token_ids

@@ -102,7 +102,7 @@ def test_async_scheduling_decodes_as_hf_with_graphs_and_as_the_step_by_step_engi
     """One step in flight while the next is launched: the placeholders take the last step's
     tokens on the GPU (in a graph's input buffer for decode steps), the host reads each step's
     tokens through pinned copies; fp32, so HF's bound holds, and seeded sampling is the same
-    as step by step (each seeded row draws from its own generator, on the host)."""
+    as step by step (each seeded row draws from its own CUDA generator)."""
     prompts = PROMPTS[:6]
     llm = cuda_llm(model_dir("llama"), dtype="float32", async_scheduling=True, max_num_seqs=4)
     assert llm.llm_engine.runner.model_step.graphs is not None

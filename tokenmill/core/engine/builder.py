@@ -165,7 +165,7 @@ def _build_engine(config: EngineConfig, pm: PluginManager, components: Component
     processors = ((StructuredOutput(context, structured),) if structured else ()) + _logits_processors(
         config, components, context)
     runner = ModelRunner(model_step, config.seed, processors, config.logprobs_mode, async_scheduling, staging,
-                         platform.noise_generator(config.seed))
+                         platform.noise_generator)
     engine = LLMEngine(config, model_config, tokenizer, scheduler, runner, pm, adapters, platform, structured, group,
                        speculator)
     engine.control = EngineControl(engine, ControlPlane(local_control, group,

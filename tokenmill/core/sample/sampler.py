@@ -135,10 +135,10 @@ class Sampler:
         """One token from each row of ``probs``, with the row's generator (None: the engine's).
 
         The exponential race: argmax(p / q) with q ~ Exp(1) samples from p, and lets each
-        seeded row draw q from its own generator. A seeded row's generator is the host's, so a
-        seeded request draws the same numbers on every device (its q then moves to ``probs``'
-        device); the unseeded rows draw theirs with ``noise_generator`` on ``probs``' device,
-        or without one with the host's and move them."""
+        seeded row draw q from its own generator. Where the sampler has a ``noise_generator``
+        (a device's), every row's q is drawn on ``probs``' device, a seeded row's with its
+        request's generator, which the runner made on that device too (vLLM's rule: a seeded
+        request samples alike on the same device, whatever its batch); otherwise on the host."""
         device, vocab = probs.device, probs.shape[1]
         unseeded = [i for i, generator in enumerate(generators) if generator is None]
         if len(unseeded) == len(generators):
@@ -147,8 +147,9 @@ class Sampler:
         if unseeded:
             q[on_device(device, unseeded, torch.long)] = self._noise(len(unseeded), probs)
         seeded = [i for i, generator in enumerate(generators) if generator is not None]
+        at = device if self.noise_generator is not None else None
         q[on_device(device, seeded, torch.long)] = on_device(device, torch.stack(
-            [torch.empty(vocab, dtype=probs.dtype).exponential_(generator=generators[i]) for i in seeded]))
+            [torch.empty(vocab, dtype=probs.dtype, device=at).exponential_(generator=generators[i]) for i in seeded]))
         return (probs / q).argmax(dim=-1)
 
     def _noise(self, rows: int, probs: torch.Tensor) -> torch.Tensor:

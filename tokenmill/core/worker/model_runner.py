@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -111,7 +111,7 @@ class ModelRunner:
     def __init__(self, model_step: ModelStep, seed: int,
                  logits_processors: tuple[LogitsProcessor, ...] = (), logprobs_mode: str = "raw_logprobs",
                  async_scheduling: bool = False, readback: Optional[InputStaging] = None,
-                 noise_generator: Optional[torch.Generator] = None) -> None:
+                 device_generator: Callable[[int], Optional[torch.Generator]] = lambda seed: None) -> None:
         #: runs the forward pass: here, or broadcast to every rank first (DistributedModelStep)
         self.model_step = model_step
         #: host buffers for the sampled tokens, where the model runs on another device (the
@@ -120,7 +120,10 @@ class ModelRunner:
         #: each request's latest sampled token, where it lies on the model's device, for the
         #: placeholders of a step scheduled before that token reached the host (async scheduling)
         self._sampled: Optional[dict[str, tuple[torch.Tensor, int]]] = {} if async_scheduling else None
-        self.sampler = Sampler(seed, logits_processors, logprobs_mode, noise_generator)
+        #: a generator on the logits' device from a seed (``Platform.noise_generator``), or None
+        #: where sampling noise is drawn on the host
+        self._device_generator = device_generator
+        self.sampler = Sampler(seed, logits_processors, logprobs_mode, device_generator(seed))
         self._batch = PersistentBatch()
         self._states: dict[str, _RequestState] = {}
         #: the launched step whose rows the logits processors hold
@@ -156,8 +159,8 @@ class ModelRunner:
         self._batch.forget(batch.finished_request_ids)
         for data in batch.new_requests:
             generator = None
-            if data.seed is not None:
-                generator = torch.Generator().manual_seed(data.seed)
+            if data.seed is not None:  # its draws are made where the engine's noise is drawn
+                generator = self._device_generator(data.seed) or torch.Generator().manual_seed(data.seed)
             self._states[data.request_id] = _RequestState(data, generator)
         if batch.blocks_to_swap_out or batch.blocks_to_swap_in:
             self.model_step.swap_blocks(batch.blocks_to_swap_out, batch.blocks_to_swap_in)
