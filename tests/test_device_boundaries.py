@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import PROMPTS, QUANT_CHECKPOINTS, with_platforms
+from conftest import PROMPTS, QUANT_CHECKPOINTS, make_llm, with_platforms
 from tokenmill import LLM, SamplingParams, load_config
 from tokenmill.core.distributed.messages import Row, Step
 from tokenmill.core.layers.custom_op import CustomOp
@@ -339,6 +339,23 @@ def test_triton_kernels_refuse_host_tensors():
         assert device.cpu().tolist() == [1.0] * 4
         with pytest.raises(ValueError, match="cpu tensor"):
             add_one[(1,)](torch.zeros(4), 4)
+
+
+def test_a_penalised_prompt_crosses_to_the_device_once(model_dir):
+    """The repetition penalty counts the prompt's tokens every step; the prompt's ids go to the
+    device once per request, not every step (a 2k-token prompt at 64 rows is 128k ids of
+    Python and a copy, a step), and the tokens are the CPU engine's."""
+    from tokenmill.testing.fake_cuda import host_to_device_copies
+
+    prompt = (PROMPTS[0] * 2)[:37]
+    params = SamplingParams(temperature=0, repetition_penalty=1.5, max_tokens=8, ignore_eos=True)
+    with fake_cuda():
+        llm = fake_cuda_llm(model_dir("llama"))
+        with host_to_device_copies() as copies:
+            device = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    assert copies.count((37,)) == 1
+    cpu = make_llm(model_dir("llama")).generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    assert device.outputs[0].token_ids == cpu.outputs[0].token_ids
 
 
 def test_random_sampling_draws_its_noise_on_the_device(model_dir):

@@ -114,9 +114,10 @@ def test_penalties_batched_equal_penalties_row_by_row():
             row(SamplingParams(repetition_penalty=0.6, frequency_penalty=1.1), output=[], prompt=[0, 39]),
             row(SamplingParams(presence_penalty=2.0), output=[39, 0, 39]),
             row(SamplingParams(repetition_penalty=1.2, presence_penalty=0.1), output=[10], prompt=[10, 11])]
-    batched = Sampler._apply_penalties(logits, rows)
+    sampler = Sampler(0)  # one sampler: the prompts it keeps on the device from one call serve the next
+    batched = sampler._apply_penalties(logits, rows)
     for i, r in enumerate(rows):
-        assert torch.equal(batched[i], Sampler._apply_penalties(logits[i:i + 1], [r])[0])
+        assert torch.equal(batched[i], sampler._apply_penalties(logits[i:i + 1], [r])[0])
     assert torch.equal(batched[1], logits[1])  # no penalty: untouched
     assert not torch.equal(batched[0], logits[0])
 

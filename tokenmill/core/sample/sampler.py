@@ -17,6 +17,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from tokenmill.core.sample.token_counts import PromptTokens, token_counts
 from tokenmill.interfaces.logits_processor import BatchUpdate, LogitsProcessor, on_device
 from tokenmill.interfaces.types import ALL_TOKENS, Logprob, PositionLogprobs, SamplingParams
 
@@ -41,6 +42,8 @@ class Sampler:
         #: with it on the logits' device instead, not on the host and copied there
         self.noise_generator = noise_generator
         self.processors = tuple(processors)
+        #: penalised requests' prompt ids, on the logits' device
+        self._prompt_tokens = PromptTokens()
         self._argmax_changing = [p for p in self.processors if not p.is_argmax_invariant()]
         self._argmax_invariant = [p for p in self.processors if p.is_argmax_invariant()]
 
@@ -160,8 +163,7 @@ class Sampler:
         return on_device(probs.device, torch.empty(rows, probs.shape[1], dtype=probs.dtype).exponential_(
             generator=self.generator))
 
-    @staticmethod
-    def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    def _apply_penalties(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """Repetition (vLLM/HF: every token seen in the prompt or the output), frequency and
         presence penalties, for all penalised rows in a few batched tensor operations."""
         penalized = [i for i, row in enumerate(rows) if _penalized(row.params)]
@@ -171,26 +173,17 @@ class Sampler:
         params = [rows[i].params for i in penalized]
         index = on_device(logits.device, penalized, torch.long)
         selected = logits[index]
-        counts = _token_counts([rows[i].output_token_ids for i in penalized], selected)
+        counts = token_counts([rows[i].output_token_ids for i in penalized], selected)
         if any(p.repetition_penalty != 1.0 for p in params):
             repetition = on_device(logits.device, [p.repetition_penalty for p in params], logits.dtype).unsqueeze(1)
-            seen = (_token_counts([rows[i].prompt_token_ids for i in penalized], selected) > 0) | (counts > 0)
+            prompt_counts = self._prompt_tokens.counts([rows[i].prompt_token_ids for i in penalized], selected)
+            seen = (prompt_counts > 0) | (counts > 0)
             selected = torch.where(seen, torch.where(selected > 0, selected / repetition, selected * repetition),
                                    selected)
         frequency = on_device(logits.device, [p.frequency_penalty for p in params], logits.dtype).unsqueeze(1)
         presence = on_device(logits.device, [p.presence_penalty for p in params], logits.dtype).unsqueeze(1)
         logits[index] = selected - (frequency * counts + presence * (counts > 0))
         return logits
-
-
-def _token_counts(token_lists: Sequence[Sequence[int]], like: torch.Tensor) -> torch.Tensor:
-    """[len(token_lists), vocab]: how often each token occurs in each list (one scatter)."""
-    lengths = torch.tensor([len(tokens) for tokens in token_lists])
-    ids = torch.tensor([t for tokens in token_lists for t in tokens], dtype=torch.long)
-    rows = torch.repeat_interleave(torch.arange(len(token_lists)), lengths)
-    counts = torch.zeros(like.shape, dtype=like.dtype, device=like.device)
-    return counts.index_put_((on_device(like.device, rows), on_device(like.device, ids)),
-                             torch.ones(len(ids), dtype=like.dtype, device=like.device), accumulate=True)
 
 
 def reads_output_history(params: SamplingParams) -> bool:
