@@ -341,6 +341,24 @@ def test_triton_kernels_refuse_host_tensors():
             add_one[(1,)](torch.zeros(4), 4)
 
 
+def test_a_seeded_request_speculates_with_its_device_generator(model_dir):
+    """A seeded request's generator is the device's: its draft acceptance draws (the uniforms of
+    rejection sampling) are made on the device too. A host draw from a CUDA generator raises
+    ("Expected a 'cpu' device type for generator"); the stand-in's device generators refuse it
+    the same way. The request samples alike when run again."""
+    prompt = (PROMPTS[0][:6] * 4)[:24]
+    params = SamplingParams(temperature=0.7, seed=7, max_tokens=32, ignore_eos=True)
+    with fake_cuda():  # a one-token match drafts (the seed fixes what is drawn, drafts included)
+        llm = fake_cuda_llm(model_dir("llama"), enforce_eager=True, speculative_config={
+            "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+        runs = [llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0] for _ in range(2)]
+        assert [run.finish_reason for run in runs] == ["length", "length"]  # no step failed
+        assert llm.llm_engine.scheduler.spec_stats.num_drafts > 0
+    assert runs[0].token_ids == runs[1].token_ids
+    with fake_cuda(), pytest.raises(RuntimeError, match="device type for generator"):
+        torch.rand(3, generator=FakeCudaPlatform.noise_generator(None, 1))
+
+
 def test_a_penalised_prompt_crosses_to_the_device_once(model_dir):
     """The repetition penalty counts the prompt's tokens every step; the prompt's ids go to the
     device once per request, not every step (a 2k-token prompt at 64 rows is 128k ids of

@@ -18,7 +18,9 @@ import torch
 
 class DeviceMemory:
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        # re-entrant: an allocation under the lock may collect a device tensor, whose release
+        # then takes the lock on the same thread
+        self._lock = threading.RLock()
         #: storage address -> [bytes, device tensors over it]
         self._storages: dict[int, list[int]] = {}
         self.allocated = 0

@@ -35,6 +35,7 @@ could not sample), and on a CPU-only build their ``.to("cuda")``, cross-device
 from __future__ import annotations
 
 import threading
+import weakref
 from contextlib import ExitStack, contextmanager
 from typing import Any, Callable, Iterator, Optional
 
@@ -235,6 +236,18 @@ def _to(func: Any, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Ten
     return func(tensor, *args, **kwargs)
 
 
+#: the generators that stand for the device's (``device_generator``)
+_DEVICE_GENERATORS: "weakref.WeakSet[torch.Generator]" = weakref.WeakSet()
+
+
+def device_generator(seed: int) -> torch.Generator:
+    """A generator of the stand-in device, as ``torch.Generator(device="cuda")`` is: it draws
+    into device tensors only (its draws are a host generator's, into their host values)."""
+    generator = torch.Generator().manual_seed(seed)
+    _DEVICE_GENERATORS.add(generator)
+    return generator
+
+
 class _Placement(TorchFunctionMode):
     """The Python-level calls CPU-only torch refuses for ``cuda`` before any operation runs:
     factories and conversions that name the device, pinning, indexing a device tensor."""
@@ -242,6 +255,10 @@ class _Placement(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         name = getattr(func, "__name__", "")
+        generator = kwargs.get("generator")
+        if generator is not None and generator in _DEVICE_GENERATORS and not (
+                _wants_device(kwargs) or any(isinstance(x, DeviceTensor) for x in args)):
+            raise RuntimeError("Expected a 'cpu' device type for generator but found 'cuda'")
         pinned = kwargs.pop("pin_memory", False)
         if name == "to" and args and isinstance(args[0], torch.Tensor):
             return _to(func, *args, **kwargs)

@@ -20,7 +20,7 @@ from tokenmill.interfaces.platform import Detection
 from tokenmill.plugins.platforms.cuda.platform import CudaPlatform
 from tokenmill.testing.device_graphs import RecordsGraphs
 from tokenmill.testing.device_memory import DEVICE_MEMORY
-from tokenmill.testing.fake_cuda import queue_mark, synced, wait_for_mark
+from tokenmill.testing.fake_cuda import device_generator, queue_mark, synced, wait_for_mark
 
 
 class FakeCudaPlatform(RecordsGraphs, CudaPlatform):
@@ -56,9 +56,7 @@ class FakeCudaPlatform(RecordsGraphs, CudaPlatform):
         return {"platform": self.name, "device": self.device_type}
 
     def noise_generator(self, seed: int) -> torch.Generator:
-        """A generator of its own, as the device's is (the stand-in's device values live on the
-        host, so a host generator draws them)."""
-        return torch.Generator().manual_seed(seed)
+        return device_generator(seed)
 
     def record_event(self) -> "StandInEvent":
         return StandInEvent()

@@ -95,7 +95,8 @@ def _rejection_sample(sampler: Sampler, processed: torch.Tensor, rows: Sequence[
     position = 0
     for i, generator in zip(requests, generators):
         k = len(drafts[i])
-        uniforms = torch.rand(k, generator=generator, dtype=torch.float64).tolist() if generator and k else None
+        uniforms = (torch.rand(k, generator=generator, dtype=torch.float64,
+                               device=sampler.seeded_device(probs.device)).tolist() if generator and k else None)
         q = draft_probs[i] if draft_probs is not None else None
         q_draft = q[torch.arange(k), torch.tensor(list(drafts[i]))].tolist() if q is not None and k else [1.0] * k
         rejected = None

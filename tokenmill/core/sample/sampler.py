@@ -150,10 +150,16 @@ class Sampler:
         if unseeded:
             q[on_device(device, unseeded, torch.long)] = self._noise(len(unseeded), probs)
         seeded = [i for i, generator in enumerate(generators) if generator is not None]
-        at = device if self.noise_generator is not None else None
+        at = self.seeded_device(device)
         q[on_device(device, seeded, torch.long)] = on_device(device, torch.stack(
             [torch.empty(vocab, dtype=probs.dtype, device=at).exponential_(generator=generators[i]) for i in seeded]))
         return (probs / q).argmax(dim=-1)
+
+    def seeded_device(self, device: torch.device) -> Optional[torch.device]:
+        """Where a seeded request's generator draws: on ``device`` (the logits') where the
+        sampler draws its noise there (the runner made the request's generator there), else on
+        the host (None)."""
+        return device if self.noise_generator is not None else None
 
     def _noise(self, rows: int, probs: torch.Tensor) -> torch.Tensor:
         """Exp(1) draws for ``rows`` unseeded rows, on ``probs``' device."""

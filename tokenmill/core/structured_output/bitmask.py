@@ -15,9 +15,11 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tenso
     """Set ``logits[rows[i], t]`` to -inf wherever bit ``t`` of the host ``bitmask[i]`` is clear.
     The packed words cross to the logits' device (a 32nd of the unpacked mask, without a wait)
     and are unpacked there."""
-    words = on_device(logits.device, bitmask)
-    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
-    blocked = ((words.unsqueeze(-1) >> bits) & 1).flatten(1)[:, :logits.shape[1]] == 0
+    # a byte per token while unpacking (an int32 per token is 1 GB at 1024 rows of 256k):
+    # little-endian words, so token t is bit t % 8 of byte t // 8
+    packed = on_device(logits.device, bitmask).view(torch.uint8)
+    bits = torch.arange(8, dtype=torch.uint8, device=logits.device)
+    blocked = ((packed.unsqueeze(-1) >> bits) & 1).flatten(1)[:, :logits.shape[1]] == 0
     logits[rows] = logits[rows].masked_fill(blocked, float("-inf"))
     return logits
 

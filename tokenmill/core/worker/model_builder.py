@@ -70,7 +70,8 @@ class BuiltModel:
         activations = 0
         if platform.profiles_memory:
             drafts = (config.speculative.num_speculative_tokens or 0) if config.speculative.method else 0
-            sampled_rows = config.scheduler.max_num_seqs * (1 + drafts)
+            # draft tokens count against the step's token budget: no step samples more rows
+            sampled_rows = min(config.scheduler.max_num_seqs * (1 + drafts), config.scheduler.max_num_batched_tokens)
 
             def largest_step() -> None:
                 profile_forward(self.model, self.backend, self.parallel, self.model_config.vocab_size,

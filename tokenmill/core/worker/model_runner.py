@@ -273,6 +273,9 @@ class ModelRunner:
                     samples.ks = [row.params.logprobs for row in launched.sampling_rows]
         if self._readback is not None and isinstance(samples.tokens, torch.Tensor):
             samples.copy_to_host(self._readback)
+        # what the step needs of its logits is taken: they go now, not with the step (under
+        # async scheduling, after the next step's forward pass: a prompt chunk's are [tokens, vocab])
+        launched.result = dataclasses.replace(result, logits=None)
         if self._sampled is not None and samples.tokens is not None:
             tokens = samples.tokens
             if isinstance(tokens, list):
