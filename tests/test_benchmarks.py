@@ -185,6 +185,7 @@ def test_bench_serve_launches_tokenmill_and_reports_latencies(tmp_path):
                    "--random-output-len", "4", "--max-concurrency", "2")
     served = results["engines"]["tokenmill"]
     assert served["completed"] == 4 and served["failed"] == 0
+    assert results["config"]["kv_cache_memory_bytes"] > 0  # launched servers share one KV size on a CPU
     for metric in ("ttft", "tpot", "itl", "e2el"):
         assert 0 < served[metric]["median_ms"] <= served[metric]["p99_ms"]
 

@@ -41,6 +41,14 @@ class Workload:
     kv_bytes_per_token: float  #: a token's keys and values, all layers
     attention_flops_per_pair: float  #: q.k and p.v over all layers and heads, per (query, key) pair
 
+    def kv_bytes(self, requests: int, tokens: int, max_model_len: int) -> int:
+        """The KV cache ``requests`` requests of ``tokens`` tokens each hold at once (rounded up to
+        blocks of 16, plus a block of slack), and at least one sequence of the model's full
+        length, as both engines require: what a benchmark gives tokenmill and vLLM alike, so
+        that neither preempts or queues for want of a cache the other has."""
+        per_request = -(-tokens // 16) * 16 + 16
+        return int(max(requests * per_request, max_model_len + 16) * self.kv_bytes_per_token)
+
 
 def _timed(fn, device: torch.device, repeats: int) -> float:
     def sync() -> None:

@@ -33,10 +33,13 @@ from typing import Optional, Sequence
 
 import httpx
 import numpy as np
+import torch
 
-from tokenmill.bench.common import add_common_args, hf_dtype, prepare, wait_ready, write_json
+from tokenmill.bench.common import add_common_args, hf_device, hf_dtype, prepare, wait_ready, write_json
 from tokenmill.bench.llama_cpp import add_llama_cpp_args, server_command
+from tokenmill.bench.roofline import model_workload
 from tokenmill.bench.vllm_peer import vllm_dtype, vllm_env
+from tokenmill.core.config.model_config import load_model_config
 
 
 @dataclass
@@ -147,10 +150,14 @@ def launch(engine: str, model_path: str, port: int, threads: int, max_num_seqs: 
                    "--dtype", args.dtype, "--kv-cache-dtype", args.kv_cache_dtype, "--log-level", "warning"]
         if args.device != "cuda":
             command += ["--num-threads", str(threads)]
+        if args.kv_cache_memory_bytes is not None:
+            command += ["--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes)]
     elif engine == "vllm":  # in the dtype tokenmill computes in (vLLM's CPU "auto" takes fp32 to bf16)
         env = vllm_env(threads)
         command = [args.vllm, "serve", model_path, "--port", str(port), "--served-model-name", "bench",
                    "--max-num-seqs", str(max_num_seqs), "--dtype", vllm_dtype(hf_dtype(args.dtype, Path(model_path)))]
+        if args.kv_cache_memory_bytes is not None:
+            command += ["--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes)]
     elif engine == "transformers":
         command = ["transformers", "serve", model_path, "--port", str(port), "--continuous-batching"]
     elif engine == "llama.cpp":
@@ -184,11 +191,21 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256, help="tokenmill's batch limit when launched")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16"],
                         help="tokenmill's KV cache when launched: auto is the compute dtype")
+    parser.add_argument("--kv-cache-memory-bytes", type=int,
+                        help="the KV cache of launched tokenmill and vLLM servers on a CPU (default: what "
+                             "max-concurrency requests need at once, for both: each engine's own default "
+                             "left one queueing requests the other ran); on a GPU each engine's own rule")
     parser.add_argument("--seed", type=int, default=0)
     add_llama_cpp_args(parser)
     args = parser.parse_args(argv)
 
     path = prepare(args)
+    if args.kv_cache_memory_bytes is None and not args.base_url and hf_device(args.device) == "cpu":
+        dtype = hf_dtype(args.dtype, path)
+        work = model_workload(path, dtype, torch.bfloat16 if args.kv_cache_dtype == "bfloat16" else dtype)
+        args.kv_cache_memory_bytes = work.kv_bytes(min(args.num_prompts, args.max_concurrency),
+                                                   args.input_len + args.output_len,
+                                                   load_model_config(path).max_model_len)
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(path)
     rng = random.Random(args.seed)

@@ -125,14 +125,6 @@ def vllm_pass(path, prompt_sets, output_len, args) -> Callable[[], float]:
                                       output_len, args.threads, args.seed + next(rounds), args.kv_cache_memory_bytes)
 
 
-def workload_kv_bytes(work: Workload, path, args) -> int:
-    """The KV cache every request holds at once (its prompt and reply, plus a block of
-    slack), and at least one sequence of the model's full length, as both engines require."""
-    tokens = args.num_prompts * (-(-(args.input_len + args.output_len) // 16) * 16 + 16)
-    tokens = max(tokens, load_model_config(path).max_model_len + 16)
-    return int(tokens * work.kv_bytes_per_token)
-
-
 def print_roofline(results: dict, work: Workload, dtype: torch.dtype, args) -> None:
     """The workload's bound on this machine (see roofline.py), measured after the timed rounds,
     and tokenmill's share of it."""
@@ -181,7 +173,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     dtype = hf_dtype(args.dtype, path)  # what tokenmill computes in
     work = model_workload(path, dtype, torch.bfloat16 if args.kv_cache_dtype == "bfloat16" else dtype)
     if args.kv_cache_memory_bytes is None and hf_device(args.device) == "cpu":
-        args.kv_cache_memory_bytes = workload_kv_bytes(work, path, args)
+        args.kv_cache_memory_bytes = work.kv_bytes(args.num_prompts, args.input_len + args.output_len,
+                                                   load_model_config(path).max_model_len)
     # one set per round, and the last for warm-ups
     prompt_sets = [random_prompts(args.num_prompts, args.input_len, path, args.seed + r) for r in range(args.rounds + 1)]
     total_in, total_out = args.num_prompts * args.input_len, args.num_prompts * args.output_len
