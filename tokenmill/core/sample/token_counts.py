@@ -31,10 +31,9 @@ class PromptTokens:
         device, now = like.device, {}
         for prompt in prompts:
             key = id(prompt)
+            # a kept entry holds its list alive, so no other list can have its id meanwhile
             entry = now.get(key) or self._this_call.get(key) or self._last_call.get(key)
-            if entry is None or entry[0] is not prompt:
-                entry = (prompt, on_device(device, prompt, torch.long))
-            now[key] = entry
+            now[key] = entry or (prompt, on_device(device, prompt, torch.long))
         self._last_call = {key: entry for key, entry in self._this_call.items() if key not in now}
         self._this_call = now
         lengths = [len(prompt) for prompt in prompts]

@@ -6,6 +6,7 @@ import torch
 
 from tokenmill.interfaces.logits_processor import on_device
 
+
 def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     """An int32 bitmask for ``rows`` rows, every token allowed."""
     return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
