@@ -154,7 +154,7 @@ def test_cpu_prefill_kernel_at_head_dims_and_groups(head_dim, dtype, seed):
             requests=((0, rng.randint(2, 40)), (rng.randint(1, 40), rng.randint(2, 40)), (17, 1), (0, 33)),
             sliding_window=rng.choice([None, 12]))
         backend = CpuAttention()
-        assert backend._prefill_kernel(AttentionLayerSpec(heads, kv, head_dim, 1.0), case.dtype), "kernel path"
+        assert backend.prefill_kernel_takes(AttentionLayerSpec(heads, kv, head_dim, 1.0), case.dtype), "kernel path"
         check_backend(backend, case)
 
 
@@ -175,7 +175,7 @@ def test_cpu_kernels_read_a_bf16_cache_as_its_fp32_values(seed):
     spec, q, k, v, cache, metadata = build_inputs(case, TorchReferenceAttention())
     k, v = k.bfloat16().float(), v.bfloat16().float()  # values both caches hold exactly
     backend = CpuAttention()
-    assert backend._kernels_take(torch.float32, torch.bfloat16) and backend._prefill_kernel(spec, torch.float32)
+    assert backend._kernels_take(torch.float32, torch.bfloat16) and backend.prefill_kernel_takes(spec, torch.float32)
     narrow = backend.forward(spec, q, k, v, cache.clone(), metadata)
     wide = CpuAttention().forward(spec, q, k, v, cache.float(), metadata)
     assert torch.equal(narrow, wide)

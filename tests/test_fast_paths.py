@@ -23,6 +23,7 @@ from tokenmill.plugins.platforms.cpu.fused_ops import FUSED_OPS
 from tokenmill.plugins.platforms.cpu.kernels import cpu_kernels
 from tokenmill.plugins.platforms.cpu.prepacked_linear import PrepackedLinearMethod, prepack_linear_weights
 from tokenmill.testing.hf_reference import assert_matches_reference, hf_greedy
+from tokenmill.testing.tiny_models import make_tiny_model
 
 KERNELS = cpu_kernels()
 
@@ -312,23 +313,31 @@ def test_decode_stack_is_bit_identical_to_the_layers_in_bf16(model_dir, monkeypa
     assert greedy_in_batches(llm, PROMPTS[:4], 2) == fused
 
 
-# plain Llama, q/k/v biases with MQA, a sliding window (24) that the longer prompts pass, partial rotary
-@pytest.mark.parametrize("arch", ["llama", "llama-mqa-bias", "mistral", "phi3-partial-rotary"])
-def test_decode_stack_runs_speculative_verify_steps_at_hf_parity(arch, model_dir, hf_reference, monkeypatch):
+# plain Llama, q/k/v biases with MQA, a sliding window (24) that the longer prompts pass, partial
+# rotary; head sizes of 16 (rows as sequences of their own) and 32 (rows per request in the
+# prompt-chunk kernel: MQA, and the window)
+@pytest.mark.parametrize("arch,overrides,by_request", [
+    ("llama", {}, False), ("llama-mqa-bias", {}, True), ("mistral", {}, False), ("mistral", {"head_dim": 32}, True),
+    ("phi3-partial-rotary", {}, False)])
+def test_decode_stack_runs_speculative_verify_steps_at_hf_parity(arch, overrides, by_request, model_dir, hf_reference,
+                                                                 tmp_path, monkeypatch):
     """A verify step (k + 1 query rows of one request) runs all layers in one C++ call, each
-    row attending as a sequence of its own up to its own position: greedy tokens and logprobs
-    meet the fp32 parity standard, at batch 1 (4 rows) and 2 (8 rows). Drafts from prompt
-    lookup are mostly wrong on random weights, so rejected rows' K/V are overwritten later."""
-    llm = make_llm(model_dir(arch), speculative_config={
+    row attending up to its own position: greedy tokens and logprobs meet the fp32 parity
+    standard, at batch 1 (4 rows) and 2 (8 rows). Drafts from prompt lookup are mostly wrong
+    on random weights, so rejected rows' K/V are overwritten later."""
+    path = make_tiny_model(arch, tmp_path, **overrides) if overrides else model_dir(arch)
+    reference = hf_greedy(path, PROMPTS[:4], NEW_TOKENS) if overrides else hf_reference(arch)[:4]
+    llm = make_llm(path, speculative_config={
         "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3})
     calls = _count_stack_calls(llm, monkeypatch)
     spec = llm.llm_engine.scheduler.spec_stats
     for batch in (1, 2):
         drafts, verify_calls = spec.num_drafts, calls[1]
-        assert_matches_reference(hf_reference(arch)[:4], *greedy_in_batches(llm, PROMPTS[:4], batch))
+        assert_matches_reference(reference, *greedy_in_batches(llm, PROMPTS[:4], batch))
         assert spec.num_drafts > drafts and calls[1] > verify_calls
         if batch == 1:  # every step with a draft went to the stack
             assert calls[1] - verify_calls >= spec.num_drafts - drafts
+    assert llm.llm_engine.runner.model.model.fused_decoder.verify_by_request == by_request
 
 
 @pytest.mark.parametrize("cache_bytes", [1, None])

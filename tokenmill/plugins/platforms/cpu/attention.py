@@ -98,9 +98,9 @@ class CpuAttention(TorchReferenceAttention):
     def _kernels_take(self, dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
         return self._kernels is not None and (cache_dtype == dtype or (dtype, cache_dtype) in MIXED_CACHE_DTYPES)
 
-    def _prefill_kernel(self, layer: AttentionLayerSpec, dtype: torch.dtype) -> bool:
+    def prefill_kernel_takes(self, layer: AttentionLayerSpec, dtype: torch.dtype) -> bool:
         """Whether prompt chunks go to the kernel (paged_prefill.cpp: ~2x SDPA's speed here,
-        and no gathers) rather than to per-sequence SDPA."""
+        and no gathers) rather than to per-sequence SDPA; the decode stack's verify steps, too."""
         return (dtype in self._prefill_dtypes
                 and layer.head_dim % 32 == 0 and layer.head_dim <= 256
                 and layer.num_heads // layer.num_kv_heads <= 8)
@@ -144,7 +144,7 @@ class CpuAttention(TorchReferenceAttention):
             self._kernels.paged_decode_attention(
                 output, query.contiguous(), key_cache, value_cache, block_table, seq_lens, rows,
                 layer.scale, layer.sliding_window or 0, 0.0)
-        if plan.others and kernels and self._prefill_kernel(layer, query.dtype):
+        if plan.others and kernels and self.prefill_kernel_takes(layer, query.dtype):
             self._kernels.paged_prefill_attention(
                 output, query.contiguous(), key_cache, value_cache, metadata.block_table, metadata.seq_lens,
                 metadata.query_start_loc, plan.others_index, layer.scale, layer.sliding_window or 0)

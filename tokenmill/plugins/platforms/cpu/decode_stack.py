@@ -13,8 +13,11 @@ layer-by-layer path.
 A verify step (k + 1 query rows per request) is what makes speculation pay at batch 1:
 layer by layer its rows go to oneDNN and the prefill attention, and the step cost ~4x a
 decode step on the demo model, more than prompt lookup's acceptance wins back. Here
-every row is a sequence of its own (its request's blocks, its own causal length) and
-the GEMV reads each weight once for all rows: ~2.5x a decode step (benchmarks/README.md).
+the GEMV reads each weight once for all rows, and the prompt-chunk attention kernel reads
+each request's keys and values once for all its rows, each row causal to its own position
+(where that kernel takes the layer: head sizes a multiple of 32; elsewhere every row attends
+as a sequence of its own, its request's blocks up to its own length, reading them once per
+row): 1.4x a decode step on the demo model (benchmarks/README.md).
 That holds while the stack's weights fit in the last-level cache, where a step's cost is
 its calls and its arithmetic. Weights streamed from memory are read better by oneDNN's
 blocked GEMM, which reads each weight once for all rows at the memory's pace where the
@@ -60,6 +63,8 @@ class DecodeStack:
         #: rows of a multi-token step the stack takes: MAX_VERIFY_ROWS while its weights fit in
         #: the last-level cache, else none
         self.verify_rows = 0
+        #: whether a multi-token step's rows attend per request in the prompt-chunk kernel
+        self.verify_by_request = False
 
     def _build(self) -> None:
         self._built = True
@@ -77,6 +82,7 @@ class DecodeStack:
                 parts.post_norm.weight, parts.post_norm.eps, gate_up, parts.gate_up.bias, down, parts.down.bias,
                 key_cache, value_cache, parts.attn.spec.scale, parts.attn.spec.sliding_window or 0)
         self.stack, self._kv_cache = stack, first.attn.kv_cache
+        self.verify_by_request = first.attn.backend.prefill_kernel_takes(spec, first.qkv.dtype)
         weight_bytes = sum(linear.method.gemv_weight(linear).nbytes for parts in self._layers
                            for linear in (parts.qkv, parts.o, parts.gate_up, parts.down))
         cache = last_level_cache_bytes()
@@ -93,10 +99,12 @@ class DecodeStack:
     def __call__(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                  metadata: AttentionMetadata) -> torch.Tensor:
         cos, sin = cos_sin
-        block_table, seq_lens = metadata.block_table, metadata.seq_lens
-        if metadata.max_query_len > 1:
+        block_table, seq_lens, query_start = metadata.block_table, metadata.seq_lens, None
+        if metadata.max_query_len > 1 and self.verify_by_request:
+            query_start = metadata.query_start_loc
+        elif metadata.max_query_len > 1:
             block_table, seq_lens = rows_as_sequences(metadata)
-        return self.stack.forward(x, cos, sin, metadata.slot_mapping, block_table, seq_lens)
+        return self.stack.forward(x, cos, sin, metadata.slot_mapping, block_table, seq_lens, query_start)
 
 
 def rows_as_sequences(metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

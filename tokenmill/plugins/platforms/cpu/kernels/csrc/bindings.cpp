@@ -29,11 +29,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether screened_argmax was built (it needs AVX512-VNNI or AVX2)");
   m.def("parallel_threads", &tokenmill::parallel_threads,
         "the threads at::parallel_for runs the kernels on (1 where the build has no OpenMP)");
-  pybind11::class_<tokenmill::DecodeStack>(m, "DecodeStack",
-                                           "a Llama-style decoder stack for 1-2 decode rows in one call",
-                                           pybind11::module_local())
+  pybind11::class_<tokenmill::DecodeStack>(
+      m, "DecodeStack", "a Llama-style decoder stack for 1-2 decode rows, or a verify step's up to 8, in one call",
+      pybind11::module_local())
       .def(pybind11::init<int64_t, int64_t, int64_t>(), pybind11::arg("num_heads"), pybind11::arg("num_kv_heads"),
            pybind11::arg("head_dim"))
       .def("add_layer", &tokenmill::DecodeStack::add_layer)
-      .def("forward", &tokenmill::DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+      .def("forward", &tokenmill::DecodeStack::forward, pybind11::arg("x"), pybind11::arg("cos"), pybind11::arg("sin"),
+           pybind11::arg("slots"), pybind11::arg("block_table"), pybind11::arg("seq_lens"),
+           pybind11::arg("query_start") = pybind11::none(), pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -9,9 +9,9 @@
 // (rms_norm, gemv, rotary_embedding, paged_decode_attention, silu_and_mul), so
 // its output is bit-identical to theirs, without returning to Python between them.
 //
-// Each row attends as its own sequence (block_table/seq_lens have a row each): a verify step's
-// row j sees its request's context up to its own position, and every row's K/V is written to the
-// cache before any row attends, so the causal mask is the rows' lengths.
+// A verify step's row j sees its request's context up to its own position: every row's K/V is
+// written to the cache before any row attends, so the causal mask is the rows' lengths (as
+// sequences of their own, or per request in the prompt-chunk kernel: decode_stack.h).
 #include "decode_stack.h"
 
 #include <cstring>
@@ -60,14 +60,22 @@ void DecodeStack::add_layer(torch::Tensor input_norm, double norm_eps, torch::Te
 }
 
 torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
-                                  torch::Tensor block_table, torch::Tensor seq_lens) {
+                                  torch::Tensor block_table, torch::Tensor seq_lens,
+                                  c10::optional<torch::Tensor> query_start) {
   const int64_t rows = x.size(0);
   TORCH_CHECK(x.dim() == 2 && rows >= 1 && rows <= 8, "decode stack: 1 to 8 rows");
   TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.numel() == rows, "decode stack: one int64 slot per row");
-  TORCH_CHECK(seq_lens.numel() == rows && block_table.size(0) == rows, "decode stack: one sequence per row");
+  const bool by_request = query_start.has_value();
+  const int64_t seqs = by_request ? query_start->numel() - 1 : rows;
+  TORCH_CHECK(seq_lens.numel() == seqs && block_table.size(0) == seqs,
+              "decode stack: one sequence per row, or per request with query_start");
+  TORCH_CHECK(!by_request || (query_start->scalar_type() == torch::kInt32 &&
+                              query_start->data_ptr<int32_t>()[seqs] == rows),
+              "decode stack: query_start int32, ending at the rows");
   const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
   const int64_t* slot = slots.data_ptr<int64_t>();
-  const torch::Tensor query_rows = torch::arange(rows, slots.options());
+  // the decode kernel's row of each sequence, or the prompt-chunk kernel's list of sequences
+  const torch::Tensor query_rows = torch::arange(seqs, slots.options());
   torch::Tensor residual = x.clone();
   torch::Tensor normed = torch::empty_like(x);
   torch::Tensor attn = torch::empty({rows, num_heads_, head_dim_}, x.options());
@@ -79,8 +87,12 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor cos, torch::Te
     rotary_embedding(q, k, cos, sin);
     write_cache(layer.key_cache, k, slot, rows);
     write_cache(layer.value_cache, qkv.narrow(1, q_size + kv_size, kv_size), slot, rows);
-    paged_decode_attention(attn, q.contiguous(), layer.key_cache, layer.value_cache, block_table, seq_lens,
-                           query_rows, layer.scale, layer.window, 0.0);
+    if (by_request)
+      paged_prefill_attention(attn, q.contiguous(), layer.key_cache, layer.value_cache, block_table, seq_lens,
+                              *query_start, query_rows, layer.scale, layer.window);
+    else
+      paged_decode_attention(attn, q.contiguous(), layer.key_cache, layer.value_cache, block_table, seq_lens,
+                             query_rows, layer.scale, layer.window, 0.0);
     residual.add_(gemv(attn.view({rows, q_size}), layer.o, layer.o_bias));
     rms_norm(normed, residual, layer.post_norm, layer.post_norm_eps);
     torch::Tensor gate_up = gemv(normed, layer.gate_up, layer.gate_up_bias);

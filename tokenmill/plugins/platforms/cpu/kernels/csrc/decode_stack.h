@@ -20,11 +20,14 @@ class DecodeStack {
                  double scale, int64_t window);
 
   // x: [rows, hidden], the embeddings; returns the residual stream after the last layer
-  // (before the final norm). cos/sin: [rows, rotary_dim]; slots: [rows] int64;
-  // block_table/seq_lens: one sequence per row (a verify row: its request's table, the
-  // context up to and including the row's own token).
+  // (before the final norm). cos/sin: [rows, rotary_dim]; slots: [rows] int64.
+  // Without query_start, block_table/seq_lens have one sequence per row (a decode row; or a
+  // verify row as a sequence of its own: its request's table, the context up to and including
+  // the row's own token). With query_start ([requests + 1] int32: a verify step's rows, several
+  // per request), they have one per request, and the prompt-chunk kernel (paged_prefill.cpp)
+  // attends, reading each request's keys and values once for all its rows.
   torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
-                        torch::Tensor block_table, torch::Tensor seq_lens);
+                        torch::Tensor block_table, torch::Tensor seq_lens, c10::optional<torch::Tensor> query_start);
 
  private:
   struct Layer {
