@@ -182,10 +182,15 @@ class HostInputs:
         request_index = np.repeat(np.arange(len(rows)), query_lens)
         positions = computed[request_index] + np.arange(num_tokens) - query_start[:-1][request_index]
         num_blocks = np.fromiter((len(r.block_ids) for r in rows), np.int64, len(rows))
-        block_table = np.zeros((len(rows), int(num_blocks.max())), dtype=np.int32)
-        # each row's ids fill its leading columns, in one assignment rather than one per row
-        block_table[np.arange(block_table.shape[1]) < num_blocks[:, None]] = np.fromiter(
-            itertools.chain.from_iterable(r.block_ids for r in rows), np.int32, int(num_blocks.sum()))
+        width, total = int(num_blocks.max()), int(num_blocks.sum())
+        block_table = np.zeros((len(rows), width), dtype=np.int32)
+        # each row's ids fill its leading columns, in one assignment rather than one per row, at
+        # flat indices worked out per id: a mask over the whole table cost 10 ms a step at 1024
+        # rows where one holds a 128k-token context (8192 columns), these 2-6
+        first_id = np.cumsum(num_blocks) - num_blocks
+        index = np.arange(total) + np.repeat(np.arange(len(rows)) * width - first_id, num_blocks)
+        block_table.ravel()[index] = np.fromiter(itertools.chain.from_iterable(r.block_ids for r in rows), np.int32,
+                                                 total)
         slots = block_table[request_index, positions // bs].astype(np.int64) * bs + positions % bs
         token_ids = np.fromiter((t for r in rows for t in r.token_ids), np.int64, num_tokens)
         return cls(token_ids, positions, query_lens, query_start, computed + query_lens, block_table, slots)
