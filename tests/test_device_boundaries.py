@@ -8,7 +8,8 @@ forward pass without staged inputs, FP8 scales repeated by a host tensor). Here
 where CUDA allows. Every family builds (the profiling forward included), stages each
 step's inputs, replays decode steps from the faithful graph stand-in, and matches Hugging
 Face; each quantization method's ``apply`` runs on device weights and matches its
-reference. The mutation checks put each diagnosed GPU bug back and watch its test fail.
+reference; sleep mode frees the device memory it says it frees. The mutation checks put each
+diagnosed GPU bug back and watch its test fail.
 """
 
 from __future__ import annotations
@@ -254,6 +255,31 @@ def test_an_embedding_model_runs_on_the_device_stand_in(model_dir):
         assert isinstance(next(llm.llm_engine.model.parameters()), DeviceTensor)
         device = torch.tensor(llm.embed(texts))
     torch.testing.assert_close(device, cpu, atol=1e-6, rtol=1e-6)
+
+
+def test_sleep_frees_the_device_memory_and_waking_gives_the_same_tokens(model_dir):
+    """Sleep mode on the cuda platform (a trainer takes the GPU's memory between rollouts):
+    level 1 moves the weights to the host and frees the KV cache, level 2 frees the weights
+    too, reloaded from the checkpoint through each parameter's loader. The device memory of
+    both goes, cycle after cycle, and comes back with the same tokens (the graphs recorded
+    again over the new addresses)."""
+    def held() -> int:
+        gc.collect()
+        return DEVICE_MEMORY.allocated
+
+    with fake_cuda():
+        llm = fake_cuda_llm(model_dir("llama"), enable_sleep_mode=True, max_num_seqs=2)  # graphs of 1 and 2 rows
+        engine = llm.llm_engine
+        weights = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+        before = greedy(llm, PROMPTS[:2], [6, 6])
+        awake = held()
+        for level in (1, 2):
+            llm.sleep(level=level)
+            assert held() <= awake - weights - 2**23  # the KV cache: kv_cache_memory_bytes
+            llm.wake_up()
+            assert greedy(llm, PROMPTS[:2], [6, 6]) == before
+            engine.platform.graphs.clear()  # the stand-in keeps every graph it recorded, for tests
+            assert held() <= awake
 
 
 def test_lora_on_the_device_stand_in_launches_its_steps_without_a_wait(model_dir, tmp_path):

@@ -26,8 +26,9 @@ class DeviceMemory:
         self.allocated = 0
         self.peak = 0
 
-    def hold(self, tensor: torch.Tensor, elem: torch.Tensor) -> None:
-        """Count ``elem``'s storage while the device tensor ``tensor`` lives."""
+    def hold(self, tensor: torch.Tensor, elem: torch.Tensor) -> weakref.finalize:
+        """Count ``elem``'s storage while the device tensor ``tensor`` lives (or until the
+        returned finalizer is called: ``tensor`` holds another storage from then on)."""
         storage = elem.untyped_storage()
         key = storage.data_ptr()
         with self._lock:
@@ -37,7 +38,7 @@ class DeviceMemory:
                 self.allocated += entry[0]
                 self.peak = max(self.peak, self.allocated)
             entry[1] += 1
-        weakref.finalize(tensor, self._release, key)
+        return weakref.finalize(tensor, self._release, key)
 
     def _release(self, key: int) -> None:
         with self._lock:

@@ -141,10 +141,24 @@ class DeviceTensor(torch.Tensor):
             cls, elem.size(), strides=elem.stride(), storage_offset=elem.storage_offset(), dtype=elem.dtype,
             device=CUDA, requires_grad=elem.requires_grad)
         tensor.elem = elem
-        DEVICE_MEMORY.hold(tensor, elem)
+        tensor.held = DEVICE_MEMORY.hold(tensor, elem)
         return tensor
 
     __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @property
+    def data(self) -> torch.Tensor:
+        return torch._C.TensorBase.data.__get__(self)
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        """``param.data = other`` as on a device: the tensor takes the other's values and storage,
+        and its old storage is freed once nothing else holds it (sleep mode moves weights so)."""
+        if not isinstance(value, DeviceTensor):
+            raise DeviceMismatchError("a device tensor's .data set to a host tensor")
+        torch._C.TensorBase.data.__set__(self, value)
+        self.held()  # this tensor's hold on its old storage, ended now
+        self.elem, self.held = value.elem, DEVICE_MEMORY.hold(self, value.elem)
 
     def __repr__(self) -> str:
         return f"DeviceTensor({self.elem!r})"

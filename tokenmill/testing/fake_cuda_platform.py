@@ -12,6 +12,7 @@ in the interpreter.
 
 from __future__ import annotations
 
+import itertools
 from typing import Callable
 
 import torch
@@ -41,6 +42,13 @@ class FakeCudaPlatform(RecordsGraphs, CudaPlatform):
 
     def kv_cache_memory(self, requested: int, activation_bytes: int = 0) -> int:
         return requested
+
+    def place_model(self, model: torch.nn.Module) -> None:
+        """A model made on the device stays as it is, as on a GPU, where ``Module.to`` keeps each
+        parameter object (and so its ``weight_loader``, which sleep's reload and a trainer's
+        updates load through); the stand-in's ``to`` would wrap every parameter anew."""
+        if any(t.device.type != "cuda" for t in itertools.chain(model.parameters(), model.buffers())):
+            super().place_model(model)
 
     def peak_memory(self, run: Callable[[], None]) -> int:
         """As ``CudaPlatform``'s, over the stand-in's device memory; the KV budget is
