@@ -10,6 +10,7 @@ import pytest
 from conftest import make_llm
 from tokenmill import SamplingParams
 from tokenmill.core.engine.rollout import EngineAsleep
+from tokenmill.interfaces.errors import ConfigError
 from tokenmill.testing.tiny_models import make_tiny_model
 
 KV_BYTES = 256 * 2**20
@@ -80,6 +81,9 @@ def test_sleep_needs_the_mode_a_level_and_known_tags(model_dir):
             llm.wake_up(tags=["everything"])
         llm.wake_up()  # awake already: nothing to do
         assert not llm.is_sleeping()
+    with pytest.raises(ConfigError, match="the speculative proposer's model would keep its own"):
+        make_llm(model_dir("llama"), enable_sleep_mode=True,
+                 speculative_config={"model": str(model_dir("llama")), "num_speculative_tokens": 2})
 
 
 def test_every_rank_sleeps_and_wakes_at_tp2(model_dir):

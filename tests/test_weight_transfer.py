@@ -103,6 +103,50 @@ def test_a_refused_update_leaves_the_old_weights(update_info, error, model_dir):
         [e[t].logprob for t, e in zip(before.token_ids, before.logprobs)]
 
 
+def test_no_kv_of_the_old_weights_is_a_prefix_hit_after_an_update(model_dir):
+    """The prefix cache is emptied by the update even while a request runs (held blocks too),
+    and that request, whose KV came from the old weights, registers no block afterwards: a
+    repeated prompt is computed afresh on the new weights, and so is the running one's."""
+    path = model_dir("llama")
+    with make_llm(path, dtype="float32", block_size=8, **TRANSFER) as llm:
+        engine = llm.llm_engine
+        prompt = list(range(5, 45))  # five full blocks
+        llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)  # old-weight KV, cached
+        busy = list(range(60, 90))
+        engine.add_request("busy", {"prompt_token_ids": busy}, SamplingParams(max_tokens=20, ignore_eos=True))
+        engine.step()
+        llm.init_weight_transfer_engine({"init_info": {}})
+        weights = perturbed(path)
+        push(llm, weights, "v1")
+        assert engine.scheduler.kv_cache.pool.num_cached_blocks == 0
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                reply = list(output.outputs[0].token_ids)
+        # the busy prompt's 3 full blocks come back, computed on the new weights; the 2 blocks of
+        # the reply after them came in part from old-weight KV, so never become hits behind them
+        for again, hits in ((prompt, 0), (busy, 0), (busy + reply[:10], 24)):
+            [out] = llm.generate([{"prompt_token_ids": again}], GREEDY, use_tqdm=False)
+            assert out.num_cached_tokens == hits
+            assert list(out.outputs[0].token_ids) == hf_greedy(path, weights, again, GREEDY.max_tokens)[0]
+
+
+def test_sleep_at_level_2_forgets_the_update(model_dir):
+    """Level 2 frees the weights and wakes with the checkpoint's: the version goes with them."""
+    path = model_dir("llama")
+    with make_llm(path, dtype="float32", enable_sleep_mode=True, **TRANSFER) as llm:
+        original = llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        llm.init_weight_transfer_engine({"init_info": {}})
+        push(llm, perturbed(path), "v1")
+        llm.sleep(level=1)
+        llm.wake_up()
+        assert llm.get_weight_version() == "v1"
+        llm.sleep(level=2)
+        llm.wake_up()
+        assert llm.get_weight_version() is None
+        assert llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids \
+            == original
+
+
 def test_updates_need_the_config_and_an_unquantized_model(model_dir, tmp_path):
     from tokenmill.testing.quantize import quantize_model
 

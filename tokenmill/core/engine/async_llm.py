@@ -144,7 +144,8 @@ class AsyncLLM:
         """Stop generating (vLLM's name and modes) and return once paused: ``abort`` ends the
         running requests (finish_reason "abort"), ``wait`` lets them finish first, ``keep``
         freezes them until ``resume_generation``. Requests that arrive meanwhile wait, none
-        is refused; ``clear_cache`` empties the prefix cache once nothing runs."""
+        is refused; ``clear_cache`` empties the prefix cache, frozen requests' blocks too (their
+        KV stays theirs, never a hit again: a pause is where a trainer swaps the weights)."""
         if mode not in PAUSE_MODES:
             raise InvalidRequest("mode", f"pause mode {mode!r}: one of {', '.join(PAUSE_MODES)}")
         loop = asyncio.get_running_loop()
@@ -294,8 +295,8 @@ class AsyncLLM:
 
     def _paused_now(self, command: PauseRequest) -> None:
         self._paused, self._pausing = True, None
-        if command.clear_cache and not self.engine.has_unfinished_requests():
-            self.engine.scheduler.kv_cache.pool.reset_prefix_cache()
+        if command.clear_cache:
+            self.engine.scheduler.invalidate_prefix_cache()
         log.info("generation paused", mode=command.mode, running=len(self.engine.scheduler.running))
         command.loop.call_soon_threadsafe(_settle, command.future, None, None)
 

@@ -122,6 +122,9 @@ def _build_engine(config: EngineConfig, pm: PluginManager, components: Component
 
     proposer_models: list[LocalProposerModel] = []  # loaded now, bound to the blocks below
     speculator = _speculator(config, components, pm, platform, model_config, proposer_models)
+    if proposer_models and config.enable_sleep_mode:
+        raise ConfigError("enable_sleep_mode", "sleep frees the served model's weights and KV cache only, and the "
+                                               "speculative proposer's model would keep its own: turn one of them off")
     kv_blocks, host_blocks = built.kv_capacity(config, platform, sum(m.kv_bytes_per_block() for m in proposer_models))
     if group is not None:  # every rank holds as many blocks as the smallest can
         for ready in group.wait_ready():

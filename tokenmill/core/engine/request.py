@@ -67,6 +67,9 @@ class Request:
         self.stop_reason: int | str | None = None
         #: chained prefix-cache hashes of this request's full blocks, in order
         self.block_hashes: list[bytes] = []
+        #: whether its computed blocks may join the prefix cache: not once the weights changed
+        #: under KV it had computed (a weight update while it ran)
+        self.caches_prefix = True
         #: draft tokens for the next step to verify (speculative decoding)
         self.spec_token_ids: list[int] = []
         self.metrics = RequestMetrics(arrival_time=arrival_time,

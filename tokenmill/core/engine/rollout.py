@@ -104,8 +104,7 @@ class EngineControl:
         self._require_transfer()
         self.plane.run("finish_weight_update", {})
         self.weight_version = weight_version
-        if not self.engine.has_unfinished_requests():
-            self.engine.scheduler.kv_cache.pool.reset_prefix_cache()
+        self.engine.scheduler.invalidate_prefix_cache()
         log.info("weights updated", weight_version=weight_version)
 
     def get_weight_version(self) -> Optional[str]:
@@ -120,8 +119,9 @@ class EngineControl:
     # --- sleep ------------------------------------------------------------------
     def sleep(self, level: int = 1) -> None:
         """Level 1 frees the KV cache and moves a device's weights to host memory (the cpu
-        platform's are there already); level 2 frees the weights too (they come back from
-        the checkpoint on wake_up)."""
+        platform's are there already); level 2 frees the weights too (the checkpoint's come
+        back on wake_up, so the weight version is forgotten). Asleep already, the deeper of
+        the two levels holds."""
         if not self.engine.config.enable_sleep_mode:
             raise ValueError("sleep needs enable_sleep_mode=True when the engine is built")
         if level not in (1, 2):
@@ -132,8 +132,10 @@ class EngineControl:
         self.engine.scheduler.kv_cache.pool.reset_prefix_cache()  # the blocks' contents are gone
         # at level 1 a device's weights go to host memory; the cpu platform's stay put
         on_host = self.engine.platform is None or self.engine.platform.device_type == "cpu"
-        self.asleep = {"kv_cache"} if level == 1 and on_host else set(ALL_TAGS)
-        self.sleep_level = level
+        self.asleep |= {"kv_cache"} if level == 1 and on_host else set(ALL_TAGS)  # a second sleep: the deeper
+        self.sleep_level = max(level, self.sleep_level)
+        if level == 2:  # the checkpoint's weights come back on wake_up, not the trainer's
+            self.weight_version = None
         log.info("asleep", level=level)
 
     def wake_up(self, tags: Optional[list[str]] = None) -> None:

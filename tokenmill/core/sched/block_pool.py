@@ -92,7 +92,12 @@ class BlockPool:
         """Forget every cached block; only possible while no request holds blocks."""
         if len(self._free) != self.num_blocks:
             return False
+        self.invalidate()
+        return True
+
+    def invalidate(self) -> None:
+        """Forget every cached block, those requests hold too (their contents no longer match
+        their hashes: new weights). A held block stays its request's."""
         for block in self._cached.values():
             block.block_hash = None
         self._cached.clear()
-        return True

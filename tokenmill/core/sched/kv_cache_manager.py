@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from tokenmill.core.engine.request import Request
 from tokenmill.core.sched.block_pool import BlockPool, KVBlock
@@ -89,7 +89,7 @@ class KVCacheManager:
 
     def cache_blocks(self, request: Request) -> None:
         """Register the request's newly full, computed blocks in the prefix cache."""
-        if not self.enable_caching:
+        if not self.enable_caching or not request.caches_prefix:
             return
         num_full = request.num_computed_tokens // self.block_size
         start = self._num_cached_blocks.get(request.request_id, 0)
@@ -100,6 +100,15 @@ class KVCacheManager:
         for index in range(start, num_full):
             self.pool.cache(blocks[index], request.block_hashes[index])
         self._num_cached_blocks[request.request_id] = num_full
+
+    def invalidate(self, unfinished: Iterable[Request]) -> None:
+        """The weights changed: forget every cached block, and let no request that computed KV
+        under the old ones (on the device or swapped out) register blocks later, since their
+        contents follow from that KV."""
+        self.pool.invalidate()
+        for request in unfinished:
+            if request.num_computed_tokens > 0:
+                request.caches_prefix = False
 
     def trim(self, request: Request, num_tokens: int) -> None:
         """Release the blocks past the first ``num_tokens`` slots (rejected draft tokens'),

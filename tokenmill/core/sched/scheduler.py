@@ -100,6 +100,10 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def invalidate_prefix_cache(self) -> None:
+        """New weights: no KV computed under the old ones is a prefix-cache hit again."""
+        self.kv_cache.invalidate([*self.running, *self.waiting])
+
     @property
     def num_swapped(self) -> int:
         return sum(1 for r in self.waiting if r.status is RequestStatus.SWAPPED)

@@ -155,7 +155,8 @@ class WorkerControl:
         self._kv_released = True
         if self.parts.step.graphs is not None:  # they hold the caches' addresses
             self.parts.step.graphs = None
-        if level == 1 and self.parts.platform.device_type != "cpu" and self._offloaded is None:
+        if level == 1 and self.parts.platform.device_type != "cpu" and self._offloaded is None \
+                and self._released is None:
             self._offloaded = {}
             for name, param in self.model.named_parameters():
                 self._offloaded[name] = param.data.to("cpu")
@@ -163,8 +164,10 @@ class WorkerControl:
         if level >= 2 and self._released is None:
             self._released = {}
             for name, param in self.model.named_parameters():
-                self._released[name] = (param.shape, param.dtype)
+                weights = param if self._offloaded is None else self._offloaded[name]  # on the host at level 1
+                self._released[name] = (weights.shape, weights.dtype)
                 param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+            self._offloaded = None
         self._refresh()  # what the platform built over the caches (a fused decode stack) goes too
         self.parts.platform.release_memory()
 
