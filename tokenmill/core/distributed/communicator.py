@@ -102,8 +102,8 @@ class Communicator:
 
     def argmax_vocab(self, local: torch.Tensor, vocab_start: int) -> Optional[torch.Tensor]:
         if local.shape[-1] == 0:  # a vocabulary smaller than the ranks leaves the last shards empty
-            values = torch.full(local.shape[:-1], float("-inf"))
-            indices = torch.zeros(local.shape[:-1], dtype=torch.long)
+            values = torch.full(local.shape[:-1], float("-inf"), device=local.device)
+            indices = torch.zeros(local.shape[:-1], dtype=torch.long, device=local.device)
         else:
             values, indices = local.max(dim=-1)
         pairs = torch.stack([values.double(), (indices + vocab_start).double()], dim=-1)  # [n, 2]

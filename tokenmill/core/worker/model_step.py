@@ -104,7 +104,9 @@ class ModelStep:
         # the last stage's first rank hands the result to the driver, without waiting for the
         # driver to take it (it may be sending this stage the next batch first)
         stage.comm.wait_sends()
-        stage.comm.send(torch.tensor(result.tokens) if step.greedy else result.logits, 0, wait=False)
+        # on the hidden states' device: NCCL sends device tensors only
+        stage.comm.send(torch.tensor(result.tokens, device=hidden.device) if step.greedy else result.logits, 0,
+                        wait=False)
         return None
 
     def _head(self, hidden: torch.Tensor, greedy: bool) -> Optional[StepResult]:
