@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from conftest import make_llm
 from tokenmill import SamplingParams
+from tokenmill.core.engine.rollout import WeightsIncomplete
 from tokenmill.interfaces.errors import RankCallFailed
 from tokenmill.interfaces.weight_transfer import WeightTransferInitRequest, WeightTransferUpdateRequest
 
@@ -145,6 +146,38 @@ def test_sleep_at_level_2_forgets_the_update(model_dir):
         assert llm.get_weight_version() is None
         assert llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids \
             == original
+
+
+def test_a_failed_update_stops_serving_until_an_update_succeeds(model_dir, monkeypatch):
+    """An update that fails midway may leave part old, part new weights: requests are refused
+    (a 503 on the server) until an update goes through and is finished."""
+    path = model_dir("llama")
+    with make_llm(path, dtype="float32", **TRANSFER) as llm:
+        llm.init_weight_transfer_engine({"init_info": {}})
+        model, tensors = llm.llm_engine.runner.model, []
+        load = model.load_weights
+
+        def failing(weights):
+            tensors.append(weights)
+            if len(tensors) == 3:
+                raise RuntimeError("the trainer went away")
+            return load(weights)
+
+        monkeypatch.setattr(model, "load_weights", failing)
+        weights = perturbed(path)
+        llm.start_weight_update()
+        with pytest.raises(RankCallFailed, match="the trainer went away"):
+            llm.update_weights({"update_info": {"weights": weights}})
+        llm.finish_weight_update("broken")
+        with pytest.raises(WeightsIncomplete, match="failed midway"):
+            llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False)
+        monkeypatch.undo()
+        llm.start_weight_update()
+        llm.update_weights({"update_info": {"weights": weights}})
+        with pytest.raises(WeightsIncomplete):  # not finished yet
+            llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False)
+        llm.finish_weight_update("v2")
+        assert_matches_hf(llm, path, weights)
 
 
 def test_updates_need_the_config_and_an_unquantized_model(model_dir, tmp_path):

@@ -35,6 +35,11 @@ class EngineAsleep(TokenmillError):
     """The engine sleeps (``sleep``): it takes no requests until ``wake_up``."""
 
 
+class WeightsIncomplete(EngineAsleep):
+    """A weight update failed midway: the weights may be part old, part new, so the engine
+    takes no requests until an update succeeds and ``finish_weight_update`` is called."""
+
+
 class EngineControl:
     def __init__(self, engine: Any, plane: ControlPlane) -> None:
         """``engine``: the LLMEngine this controls (which holds this object as ``control``)."""
@@ -46,6 +51,8 @@ class EngineControl:
         self.sleep_level = 0
         self._checkpoint: Optional[dict[str, tuple[tuple[int, ...], str]]] = None
         self._transfer_ready = False
+        #: after a failed update: "failed", then "resent" once an update succeeds ("ok" after finish)
+        self._weights = "ok"
 
     # --- worker extensions ----------------------------------------------------
     def collective_rpc(self, method: Union[str, Callable[..., Any]], timeout: Optional[float] = None,
@@ -98,11 +105,19 @@ class EngineControl:
             raise ValueError("update_info takes names, dtype_names and shapes (or, in_process, weights); got "
                              + ", ".join(sorted(update_info)))
         check_update(update_info["names"], update_info["dtype_names"], update_info["shapes"], self._checkpoint)
-        self.plane.run("update_weights", {"update_info": update_info}, local)
+        try:
+            self.plane.run("update_weights", {"update_info": update_info}, local)
+        except BaseException:  # some tensors may have been copied, on some ranks
+            self._weights = "failed"
+            raise
+        if self._weights == "failed":
+            self._weights = "resent"
 
     def finish_weight_update(self, weight_version: Optional[str] = None) -> None:
         self._require_transfer()
         self.plane.run("finish_weight_update", {})
+        if self._weights == "resent":
+            self._weights = "ok"
         self.weight_version = weight_version
         self.engine.scheduler.invalidate_prefix_cache()
         log.info("weights updated", weight_version=weight_version)
@@ -134,8 +149,8 @@ class EngineControl:
         on_host = self.engine.platform is None or self.engine.platform.device_type == "cpu"
         self.asleep |= {"kv_cache"} if level == 1 and on_host else set(ALL_TAGS)  # a second sleep: the deeper
         self.sleep_level = max(level, self.sleep_level)
-        if level == 2:  # the checkpoint's weights come back on wake_up, not the trainer's
-            self.weight_version = None
+        if level == 2:  # the checkpoint's weights come back on wake_up, not the trainer's (nor a failed update's)
+            self.weight_version, self._weights = None, "ok"
         log.info("asleep", level=level)
 
     def wake_up(self, tags: Optional[list[str]] = None) -> None:
@@ -157,6 +172,9 @@ class EngineControl:
     def check_awake(self) -> None:
         if self.asleep:
             raise EngineAsleep(f"the engine is asleep (level {self.sleep_level}): wake_up first")
+        if self._weights != "ok":
+            raise WeightsIncomplete("a weight update failed midway, so the weights may be part old, part new: "
+                                    "send the update again, then finish_weight_update")
 
     # --- prefix cache, profiling --------------------------------------------------
     def reset_prefix_cache(self) -> bool:
