@@ -242,6 +242,17 @@ def test_device_rules_follow_cuda():
         staged.copy_(torch.arange(4.0))
         assert isinstance(staged.to("cuda", non_blocking=True), DeviceTensor)
         assert np.array_equal(weight.tolist(), weight.cpu().numpy())
+        with pytest.raises(RuntimeError, match="Expected a 'cuda' device type for generator"):
+            weight.exponential_(generator=torch.Generator().manual_seed(0))  # a host generator
+        mask = weight[:, 0] > 0
+        with host_syncs() as waits:  # each waits for the device, as its output is sized by values
+            weight[mask], weight.masked_select(weight > 0), torch.unique(weight), mask.nonzero(), weight.cpu()
+            repr(weight)
+        assert len(waits) == 6
+        index = torch.tensor([3, 1], device="cuda")
+        with host_syncs() as waits:  # sized without reading values
+            weight[index], torch.where(mask, weight[:, 0], weight[:, 1])
+        assert waits == []
 
 
 def test_an_embedding_model_runs_on_the_device_stand_in(model_dir):

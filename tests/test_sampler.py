@@ -209,17 +209,18 @@ def test_unseeded_noise_comes_from_the_noise_generator_and_seeded_rows_from_thei
 
 
 def test_sampling_noise_is_drawn_on_the_logits_device():
-    """Under the CUDA stand-in (where a host tensor in device arithmetic raises, as on a GPU),
-    a batch of unseeded and seeded rows samples on the device what the host computes with the
-    same generators."""
-    from tokenmill.testing.fake_cuda import fake_cuda
+    """Under the CUDA stand-in (where a host tensor in device arithmetic raises, and so does a
+    host generator drawing into a device tensor, as on a GPU), a batch of unseeded and seeded
+    rows samples on the device what the host computes with generators seeded alike."""
+    from tokenmill.testing.fake_cuda import device_generator, fake_cuda
 
     logits = logits_from(3, rows=4)
     params = SamplingParams(temperature=1.0)
 
     def sample(device):
-        sampler = Sampler(0, noise_generator=torch.Generator().manual_seed(4))
-        rows = [row(params), row(params, generator=torch.Generator().manual_seed(8)), row(params), row(params)]
+        generator = device_generator if device == "cuda" else lambda seed: torch.Generator().manual_seed(seed)
+        sampler = Sampler(0, noise_generator=generator(4))
+        rows = [row(params), row(params, generator=generator(8)), row(params), row(params)]
         return [sampler(logits.to(device), rows)[0] for _ in range(3)]
 
     expected = sample("cpu")

@@ -39,19 +39,13 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from tokenmill.interfaces.platform import DeviceGraph, Platform
 from tokenmill.testing import kernel_launches
-from tokenmill.testing.fake_cuda import DeviceTensor
+from tokenmill.testing.fake_cuda import DeviceTensor, waits
 
 aten = torch.ops.aten
 
 #: Tensor methods and functions that wait for the device or size their output by its values
 _HOST_SYNCS = frozenset({"item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "nonzero",
                          "argwhere", "masked_select", "unique", "unique_consecutive", "bincount"})
-#: the same at the aten level (a value read back, or an output sized by values)
-_ATEN_SYNCS = frozenset({aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default,
-                         aten._unique2.default, aten.unique_dim.default, aten.unique_consecutive.default,
-                         aten.bincount.default, aten.equal.default, aten.is_nonzero.default,
-                         aten.repeat_interleave.Tensor, aten.repeat_interleave.self_Tensor})
-
 
 class HostSyncError(RuntimeError):
     """An operation that cannot be recorded in a device graph ran inside one."""
@@ -200,12 +194,9 @@ class _Recorder(TorchDispatchMode):
 
 def _refuse_unrecordable(func: Any, args: tuple, kwargs: dict) -> None:
     name = str(func)
-    if func in _ATEN_SYNCS and not (func in (aten.repeat_interleave.Tensor, aten.repeat_interleave.self_Tensor)
-                                    and kwargs.get("output_size") is not None):
-        raise HostSyncError(f"{name} synchronises with the host inside a recorded graph")
-    if func in (aten.index.Tensor, aten.index_put_.default, aten.index_put.default, aten._index_put_impl_.default):
-        if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] if i is not None):
-            raise HostSyncError(f"{name} with a boolean mask sizes its output by values inside a recorded graph")
+    if waits(func, args, kwargs):
+        raise HostSyncError(f"{name} synchronises with the host (a value read back, or an output sized by values) "
+                            "inside a recorded graph")
     if func in (aten._to_copy.default, aten.copy_.default):
         tensors = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
         kinds = {isinstance(t, DeviceTensor) for t in tensors}

@@ -53,6 +53,13 @@ aten = torch.ops.aten
 #: operations whose tensors may sit on two devices: copies between them
 _COPIES = frozenset({aten.copy_.default, aten._to_copy.default, aten._foreach_copy.default,
                      aten._foreach_copy_.default, aten.lift_fresh.default, aten.detach.default})
+#: operations that wait for the device: a value read back, or an output sized by the values
+#: (the host learns the size before it can allocate the result); repeat_interleave only
+#: without its output_size
+ATEN_SYNCS = frozenset({aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default,
+                        aten._unique2.default, aten.unique_dim.default, aten.unique_consecutive.default,
+                        aten.bincount.default, aten.equal.default, aten.is_nonzero.default,
+                        aten.repeat_interleave.Tensor, aten.repeat_interleave.self_Tensor})
 #: indexing: CUDA moves host index tensors to the device itself (self and values must match)
 _INDEXING = frozenset({aten.index.Tensor, aten.index_put_.default, aten.index_put.default,
                        aten._index_put_impl_.default, aten._unsafe_index.Tensor})
@@ -161,14 +168,15 @@ class DeviceTensor(torch.Tensor):
         self.elem, self.held = value.elem, DEVICE_MEMORY.hold(self, value.elem)
 
     def __repr__(self) -> str:
+        synced("printing a device tensor")  # its values are read back
         return f"DeviceTensor({self.elem!r})"
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         check_devices(func, args, kwargs)
-        if func is aten._local_scalar_dense.default:
-            synced("item() of a device tensor")
+        if waits(func, args, kwargs):
+            synced(f"{func} of a device tensor (a value read back, or an output sized by its values)")
         to_device = _wants_device(kwargs)
         if to_device is None and any(isinstance(a, torch.device) for a in args):  # aten.to.device
             to_device = next(a for a in args if isinstance(a, torch.device)).type == "cuda"
@@ -181,6 +189,15 @@ class DeviceTensor(torch.Tensor):
         if func in (aten.copy_.default, aten._foreach_copy_.default):
             return args[0]
         return _wrap(out)
+
+
+def waits(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether CUDA's ``func`` waits for the device: ``ATEN_SYNCS``, or indexing by a boolean mask."""
+    if func in ATEN_SYNCS:
+        return not (func in (aten.repeat_interleave.Tensor, aten.repeat_interleave.self_Tensor)
+                    and kwargs.get("output_size") is not None)
+    return func in _INDEXING and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
+                                     for i in args[1] if i is not None)
 
 
 def _wrap(out: Any) -> Any:
@@ -273,11 +290,16 @@ class _Placement(TorchFunctionMode):
         if generator is not None and generator in _DEVICE_GENERATORS and not (
                 _wants_device(kwargs) or any(isinstance(x, DeviceTensor) for x in args)):
             raise RuntimeError("Expected a 'cpu' device type for generator but found 'cuda'")
+        if generator is not None and generator not in _DEVICE_GENERATORS and (
+                _wants_device(kwargs) or any(isinstance(x, DeviceTensor) for x in args)):
+            raise RuntimeError("Expected a 'cuda' device type for generator but found 'cpu'")
         pinned = kwargs.pop("pin_memory", False)
         if name == "to" and args and isinstance(args[0], torch.Tensor):
             return _to(func, *args, **kwargs)
         if name == "cuda" and args and isinstance(args[0], torch.Tensor):
             return _to(func, args[0], CUDA)
+        if name == "cpu" and args and isinstance(args[0], DeviceTensor):
+            return _to(func, args[0], torch.device("cpu"))
         if name == "pin_memory":
             return _queue.pin(args[0].clone())
         if name == "is_pinned":
@@ -295,6 +317,9 @@ class _Placement(TorchFunctionMode):
             if crossing and isinstance(args[0], DeviceTensor):
                 _copied_to_device(args[1])
             return aten.copy_.default(args[0], args[1])  # the binding's device guard needs CUDA
+        if name in ("nonzero", "argwhere") and isinstance(args[0], DeviceTensor):  # so does theirs
+            synced(f"{name} of a device tensor (its output sized by its values)")
+            return DeviceTensor(func(args[0].elem, *args[1:], **kwargs))
         if name == "contiguous" and isinstance(args[0], DeviceTensor):  # its binding's guard needs CUDA
             contiguous = args[0].elem.contiguous(*args[1:], **kwargs)
             return args[0] if contiguous is args[0].elem else DeviceTensor(contiguous)
@@ -340,11 +365,14 @@ class _Placement(TorchFunctionMode):
 
 
 def _host_index(index: Any) -> None:
-    """CUDA copies a host index tensor (or a list) to the device with a blocking copy."""
+    """CUDA copies a host index tensor (or a list) to the device with a blocking copy, and
+    sizes a boolean mask's result by reading the mask back."""
     parts = index if isinstance(index, tuple) else (index,)
     if any(isinstance(part, list) or (isinstance(part, torch.Tensor) and not isinstance(part, DeviceTensor)
                                       and part.dim() > 0) for part in parts):
         synced("indexing a device tensor with host indices")
+    elif any(isinstance(part, torch.Tensor) and part.dtype == torch.bool for part in parts):
+        synced("indexing a device tensor with a boolean mask (its output sized by the mask's values)")
 
 
 def _triton_launch(kernel: Any, grid: Any, args: tuple, kwargs: dict, launch: Callable[[tuple, dict], Any]) -> Any:
