@@ -39,7 +39,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from tokenmill.interfaces.platform import DeviceGraph, Platform
 from tokenmill.testing import kernel_launches
-from tokenmill.testing.fake_cuda import DeviceTensor, waits
+from tokenmill.testing.device_waits import waits
+from tokenmill.testing.fake_cuda import DeviceTensor
 
 aten = torch.ops.aten
 

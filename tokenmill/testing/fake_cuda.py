@@ -44,6 +44,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from tokenmill.testing.device_memory import DEVICE_MEMORY
+from tokenmill.testing.device_waits import INDEXING, waits
 from tokenmill.testing.kernel_launches import intercept_launches
 from tokenmill.testing.pinned_copies import CopyQueue
 
@@ -53,16 +54,6 @@ aten = torch.ops.aten
 #: operations whose tensors may sit on two devices: copies between them
 _COPIES = frozenset({aten.copy_.default, aten._to_copy.default, aten._foreach_copy.default,
                      aten._foreach_copy_.default, aten.lift_fresh.default, aten.detach.default})
-#: operations that wait for the device: a value read back, or an output sized by the values
-#: (the host learns the size before it can allocate the result); repeat_interleave only
-#: without its output_size
-ATEN_SYNCS = frozenset({aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default,
-                        aten._unique2.default, aten.unique_dim.default, aten.unique_consecutive.default,
-                        aten.bincount.default, aten.equal.default, aten.is_nonzero.default,
-                        aten.repeat_interleave.Tensor, aten.repeat_interleave.self_Tensor})
-#: indexing: CUDA moves host index tensors to the device itself (self and values must match)
-_INDEXING = frozenset({aten.index.Tensor, aten.index_put_.default, aten.index_put.default,
-                       aten._index_put_impl_.default, aten._unsafe_index.Tensor})
 
 
 class DeviceMismatchError(RuntimeError):
@@ -191,15 +182,6 @@ class DeviceTensor(torch.Tensor):
         return _wrap(out)
 
 
-def waits(func: Any, args: tuple, kwargs: dict) -> bool:
-    """Whether CUDA's ``func`` waits for the device: ``ATEN_SYNCS``, or indexing by a boolean mask."""
-    if func in ATEN_SYNCS:
-        return not (func in (aten.repeat_interleave.Tensor, aten.repeat_interleave.self_Tensor)
-                    and kwargs.get("output_size") is not None)
-    return func in _INDEXING and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
-                                     for i in args[1] if i is not None)
-
-
 def _wrap(out: Any) -> Any:
     """Device tensors around an operation's host results. Made outside inference mode: a view
     of a parameter taken in inference mode shares the parameter's version counter, which an
@@ -229,7 +211,7 @@ def check_devices(func: Any, args: tuple, kwargs: dict) -> None:
     """Raise ``DeviceMismatchError`` where CUDA's kernel for ``func`` would refuse its tensors."""
     if func in _COPIES:
         return
-    if func in _INDEXING:
+    if func in INDEXING:  # CUDA moves host index tensors to the device itself (self and values must match)
         tensors = [args[0]] + [a for a in args[2:] if isinstance(a, torch.Tensor)]
     else:
         tensors = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
@@ -287,12 +269,11 @@ class _Placement(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         name = getattr(func, "__name__", "")
         generator = kwargs.get("generator")
-        if generator is not None and generator in _DEVICE_GENERATORS and not (
-                _wants_device(kwargs) or any(isinstance(x, DeviceTensor) for x in args)):
-            raise RuntimeError("Expected a 'cpu' device type for generator but found 'cuda'")
-        if generator is not None and generator not in _DEVICE_GENERATORS and (
-                _wants_device(kwargs) or any(isinstance(x, DeviceTensor) for x in args)):
-            raise RuntimeError("Expected a 'cuda' device type for generator but found 'cpu'")
+        if generator is not None:
+            wanted = "cuda" if _wants_device(kwargs) or any(isinstance(x, DeviceTensor) for x in args) else "cpu"
+            found = "cuda" if generator in _DEVICE_GENERATORS else "cpu"
+            if wanted != found:
+                raise RuntimeError(f"Expected a '{wanted}' device type for generator but found '{found}'")
         pinned = kwargs.pop("pin_memory", False)
         if name == "to" and args and isinstance(args[0], torch.Tensor):
             return _to(func, *args, **kwargs)
