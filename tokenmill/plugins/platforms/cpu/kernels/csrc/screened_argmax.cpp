@@ -29,6 +29,7 @@
 #include <tuple>
 #include <vector>
 
+#include "attention_math.h"
 #include "kernels.h"
 #include "vec.h"
 
@@ -107,7 +108,13 @@ void int8_tile(const uint8_t* u, const int8_t* packed, int32_t* acc, int64_t M, 
   int32_t* out = acc + group * 16;
   int64_t m = 0;
   for (; m + kRows <= M; m += kRows) int8_block<kRows, NB>(u + m * Kp, w, out + m * Np, Np, Kp);
-  for (; m < M; ++m) int8_block<1, NB>(u + m * Kp, w, out + m * Np, Np, Kp);
+  // the rest in one block too (a verify step's 5 rows): one row at a time, each k step waits on
+  // the last one's sums (the whole kernel at a 4096 x 256 head: 69 us for 5 rows so, 41 us as
+  // one block, 20 us for one row)
+  if (m < M)
+    with_constant_1_to_8(M - m, [&](auto rows) {
+      if constexpr (rows < kRows) int8_block<rows, NB>(u + m * Kp, w, out + m * Np, Np, Kp);
+    });
 }
 
 struct QuantizedRow {
