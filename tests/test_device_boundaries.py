@@ -350,6 +350,51 @@ def test_pinned_memory_is_written_again_only_after_its_copies_ran():
         received.copy_(torch.ones(4))
 
 
+def test_copies_into_pinned_memory_land_when_the_host_waits_past_them():
+    """A non-blocking copy from the device into pinned memory is done when the device's queue
+    reaches it: until the host waits past it (an event recorded after it, a read back), the
+    buffer holds its old values, as on a GPU. Into pageable memory, CUDA returns only once
+    the copy landed, so that copy is a wait; ``.to("cpu", non_blocking=True)`` gives pinned
+    memory (torch's rule) that the values reach later."""
+    from tokenmill.testing.fake_cuda_platform import StandInEvent
+
+    with fake_cuda(), torch.inference_mode():
+        device = torch.arange(4, dtype=torch.float32, device="cuda")
+        received = torch.zeros(4, pin_memory=True)
+        received.copy_(device, non_blocking=True)
+        before = StandInEvent()  # recorded before the next copy: waiting for it lands this one only
+        later = torch.zeros(4, pin_memory=True)
+        device.add_(10)  # a kernel after the copy: the copy reads the values before it
+        later.copy_(device, non_blocking=True)
+        assert received.tolist() == [0.0] * 4 and later.tolist() == [0.0] * 4  # not landed: the old values
+        before.synchronize()
+        assert received.tolist() == [0.0, 1.0, 2.0, 3.0] and later.tolist() == [0.0] * 4
+        StandInEvent().synchronize()
+        assert later.tolist() == [10.0, 11.0, 12.0, 13.0]
+        with host_syncs() as waits:
+            moved = device.to("cpu", non_blocking=True)
+            StandInEvent().synchronize()
+        assert moved.tolist() == [10.0, 11.0, 12.0, 13.0] and waits == ["waited for a recorded event"]
+        pageable = torch.zeros(4)
+        with host_syncs() as waits:
+            pageable.copy_(device, non_blocking=True)
+        assert pageable.tolist() == [10.0, 11.0, 12.0, 13.0] and len(waits) == 1 and "pageable" in waits[0]
+
+
+def test_mutation_sampled_tokens_read_before_their_copy_landed_fails(model_dir, monkeypatch):
+    """Reading a step's sampled tokens from their pinned buffers without waiting for the event
+    after their copy reads whatever the buffers held before (on a GPU: a token of an earlier
+    step, or garbage): the tokens are no longer Hugging Face's."""
+    from tokenmill.core.worker.input_staging import HostCopies
+
+    monkeypatch.setattr(HostCopies, "wait", lambda self: self.tensors)
+    prompt = {"prompt_token_ids": PROMPTS[0][:12]}
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with fake_cuda():
+        output = fake_cuda_llm(model_dir("llama")).generate([prompt], params, use_tqdm=False)
+    assert output[0].outputs[0].token_ids != hf_greedy(model_dir("llama"), [prompt["prompt_token_ids"]], 6)[0].token_ids
+
+
 def test_mutation_staging_refilled_before_its_copies_ran_fails(model_dir, monkeypatch):
     """Without the mark after each step's input copies, the next prompt chunk refills the pinned
     buffers while the device may still be copying out of them: the chunked prompt fails."""

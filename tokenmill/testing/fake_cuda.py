@@ -18,7 +18,9 @@ to be on the same device". Under ``fake_cuda()``:
 - a non-blocking copy out of (or into) pinned memory runs when the device's queue reaches
   it: the stand-in keeps the queue's order (``pinned_copies``) and raises ``PinnedBufferRace``
   where the host writes such a buffer before it knows the copy ran (on a GPU the copy would
-  carry the new values, a later step's inputs).
+  carry the new values, a later step's inputs); a copy into it lands only when the host
+  waits past it (an event, a read back), so a read before that sees the old values. Into
+  pageable memory such a copy returns once it landed: a wait.
 
 Values are real, so an engine on ``FakeCudaPlatform`` can be compared with Hugging Face.
 What it does not model: kernels running late (every kernel completes at once), memory
@@ -225,7 +227,7 @@ def check_devices(func: Any, args: tuple, kwargs: dict) -> None:
 
 def _to(func: Any, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     """``Tensor.to`` across the boundary: to cuda wraps, to the host unwraps (a copy)."""
-    device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+    device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
     if device is None:  # a dtype change stays where it is
         if not isinstance(tensor, DeviceTensor):
             return func(tensor, *args, **kwargs)
@@ -237,15 +239,20 @@ def _to(func: Any, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Ten
         if isinstance(tensor, DeviceTensor):
             moved = tensor.elem.to(**options, copy=bool(kwargs.get("copy")))
             return tensor if moved is tensor.elem else DeviceTensor(moved)
-        if kwargs.get("non_blocking"):
+        if non_blocking:
             _queue.copied(tensor)
         else:
             synced(f"blocking copy of a host tensor {tuple(tensor.shape)} to the device")
         _copied_to_device(tensor)
         return DeviceTensor(tensor.to(**options, copy=True))
     if isinstance(tensor, DeviceTensor):
+        values = tensor.elem.to(device, **options, copy=True)
+        if non_blocking:  # CUDA's result is pinned memory the copy lands in later
+            landing = _queue.pin(torch.empty_like(values))
+            _queue.copied_to_host(landing, values)
+            return landing
         synced(f"copy of a device tensor {tuple(tensor.shape)} to the host")
-        return tensor.elem.to(device, **options, copy=True)
+        return values
     return func(tensor, *args, **kwargs)
 
 
@@ -288,13 +295,15 @@ class _Placement(TorchFunctionMode):
         if name in ("copy_", "__setitem__") and not any(isinstance(x, DeviceTensor) for x in args[:3]):
             _queue.check_write(args[0])
         if name == "copy_" and any(isinstance(x, DeviceTensor) for x in args[:2]):
-            # a non-blocking copy to the host is taken to land in pinned memory (the stand-in's
-            # pinned memory is plain): it waits for nothing, as on a GPU
             crossing = isinstance(args[0], DeviceTensor) != isinstance(args[1], DeviceTensor)
             if crossing and not kwargs.get("non_blocking"):
                 synced("blocking copy_ between the host and the device")
+            elif crossing and isinstance(args[1], DeviceTensor):  # to the host
+                if _queue.copied_to_host(args[0], args[1].elem):
+                    return args[0]  # the values land when the host waits past the copy
+                synced("non-blocking copy_ into pageable host memory (CUDA returns once it landed)")
             elif crossing:
-                _queue.copied(args[1] if isinstance(args[0], DeviceTensor) else args[0])
+                _queue.copied(args[1])
             if crossing and isinstance(args[0], DeviceTensor):
                 _copied_to_device(args[1])
             return aten.copy_.default(args[0], args[1])  # the binding's device guard needs CUDA

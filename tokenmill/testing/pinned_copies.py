@@ -2,8 +2,10 @@
 
 On a GPU a non-blocking copy between pinned host memory and the device is a DMA the device
 runs when its queue reaches it: the host must not write that buffer again before it knows
-the copy ran (it waited for an event recorded after it, or for the whole device). The
-stand-in moves values at once, so it keeps only the queue's order and refuses such a write.
+the copy ran (it waited for an event recorded after it, or for the whole device), and what
+it reads from a buffer the device copies into is the old contents until then. The stand-in
+keeps the queue's order: it refuses such a write, and a copy into pinned memory lands when
+the host waits for a point of the queue past it, so an early read sees the old values.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ class CopyQueue:
         self.pending: dict[int, int] = {}
         #: pinned storage address -> the pinned tensor (an address freed and reused is not pinned)
         self.pinned: dict[int, weakref.ref] = {}
+        #: copies into pinned memory not landed yet: (queue position, destination, its values)
+        self.landing: list[tuple[int, torch.Tensor, torch.Tensor]] = []
 
     def pin(self, tensor: torch.Tensor) -> torch.Tensor:
         address = _address(tensor)
@@ -51,6 +55,26 @@ class CopyQueue:
             self.queued += 1
             self.pending[address] = self.queued
 
+    def copied_to_host(self, host: torch.Tensor, values: torch.Tensor) -> bool:
+        """A non-blocking copy of a device tensor's ``values`` into ``host``. Pinned memory
+        gets them when the host next waits past the copy (True); pageable memory at once, as
+        CUDA returns from such a copy only once it landed (False: the caller notes the wait)."""
+        address = _address(host)
+        if not self._is_pinned(address):
+            return False
+        self.queued += 1
+        self.pending[address] = self.queued
+        # the device's values as the copy reads them: later kernels come after it in the queue
+        self.landing.append((self.queued, host, values.clone()))
+        return True
+
+    def _land(self, upto: int) -> None:
+        landed = [copy for copy in self.landing if copy[0] <= upto]
+        self.landing = [copy for copy in self.landing if copy[0] > upto]
+        with torch._C.DisableTorchFunction():  # the device's write, not the host's (no race check)
+            for _, host, values in landed:
+                host.copy_(values)
+
     def mark(self) -> int:
         self.queued += 1
         return self.queued
@@ -61,12 +85,14 @@ class CopyQueue:
             return False
         self.done = mark
         self.pending = {address: at for address, at in self.pending.items() if at > mark}
+        self._land(mark)
         return True
 
     def drain(self) -> None:
         """The host waited for the device: everything queued so far has run."""
         self.done = self.queued
         self.pending.clear()
+        self._land(self.queued)
 
     def check_write(self, host: torch.Tensor) -> None:
         """The host writes ``host``: refused while a copy queued from or into it may not have run
