@@ -20,7 +20,7 @@ import triton.language as tl
 def _bgmv_kernel(x_ptr, w_ptr, slot_ptr, y_ptr, N, K,
                  stride_xt, stride_xk, stride_ws, stride_wn, stride_wk, stride_yt, stride_yn,
                  ACCUMULATE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    token = tl.program_id(0)
+    token = tl.program_id(0).to(tl.int64)  # token * stride passes 2**31 at 37k tokens of a 57k-wide layer
     pid_n = tl.program_id(1)
     slot = tl.load(slot_ptr + token)
     if slot >= 0:

@@ -52,7 +52,8 @@ def _block_fp8_gemm_kernel(
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    # 64-bit rows: row * stride passes 2**31 at 37k-42k tokens of a 51-57k-wide layer
+    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
     mask_n = offs_n < N

@@ -31,7 +31,8 @@ def _dequant_gemm_kernel(
     pid_n = tl.program_id(1)
     PACK: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    # 64-bit rows: row * stride passes 2**31 at 37k tokens of a 57k-wide layer
+    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
     mask_n = offs_n < N
