@@ -27,6 +27,9 @@ from typing import Any, Callable, ClassVar, Optional, Protocol, Sequence
 import torch
 from pydantic import BaseModel, ConfigDict
 
+#: the KV cache's budget in host memory where ``cache.kv_cache_memory`` is not set
+DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3
+
 
 @dataclass(frozen=True)
 class Detection:
@@ -100,10 +103,11 @@ class Platform:
         """Per-process setup before the model is built: threads, allocator settings, the
         device of this process's ``rank`` (the driver is rank 0)."""
 
-    def kv_cache_memory(self, requested: int, activation_bytes: int = 0) -> int:
-        """The bytes the KV cache may use, given the configured ``cache.kv_cache_memory`` and,
-        where the platform ``profiles_memory``, the peak a forward pass's activations reached."""
-        return requested
+    def kv_cache_memory(self, requested: Optional[int], activation_bytes: int = 0) -> int:
+        """The bytes the KV cache may use, given the configured ``cache.kv_cache_memory`` (None:
+        not configured) and, where the platform ``profiles_memory``, the peak a forward pass's
+        activations reached."""
+        return DEFAULT_KV_CACHE_MEMORY if requested is None else requested
 
     def peak_memory(self, run: Callable[[], None]) -> int:
         """Bytes the device's allocator held at its peak during ``run`` beyond what it held

@@ -13,11 +13,11 @@ in the interpreter.
 from __future__ import annotations
 
 import itertools
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
-from tokenmill.interfaces.platform import Detection
+from tokenmill.interfaces.platform import DEFAULT_KV_CACHE_MEMORY, Detection
 from tokenmill.plugins.platforms.cuda.platform import CudaPlatform
 from tokenmill.testing.device_graphs import RecordsGraphs
 from tokenmill.testing.device_memory import DEVICE_MEMORY
@@ -40,8 +40,11 @@ class FakeCudaPlatform(RecordsGraphs, CudaPlatform):
     def setup_process(self, rank: int = 0) -> None:
         """No device to pick and no memory to read."""
 
-    def kv_cache_memory(self, requested: int, activation_bytes: int = 0) -> int:
-        return requested
+    def kv_cache_memory(self, requested: Optional[int], activation_bytes: int = 0) -> int:
+        return DEFAULT_KV_CACHE_MEMORY if requested is None else requested
+
+    def bf16_supported(self) -> bool:
+        return True  # it stands for an sm_80+ GPU
 
     def place_model(self, model: torch.nn.Module) -> None:
         """A model made on the device stays as it is, as on a GPU, where ``Module.to`` keeps each

@@ -57,9 +57,11 @@ class CacheConfig(BaseModel):
     block_size: int = Field(16, ge=1, le=1024)
     #: number of KV blocks; overrides kv_cache_memory (vLLM: num_gpu_blocks_override)
     num_blocks: Optional[int] = Field(None, ge=1)
-    #: KV-cache budget in bytes ("4GiB" works); the pool never exceeds what
-    #: max_num_seqs sequences of max_model_len tokens could use
-    kv_cache_memory: ByteSize = ByteSize(2 * 1024**3)
+    #: KV-cache budget in bytes ("4GiB" works). Unset: the platform's default (host memory:
+    #: 2 GiB, and the pool never exceeds what max_num_seqs sequences of max_model_len tokens
+    #: could use; a GPU: what gpu_memory_utilization leaves). Set, it overrides
+    #: gpu_memory_utilization (vLLM's kv_cache_memory_bytes)
+    kv_cache_memory: Optional[ByteSize] = None
     prefix_caching: bool = True
     #: what K/V are stored in: "auto" is the compute dtype; "bfloat16" halves an fp32
     #: model's cache (memory, and the bytes decode attention reads every step) at bf16's

@@ -101,6 +101,10 @@ def merged(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+#: model types whose activations pass float16's range (vLLM's list): never float16
+FLOAT16_UNSTABLE = frozenset({"gemma2", "gemma3", "gemma3_text", "glm4"})
+
+
 def load_model_config(
     path: str | Path, dtype: str = "auto", max_model_len: Optional[int] = None,
     resolve_dtype: Optional[Callable[[torch.dtype], torch.dtype]] = None,
@@ -128,17 +132,25 @@ def load_model_config(
     if not architectures:
         raise ConfigError("model", f"{config_file} names no 'architectures'")
 
+    model_type = str(hf.get("model_type") or "")
     if dtype == "auto":
         torch_dtype = _DTYPES.get(str(hf.get("dtype") or "float32").removeprefix("torch."))
         if torch_dtype is None:
             raise ConfigError("dtype", f"checkpoint dtype {hf.get('dtype')!r} is not supported")
-        resolved = resolve_dtype(torch_dtype) if resolve_dtype is not None else torch_dtype
+        resolve = resolve_dtype or (lambda stored: stored)
+        resolved = resolve(torch_dtype)
+        if resolved == torch.float16 and model_type in FLOAT16_UNSTABLE:  # the platform's bf16, else fp32
+            resolved = resolve(torch.bfloat16)
+            resolved = torch.float32 if resolved == torch.float16 else resolved
         if resolved != torch_dtype:
             log.info("dtype auto: the platform computes this checkpoint in another dtype", model=str(path),
                      stored=str(torch_dtype).removeprefix("torch."), compute=str(resolved).removeprefix("torch."))
         torch_dtype = resolved
     else:
         torch_dtype = _DTYPES[dtype]
+    if torch_dtype == torch.float16 and model_type in FLOAT16_UNSTABLE:
+        raise ConfigError("dtype", f"{model_type} models do not run in float16: their activations pass its range "
+                                   "(numerical instability, as vLLM refuses it too); use bfloat16 or float32")
 
     derived = int(hf.get("max_position_embeddings") or 2048)
     if max_model_len is not None and max_model_len > derived:

@@ -56,7 +56,14 @@ class CudaPlatform(Platform):
         return Detection(True, f"{torch.cuda.device_count()} CUDA device(s), CUDA {torch.version.cuda}")
 
     def resolve_dtype(self, checkpoint_dtype: torch.dtype) -> torch.dtype:
-        return torch.float16 if checkpoint_dtype == torch.float32 else checkpoint_dtype
+        """vLLM's rule: a float32 checkpoint computes in the GPU's first half type, bfloat16
+        from sm_80 on (its range is float32's), else float16; bfloat16 where the GPU has none
+        computes in float16."""
+        half = torch.bfloat16 if self.bf16_supported() else torch.float16
+        return half if checkpoint_dtype in (torch.float32, torch.bfloat16) else checkpoint_dtype
+
+    def bf16_supported(self) -> bool:
+        return torch.cuda.get_device_capability() >= (8, 0)
 
     def setup_process(self, rank: int = 0) -> None:
         """The rank's GPU (one per rank, among those visible: a Ray actor sees only its own),
@@ -78,11 +85,20 @@ class CudaPlatform(Platform):
                               f"({wanted / 2**30:.1f} GiB): lower it, or free the GPU")
         self._used_before = total - free
 
-    def kv_cache_memory(self, requested: int, activation_bytes: int = 0) -> int:
+    def kv_cache_memory(self, requested: Optional[int], activation_bytes: int = 0) -> int:
         """What ``gpu_memory_utilization`` of the GPU leaves once this engine's weights are on
-        it and a forward pass's activations have their room (vLLM's rule)."""
+        it and a forward pass's activations have their room (vLLM's rule); a configured
+        ``kv_cache_memory`` instead, where it fits beside them (it overrides the utilization,
+        as vLLM's ``kv_cache_memory_bytes`` does)."""
         torch.cuda.empty_cache()  # the profiling pass's freed blocks are not in use
         free, total = torch.cuda.mem_get_info()
+        if requested is not None:
+            room = free - activation_bytes
+            if requested > room:
+                raise ConfigError("cache.kv_cache_memory",
+                                  f"{requested / 2**30:.2f} GiB asked for the KV cache, {room / 2**30:.2f} GiB of "
+                                  "the GPU free beside the weights and a forward pass's activations")
+            return requested
         own = (total - free) - self._used_before
         return max(0, int(total * self.options.gpu_memory_utilization) - own - activation_bytes)
 
