@@ -331,3 +331,34 @@ def test_fp8_scaled_mm_keeps_e4m3_weights_and_matches_the_w8a8_reference(name):
     layers = [engine.runner.model.model.layers[0].mlp.down_proj for engine in engines.values()]
     assert layers[0].weight.dtype == torch.float8_e4m3fn and layers[1].weight.dtype == torch.float32
     assert layers[0].weight.nbytes * 4 == layers[1].weight.nbytes
+
+
+@pytest.mark.parametrize("intermediate, fp8_weights", [(128, True), (136, False)])
+def test_fp8_on_the_gpu_multiplies_in_fp8_only_sizes_cudas_scaled_mm_takes(intermediate, fp8_weights, tmp_path):
+    """CUDA's ``torch._scaled_mm`` takes K and N in multiples of 16 (the CPU's takes any): on the
+    CUDA stand-in, "auto" keeps the down projection's e4m3 weights for it at an intermediate
+    size of 128 and dequantizes them at 136 (K = 136), which an explicit ``scaled_mm`` refuses."""
+    from tokenmill.testing.fake_cuda import fake_cuda
+    from tokenmill.testing.fake_cuda_platform import FakeCudaPlatform
+    from tokenmill.testing.quantize import quantize_model
+    from tokenmill.testing.tiny_models import make_tiny_model
+    from conftest import with_platforms
+
+    base = make_tiny_model("llama", tmp_path / "base", hidden_size=64, intermediate_size=intermediate,
+                           num_attention_heads=4, num_key_value_heads=1)
+    quantized = quantize_model(base, tmp_path / "q", "fp8")
+    args = dict(model=str(quantized), device="fake-cuda", dtype="bfloat16", enforce_eager=True,
+                kv_cache_memory_bytes=2**23, max_num_seqs=2, max_num_batched_tokens=32)
+    with fake_cuda():
+        llm = LLM(config=load_config(**args), plugin_manager=with_platforms(FakeCudaPlatform))
+        down = llm.llm_engine.runner.model.model.layers[0].mlp.down_proj
+        assert (down.weight.dtype == torch.float8_e4m3fn) == fp8_weights
+        output = llm.generate([{"prompt_token_ids": list(range(3, 12))}], SamplingParams(max_tokens=3), use_tqdm=False)
+        assert len(output[0].outputs[0].token_ids) == 3
+    config = load_config(model=str(quantized), dtype="float32", kv_cache_memory_bytes=2**24)
+    config.quantization.fp8_kernel = "scaled_mm"
+    if fp8_weights:
+        LLM(config=config)
+    else:
+        with pytest.raises(ConfigError, match="multiples of 16"):
+            LLM(config=config)

@@ -107,7 +107,7 @@ class Fp8LinearMethod:
                                   .to(device=w.device, dtype=torch.int32), persistent=False)
             layer.fp8_triton = True
             return
-        if self._scaled_mm(w, layer.quant_dtype):  # e4m3 weights stay; the scales become one per output channel
+        if self._scaled_mm(layer, w):  # e4m3 weights stay; the scales become one per output channel
             layer.register_buffer("fp8_weight_scale", self._expanded_scale(layer, w.shape).reshape(1, -1).float(),
                                   persistent=False)
             delattr(layer, self.scheme.scale_name)
@@ -122,9 +122,10 @@ class Fp8LinearMethod:
         del layer.weight
         layer.register_parameter("weight", nn.Parameter(dequant.to(layer.quant_dtype), requires_grad=False))
 
-    def _scaled_mm(self, weight: torch.Tensor, dtype: torch.dtype) -> bool:
+    def _scaled_mm(self, layer: nn.Module, weight: torch.Tensor) -> bool:
         """Whether this layer multiplies in FP8: a W8A8 scheme with per-tensor or per-channel
-        weight scales, and the kernel asked for (or "auto" on a GPU for a 16-bit model).
+        weight scales, sizes CUDA's ``torch._scaled_mm`` takes, and the kernel asked for (or
+        "auto" on a GPU for a 16-bit model).
 
         An fp32 model, chosen for precision, dequantizes under "auto": Hopper's FP8 tensor
         cores accumulate with fewer bits than fp32, and the next layer's FP8 rounding
@@ -132,8 +133,18 @@ class Fp8LinearMethod:
         product, which the dequantizing path meets to 1e-7)."""
         if self.online or self.activations is None or self.scheme.weights == "block":
             return False
-        on_gpu = weight.device.type == "cuda"
-        return self.kernel == "scaled_mm" or (self.kernel == "auto" and on_gpu and dtype != torch.float32)
+        auto = self.kernel == "auto" and weight.device.type == "cuda" and layer.quant_dtype != torch.float32
+        if not (self.kernel == "scaled_mm" or auto):
+            return False
+        # CUDA's kernel takes K and each multiplied part's N in multiples of 16 (the CPU's any)
+        parts = layer.quant_output_sizes if self.activations == "static" else [weight.shape[0]]
+        if weight.shape[1] % 16 == 0 and all(n % 16 == 0 for n in parts):
+            return True
+        if self.kernel == "scaled_mm":
+            raise ConfigError("quantization.fp8_kernel",
+                              f"torch._scaled_mm multiplies sizes in multiples of 16 on a GPU; a layer here is "
+                              f"{weight.shape[1]} wide into {list(parts)}: use fp8_kernel auto or dequantize")
+        return False
 
     def _triton(self, weight: torch.Tensor) -> bool:
         """Whether this layer multiplies with the block-FP8 Triton GEMM: a block scheme it
