@@ -48,22 +48,22 @@ class CopyQueue:
         pinned = self.pinned.get(address)
         return pinned is not None and pinned() is not None
 
-    def copied(self, host: torch.Tensor) -> None:
-        """A non-blocking copy between ``host`` and the device was queued."""
-        address = _address(host)
-        if self._is_pinned(address):
-            self.queued += 1
-            self.pending[address] = self.queued
-
-    def copied_to_host(self, host: torch.Tensor, values: torch.Tensor) -> bool:
-        """A non-blocking copy of a device tensor's ``values`` into ``host``. Pinned memory
-        gets them when the host next waits past the copy (True); pageable memory at once, as
-        CUDA returns from such a copy only once it landed (False: the caller notes the wait)."""
+    def copied(self, host: torch.Tensor) -> bool:
+        """A non-blocking copy between ``host`` and the device was queued: whether ``host`` is
+        pinned (a copy from pageable memory is staged at once)."""
         address = _address(host)
         if not self._is_pinned(address):
             return False
         self.queued += 1
         self.pending[address] = self.queued
+        return True
+
+    def copied_to_host(self, host: torch.Tensor, values: torch.Tensor) -> bool:
+        """A non-blocking copy of a device tensor's ``values`` into ``host``. Pinned memory
+        gets them when the host next waits past the copy (True); pageable memory at once, as
+        CUDA returns from such a copy only once it landed (False: the caller notes the wait)."""
+        if not self.copied(host):
+            return False
         # the device's values as the copy reads them: later kernels come after it in the queue
         self.landing.append((self.queued, host, values.clone()))
         return True
