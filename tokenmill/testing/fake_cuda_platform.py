@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 import torch
 
-from tokenmill.interfaces.platform import DEFAULT_KV_CACHE_MEMORY, Detection
+from tokenmill.interfaces.platform import Detection, Platform
 from tokenmill.plugins.platforms.cuda.platform import CudaPlatform
 from tokenmill.testing.device_graphs import RecordsGraphs
 from tokenmill.testing.device_memory import DEVICE_MEMORY
@@ -41,7 +41,8 @@ class FakeCudaPlatform(RecordsGraphs, CudaPlatform):
         """No device to pick and no memory to read."""
 
     def kv_cache_memory(self, requested: Optional[int], activation_bytes: int = 0) -> int:
-        return DEFAULT_KV_CACHE_MEMORY if requested is None else requested
+        """The configured budget, as a host platform's: the stand-in's device has no memory to read."""
+        return Platform.kv_cache_memory(self, requested, activation_bytes)
 
     def bf16_supported(self) -> bool:
         return True  # it stands for an sm_80+ GPU

@@ -83,8 +83,7 @@ class BuiltModel:
             activations = platform.peak_memory(largest_step)
             log.info("memory profiled", activation_mib=round(activations / 2**20, 1),
                      tokens=config.scheduler.max_num_batched_tokens, sampled_rows=sampled_rows)
-        requested = config.cache.kv_cache_memory
-        budget = platform.kv_cache_memory(None if requested is None else int(requested), activations)
+        budget = platform.kv_cache_memory(config.cache.kv_cache_memory, activations)
         return budget // per_block, int(config.cache.swap_space) // per_block
 
     def allocate_caches(self, config: EngineConfig, platform: Platform, num_blocks: int,

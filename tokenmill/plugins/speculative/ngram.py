@@ -73,7 +73,6 @@ class NgramProposer(SpeculativeProposer):
         if last - index.size >= _BULK and self._packs_in_int64:
             self._index_at_once(index, tokens, last)
         bits, min_n, max_n, first = self._bits, self.min_n, self.max_n, index.first
-        found = -1
         for end in range(min(index.size, last), last + 1):
             found, key = -1, 0
             for n in range(1, min(max_n, end + 1) + 1):
@@ -94,7 +93,8 @@ class NgramProposer(SpeculativeProposer):
         for n in range(1, self.max_n + 1):
             if n > 1:
                 keep = ends >= n - 1
-                ends, keys = ends[keep], keys[keep] | array[ends[keep] - n + 1] << self._bits * (n - 1)
+                ends = ends[keep]
+                keys = keys[keep] | array[ends - n + 1] << self._bits * (n - 1)
             if n >= self.min_n:
                 # the earliest end of each pattern wins: the dict keeps the last value it is given
                 patterns = dict(zip(keys[::-1].tolist(), ends[::-1].tolist()))
