@@ -296,9 +296,10 @@ def test_sleep_frees_the_device_memory_and_waking_gives_the_same_tokens(model_di
 
 def test_lora_on_the_device_stand_in_launches_its_steps_without_a_wait(model_dir, tmp_path):
     """An adapter in the batch (the Triton LoRA kernel, async scheduling): the CPU engine's tokens,
-    and, once the adapter sits in its slot (its first step copies its weights there), each step
-    launched without a wait for the device. The token slots go to the device once a step, not
-    with a blocking copy in every LoRA layer (each would wait for every kernel queued before it)."""
+    and each step launched without a wait for the device, the step that puts the adapter in its
+    slot included (its weights cross from pinned memory, not with a blocking copy per part and
+    layer). The token slots go to the device once a step, not with a blocking copy in every LoRA
+    layer (each would wait for every kernel queued before it)."""
     from tokenmill.interfaces.adapters import LoRARequest
     from tokenmill.testing.tiny_adapters import make_lora_adapter
 
@@ -311,8 +312,8 @@ def test_lora_on_the_device_stand_in_launches_its_steps_without_a_wait(model_dir
                                                                        lora_request=requests)
     with fake_cuda():
         llm = fake_cuda_llm(model_dir("llama"), **lora)
-        first = llm.generate(prompts, params, use_tqdm=False, lora_request=requests)
         waits = launch_waits(llm)
+        first = llm.generate(prompts, params, use_tqdm=False, lora_request=requests)
         device = llm.generate(prompts, params, use_tqdm=False, lora_request=requests)
     assert llm.llm_engine.scheduler.async_scheduling
     assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in cpu]

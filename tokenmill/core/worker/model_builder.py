@@ -121,6 +121,7 @@ def build_model(config: EngineConfig, components: Components, pm: PluginManager,
     adapters = None
     if config.adapters.enable_lora and not getattr(model_cls, "is_embedding_model", False):
         adapters = components.adapter_types.get("lora")(config.adapters)
+        adapters.host_buffer = platform.host_buffer
         adapters.attach(model)
         for name, path in config.adapters.lora_modules.items():
             adapters.load(name, path)

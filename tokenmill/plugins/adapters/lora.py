@@ -50,7 +50,8 @@ class _StepGroups:
 
 
 class LoRALayer:
-    def __init__(self, linear: Linear, slots: int, max_rank: int, step: _StepGroups) -> None:
+    def __init__(self, linear: Linear, slots: int, max_rank: int, step: _StepGroups,
+                 host_buffer: Callable[[Sequence[int], torch.dtype], torch.Tensor]) -> None:
         self.sizes = linear.output_sizes
         #: the base layer's tensor-parallel slice: adapters are cut to match it
         self.shard = linear.shard
@@ -64,6 +65,7 @@ class LoRALayer:
         self.A = torch.zeros(slots, parts * max_rank, linear.input_size, dtype=dtype, device=device)
         self.B = torch.zeros(slots, sum(self.sizes), parts * max_rank, dtype=dtype, device=device)
         self.step = step
+        self.host_buffer = host_buffer
 
     def mismatch(self, part: int, a: torch.Tensor, b: torch.Tensor) -> Optional[str]:
         """Why ``a``/``b`` cannot be part ``part`` of this layer (None when they fit): checked
@@ -78,12 +80,21 @@ class LoRALayer:
         return None
 
     def set_slot(self, slot: int, weights: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        self.A[slot].zero_()
-        self.B[slot].zero_()
+        """Put an adapter's parts in ``slot``. The slot is laid out on the host and crosses in
+        two copies; on a GPU from pinned memory without a wait (a blocking copy per part and
+        layer would wait, each, for every kernel queued: the forward pass in flight). The
+        device runs the copies in queue order, after the steps that still read the slot's
+        previous adapter."""
+        a_host = self.host_buffer(self.A.shape[1:], self.A.dtype)
+        b_host = self.host_buffer(self.B.shape[1:], self.B.dtype)
         for part, (a, b) in weights.items():
             rows = slice(part * self.max_rank, part * self.max_rank + a.shape[0])
-            self.A[slot, rows] = a
-            self.B[slot, self.offsets[part]:self.offsets[part] + self.sizes[part], rows] = b
+            a_host[rows] = a
+            b_host[self.offsets[part]:self.offsets[part] + self.sizes[part], rows] = b
+        # the pinned buffers may be dropped at once: torch's host allocator reuses them only
+        # after the copies that read them ran
+        self.A[slot].copy_(a_host, non_blocking=True)
+        self.B[slot].copy_(b_host, non_blocking=True)
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> None:
         if not self.step.groups:
@@ -115,6 +126,9 @@ class LoRAAdapters:
         self._slots: OrderedDict[str, int] = OrderedDict()  # adapter -> slot, LRU order
         #: set by the engine: whether a live request uses an adapter (those are never evicted)
         self.in_use: Callable[[str], bool] = lambda name: False
+        #: set by the engine before ``attach``: the platform's staging memory (pinned on a GPU)
+        self.host_buffer: Callable[[Sequence[int], torch.dtype], torch.Tensor] = \
+            lambda shape, dtype: torch.zeros(tuple(shape), dtype=dtype)
 
     def attach(self, model: nn.Module) -> None:
         stacked = getattr(model, "stacked_params", ())
@@ -125,7 +139,7 @@ class LoRAAdapters:
                 continue
             head, _, leaf = prefix.rpartition(".")
             parts = sorted((index, part) for fused, part, index in stacked if fused == leaf) or [(0, leaf)]
-            layer = LoRALayer(module, self.max_active, self.max_rank, self._step)
+            layer = LoRALayer(module, self.max_active, self.max_rank, self._step, self.host_buffer)
             module.output_delta = layer
             self._all_layers.append(layer)
             for index, part in parts:
