@@ -443,6 +443,33 @@ def test_a_seeded_request_speculates_with_its_device_generator(model_dir):
         torch.rand(3, generator=FakeCudaPlatform.noise_generator(None, 1))
 
 
+def test_verifying_drafts_reads_the_device_back_as_often_whatever_the_batch():
+    """Rejection sampling reads the device back a fixed number of times however many requests
+    verify: p and q of every draft with the seeded requests' uniforms, the residuals' draws, the
+    logprobs of every request at once. A read per request (a seeded one's uniforms, a rejected
+    one's residual sum, a logprobs request's tokens) would wait for the device once each."""
+    from tokenmill.core.sample.rejection_sampler import verify
+    from tokenmill.core.sample.sampler import Sampler, SamplingRow
+    from tokenmill.testing.fake_cuda import device_generator
+
+    def waits(requests: int) -> list[str]:
+        g = torch.Generator().manual_seed(requests)
+        with fake_cuda(), torch.inference_mode():
+            rows, draft_probs = [], []
+            for i in range(requests):  # every other one seeded, with a draft distribution; a third with logprobs
+                params = SamplingParams(temperature=1.0, seed=i if i % 2 else None, logprobs=1 if i % 3 else None)
+                rows += [SamplingRow(params, (), (), device_generator(i) if i % 2 else None)] * 4
+                draft_probs.append(torch.softmax(torch.randn(3, 16, generator=g), -1).to("cuda") if i % 2 else None)
+            logits = torch.randn(4 * requests, 16, generator=g).to("cuda")
+            drafts = torch.randint(16, (requests, 3), generator=g).tolist()
+            with host_syncs() as events:
+                verified = verify(Sampler(0, noise_generator=device_generator(99)), logits, rows, drafts, draft_probs)
+        assert sum(len(v.token_ids) < 4 for v in verified) > requests // 2  # most rejected a draft
+        return events
+
+    assert len(waits(12)) == len(waits(3)) <= 6  # the draws, the tests' values, four of the logprobs
+
+
 def test_a_penalised_prompt_crosses_to_the_device_once(model_dir):
     """The repetition penalty counts the prompt's tokens every step; the prompt's ids go to the
     device once per request, not every step (a 2k-token prompt at 64 rows is 128k ids of
