@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from conftest import make_llm
 from tokenmill.core.plugin_host.components import collect_components
@@ -76,6 +77,55 @@ def test_triton_split_k_matches_reference(case):
     from tokenmill.plugins.attention.triton_paged.backend import TritonPagedAttention
 
     check_backend(TritonPagedAttention(tokens_per_split=8), case)
+
+
+def test_triton_decode_leaves_the_splits_past_a_context_unwritten(monkeypatch):
+    """A recorded decode step splits every row as many ways as its longest allowed context (16):
+    the splits past a shorter context write only their statistics, and the merge reads no
+    partial row of theirs (on a GPU each would cross memory twice, a head's row per split).
+    The partial rows start as NaN here, so a read of an unwritten one would show."""
+    pytest.importorskip("triton")
+    from tokenmill.plugins.attention.triton_paged import kernels
+
+    partial_rows = []
+    empty = torch.empty
+
+    def nan_filled(*args, **kwargs):
+        tensor = empty(*args, **kwargs)
+        if tensor.dim() == 4:  # [tokens, heads, splits, head_dim]
+            partial_rows.append(tensor)
+        return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
+
+    monkeypatch.setattr(torch, "empty", nan_filled)
+    g = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim, block, blocks = 4, 2, 16, 4, 12
+    cache = torch.randn(2, blocks, block, kv_heads, dim, generator=g)
+    query = torch.randn(3, heads, dim, generator=g)
+    positions = torch.tensor([2, 9, 40], dtype=torch.int32)
+    table = torch.randperm(blocks, generator=g).to(torch.int32).reshape(1, blocks).repeat(3, 1)
+    rows = torch.arange(3, dtype=torch.int32)
+    out = kernels.paged_attention(query, cache, table, rows, positions, 0.25, None, None, 16)
+
+    expected = []
+    for token, pos in enumerate(positions.tolist()):
+        slots = table[token, torch.arange(pos + 1) // block].long() * block + torch.arange(pos + 1) % block
+        keys, values = (cache[i].reshape(-1, kv_heads, dim)[slots].repeat_interleave(heads // kv_heads, 1)
+                        for i in (0, 1))
+        weights = torch.softmax(torch.einsum("hd,phd->hp", query[token], keys) * 0.25, dim=-1)
+        expected.append(torch.einsum("hp,phd->hd", weights, values))
+    torch.testing.assert_close(out, torch.stack(expected), atol=1e-5, rtol=1e-5)
+    # 16-position tiles (fp32 queries): position 40 fills three splits, 2 and 9 one each
+    written = ~partial_rows[0].isnan().all(dim=-1)
+    assert written.all(dim=1).sum(dim=-1).tolist() == [1, 1, 3]
+    assert not (written.any(dim=1) & ~written.all(dim=1)).any()
+
+
+@pytest.mark.parametrize("case", conformance_cases(8, seed=11, dtypes=(torch.float16,), scale=0.25), ids=str)
+def test_triton_fp16_queries_read_a_bf16_cache(case):
+    """An fp16 model may keep its K/V in bf16 (cache.kv_cache_dtype): both kernels meet the
+    cache in the queries' dtype (tl.dot takes operands of one dtype)."""
+    pytest.importorskip("triton")
+    check_backend(REGISTRY.get("triton")(), case)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mixtral"])

@@ -17,11 +17,13 @@ from tokenmill.plugins.models.triton_moe import fused_moe
 from tokenmill.testing.attention_conformance import AttentionCase, check_backend
 
 #: Llama-3-8B-like (32q / 8kv x 128), Qwen2-7B-like (28 / 4 x 128), Gemma-2-like windows and
-#: soft caps; prefill chunks of 512 on cached prefixes, decodes over 4k contexts
+#: soft caps; prefill chunks of 512 on cached prefixes, decodes over 4k contexts; fp16 over a bf16 cache
 SERVING = [
     AttentionCase(0, 32, 8, 128, 16, torch.bfloat16, ((0, 512), (1024, 512), (4000, 1), (2048, 1), (0, 1))),
     AttentionCase(1, 28, 4, 128, 16, torch.float16, ((3000, 1),) * 8 + ((0, 300),)),
     AttentionCase(2, 16, 8, 256, 32, torch.bfloat16, ((4096, 1), (100, 700)), sliding_window=4096, soft_cap=50.0),
+    # an fp16 model's K/V kept in bf16; a short decode beside a long one leaves most splits empty
+    AttentionCase(3, 32, 8, 128, 16, torch.float16, ((3000, 1), (40, 1), (0, 300)), cache_dtype=torch.bfloat16),
 ]
 
 

@@ -59,8 +59,8 @@ class AttentionCase:
 def conformance_cases(count: int = 200, seed: int = 0, dtypes=(torch.float32, torch.bfloat16),
                       scale: float = 1.0) -> list[AttentionCase]:
     """``count`` cases; ``scale`` < 1 shrinks lengths and head counts (for interpreted kernels).
-    fp32 cases at index % 4 == 2 keep their cache in bf16 (cache.kv_cache_dtype; the reference
-    reads the same bf16 values, so fp32's tolerance still holds)."""
+    fp32 and fp16 cases at index % 4 == 2 keep their cache in bf16 (cache.kv_cache_dtype; the
+    reference reads the same bf16 values, so the query dtype's tolerance still holds)."""
     rng = random.Random(seed)
     cases = []
 
@@ -87,7 +87,8 @@ def conformance_cases(count: int = 200, seed: int = 0, dtypes=(torch.float32, to
             block_size=block, dtype=dtypes[index % len(dtypes)], requests=tuple(requests),
             sliding_window=rng.choice([None, None, rng.randint(1, 24)]),
             soft_cap=rng.choice([None, None, None, 20.0]),
-            cache_dtype=torch.bfloat16 if dtypes[index % len(dtypes)] == torch.float32 and index % 4 == 2 else None,
+            cache_dtype=torch.bfloat16 if dtypes[index % len(dtypes)] in (torch.float32, torch.float16)
+            and index % 4 == 2 else None,
         ))
     return cases
 

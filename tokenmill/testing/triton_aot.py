@@ -116,13 +116,14 @@ def kernel_cases() -> list[KernelCase]:
                            {"key_ptr": f"*{dtype}", "value_ptr": f"*{dtype}", "cache_ptr": f"*{dtype}",
                             "slot_ptr": "*i64"},
                            {"BLOCK_SIZE": block, "ROW": row, "ROW_PAD": triton.next_power_of_2(row)}))
-    # paged attention: the cache in the query's dtype, or bf16 under an fp32 model
-    query_cache = (("fp32", "fp32"), ("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "bf16"))
+    # paged attention: the cache in the query's dtype, or bf16 under an fp32 or fp16 model
+    query_cache = (("fp32", "fp32"), ("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "bf16"), ("fp16", "bf16"))
     flags = tuple(itertools.product((False, True), repeat=2))
+    pairs = list(itertools.product(HEAD_DIMS, query_cache))
     # decode: every head size with every query/cache dtype pair, each with the tile the wrapper picks
     for (head, (query, cache)), block, group, splits, (soft_cap, window) in zip(
-            itertools.product(HEAD_DIMS, query_cache), _cycle(BLOCK_SIZES, 24), _cycle(GROUPS, 24),
-            _cycle(NUM_SPLITS, 24), _cycle(flags, 24)):
+            pairs, _cycle(BLOCK_SIZES, len(pairs)), _cycle(GROUPS, len(pairs)),
+            _cycle(NUM_SPLITS, len(pairs)), _cycle(flags, len(pairs))):
         head_pad = triton.next_power_of_2(head)
         group_pad, tile_n, num_warps = decode_tiles(group, head_pad, query == "fp32")
         cases.append(_case("paged_attention", _paged_attention_kernel,
@@ -139,8 +140,8 @@ def kernel_cases() -> list[KernelCase]:
     # wrapper picks per head size and dot precision (fp32 dots for fp32 queries, tensor-core
     # dots for bf16/fp16), every head size with every query/cache dtype pair
     for (head, (query, cache)), block, group, (soft_cap, window) in zip(
-            itertools.product(HEAD_DIMS, query_cache), _cycle(BLOCK_SIZES[::-1], 24), _cycle(GROUPS[::-1], 24),
-            _cycle(flags[::-1], 24)):
+            pairs, _cycle(BLOCK_SIZES[::-1], len(pairs)), _cycle(GROUPS[::-1], len(pairs)),
+            _cycle(flags[::-1], len(pairs))):
         head_pad = triton.next_power_of_2(head)
         block_n, num_warps = prefill_tiles(query == "fp32", head_pad)
         cases.append(_case("prefill_attention", _prefill_attention_kernel,

@@ -91,7 +91,9 @@ def _paged_attention_kernel(
         rows_at = (cache_ptr + physical.to(tl.int64) * stride_c_block + (positions % BLOCK_SIZE) * stride_c_off
                    + kv_head * stride_c_head)
         kv_mask = valid[:, None] & dim_mask[None, :]
-        k = tl.load(rows_at[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        # a 16-bit cache under another dtype's queries (bf16 K/V of an fp16 model) meets them in
+        # theirs: tl.dot takes operands of one dtype
+        k = tl.load(rows_at[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         if IEEE_FP32:
             scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
@@ -104,15 +106,18 @@ def _paged_attention_kernel(
         m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
         alpha = tl.exp(m - m_safe)
         p = tl.exp(scores - m_safe[:, None])
-        v = tl.load(rows_at[:, None] + stride_c_kv + dims[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(rows_at[:, None] + stride_c_kv + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         if IEEE_FP32:
             acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
         l = l * alpha + tl.sum(p, axis=1)
         m = m_new
+    # a split past the context (a recorded step splits every row as its longest context would
+    # be) writes only its statistics: m = -inf tells the merge to skip its partial row
     out = part_acc_ptr + token * stride_pt + heads[:, None] * stride_ph + split * stride_ps + dims[None, :]
-    tl.store(out, acc, mask=row_mask[:, None] & dim_mask[None, :])
+    written = dims < tl.where(start < end, HEAD_DIM, 0)
+    tl.store(out, acc, mask=row_mask[:, None] & written[None, :])
     stats = (token * tl.num_programs(1) * GROUP + heads) * NUM_SPLITS + split
     tl.store(part_m_ptr + stats, m, mask=row_mask)
     tl.store(part_l_ptr + stats, l, mask=row_mask)
@@ -134,10 +139,11 @@ def _merge_splits_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, stride_p
     acc = tl.zeros((HEAD_PAD,), dtype=tl.float32)
     for s in range(NUM_SPLITS):
         m_s = tl.load(part_m_ptr + row + s)
-        weight = tl.where(m_s == -float("inf"), 0.0, tl.exp(m_s - m_all))
+        filled = m_s != -float("inf")  # an empty split left its partial row unwritten
+        weight = tl.where(filled, tl.exp(m_s - m_all), 0.0)
         total += tl.load(part_l_ptr + row + s) * weight
         acc += tl.load(part_acc_ptr + token * stride_pt + head * stride_ph + s * stride_ps + dims,
-                       mask=dim_mask, other=0.0) * weight
+                       mask=dims < tl.where(filled, HEAD_DIM, 0), other=0.0) * weight
     tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, (acc / total).to(out_ptr.dtype.element_ty),
              mask=dim_mask)
 
