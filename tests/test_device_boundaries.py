@@ -470,19 +470,22 @@ def test_verifying_drafts_reads_the_device_back_as_often_whatever_the_batch():
     assert len(waits(12)) == len(waits(3)) <= 6  # the draws, the tests' values, four of the logprobs
 
 
-def test_a_penalised_prompt_crosses_to_the_device_once(model_dir):
-    """The repetition penalty counts the prompt's tokens every step; the prompt's ids go to the
-    device once per request, not every step (a 2k-token prompt at 64 rows is 128k ids of
-    Python and a copy, a step), and the tokens are the CPU engine's."""
+def test_a_penalised_request_sends_its_prompt_once_and_its_output_as_it_grows(model_dir):
+    """The penalties count the prompt's and the output's tokens every step; the prompt's ids go
+    to the device once per request and the output's one step's worth at a time, not the whole
+    history every step (a 2k-token prompt at 64 rows is 128k ids of Python and a copy, a step;
+    1024 rows of 1k outputs 140 ms), and the tokens are the CPU engine's."""
     from tokenmill.testing.fake_cuda import host_to_device_copies
 
-    prompt = (PROMPTS[0] * 2)[:37]
-    params = SamplingParams(temperature=0, repetition_penalty=1.5, max_tokens=8, ignore_eos=True)
+    prompt = (PROMPTS[0] * 2)[:37]  # prefilled in chunks of 32 and 5
+    params = SamplingParams(temperature=0, repetition_penalty=1.5, frequency_penalty=0.5, max_tokens=24,
+                            ignore_eos=True)
     with fake_cuda():
         llm = fake_cuda_llm(model_dir("llama"))
         with host_to_device_copies() as copies:
             device = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
     assert copies.count((37,)) == 1
+    assert not [shape for shape in copies if len(shape) == 1 and 6 <= shape[0] <= 23]  # no output history
     cpu = make_llm(model_dir("llama")).generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
     assert device.outputs[0].token_ids == cpu.outputs[0].token_ids
 

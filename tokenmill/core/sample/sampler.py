@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from tokenmill.core.sample.token_counts import PromptTokens, token_counts
+from tokenmill.core.sample.token_counts import DeviceTokens
 from tokenmill.interfaces.logits_processor import BatchUpdate, LogitsProcessor, on_device
 from tokenmill.interfaces.types import ALL_TOKENS, Logprob, PositionLogprobs, SamplingParams
 
@@ -42,8 +42,9 @@ class Sampler:
         #: with it on the logits' device instead, not on the host and copied there
         self.noise_generator = noise_generator
         self.processors = tuple(processors)
-        #: penalised requests' prompt ids, on the logits' device
-        self._prompt_tokens = PromptTokens()
+        #: penalised requests' prompt and output ids, on the logits' device
+        self._prompt_tokens = DeviceTokens()
+        self._output_tokens = DeviceTokens()
         self._argmax_changing = [p for p in self.processors if not p.is_argmax_invariant()]
         self._argmax_invariant = [p for p in self.processors if p.is_argmax_invariant()]
 
@@ -179,7 +180,7 @@ class Sampler:
         params = [rows[i].params for i in penalized]
         index = on_device(logits.device, penalized, torch.long)
         selected = logits[index]
-        counts = token_counts([rows[i].output_token_ids for i in penalized], selected)
+        counts = self._output_tokens.counts([rows[i].output_token_ids for i in penalized], selected)
         if any(p.repetition_penalty != 1.0 for p in params):
             repetition = on_device(logits.device, [p.repetition_penalty for p in params], logits.dtype).unsqueeze(1)
             prompt_counts = self._prompt_tokens.counts([rows[i].prompt_token_ids for i in penalized], selected)

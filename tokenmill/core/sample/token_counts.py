@@ -1,56 +1,77 @@
 """How often each token occurs in each penalised row's output and prompt, on the logits'
 device, for the frequency, presence and repetition penalties.
 
-The repetition penalty applies to every token seen in the prompt, so each step counts the
-prompt tokens of each penalised row. Flattened from the host's lists and copied every step,
-that is O(prompt tokens of the batch) of Python and a copy a step (64 rows of 2k-token
-prompts: 128k ids, several milliseconds, longer than a GPU's decode step). A request's prompt
-is one list for its life, so its ids are kept on the device under that list, for as long as
-its rows came up in this call or the last one (requests that read their history take every
-other step under async scheduling).
+Flattened from the host's lists and copied every step, the counts would cost O(tokens of the
+batch) of Python a step: 64 rows of 2k-token prompts are 128k ids, 1024 rows of 1k outputs
+140 ms, several times a GPU's decode step (and a CPU's at small models). A request's prompt
+is one list for its life and its output one list that only grows, so each list's ids are kept
+on the device under it, for as long as its rows came up in this call or the last one
+(requests that read their history take every other step under async scheduling): a prompt
+crosses once, an output's new ids each step.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import torch
 
+from tokenmill.core.sample.drafted_history import DraftedHistory
 from tokenmill.interfaces.logits_processor import on_device
 
 
-class PromptTokens:
+@dataclass(slots=True)
+class _Kept:
+    #: the list, kept so that its id names it alone
+    tokens: Sequence[int]
+    #: its first ``length`` ids, on the device (the rest is room to grow)
+    ids: torch.Tensor
+    length: int
+
+
+class DeviceTokens:
     def __init__(self) -> None:
-        #: id of a prompt list -> (the list, kept so its id names it alone; its ids on the device)
-        self._this_call: dict[int, tuple[Sequence[int], torch.Tensor]] = {}
-        self._last_call: dict[int, tuple[Sequence[int], torch.Tensor]] = {}
+        #: id of a token list -> what of it is on the device
+        self._this_call: dict[int, _Kept] = {}
+        self._last_call: dict[int, _Kept] = {}
 
-    def counts(self, prompts: Sequence[Sequence[int]], like: torch.Tensor) -> torch.Tensor:
-        """[len(prompts), vocab] in ``like``'s dtype and device: how often each token occurs
-        in each prompt."""
+    def counts(self, lists: Sequence[Sequence[int]], like: torch.Tensor) -> torch.Tensor:
+        """[len(lists), vocab] in ``like``'s dtype and device: how often each token occurs in
+        each list. A ``DraftedHistory`` counts its output's kept ids and its drafts."""
         device, now = like.device, {}
-        for prompt in prompts:
-            key = id(prompt)
+        parts, lengths = [], []
+        for tokens in lists:
+            drafts: Sequence[int] = ()
+            if isinstance(tokens, DraftedHistory):
+                tokens, drafts = tokens.output, tokens.drafts
+            key = id(tokens)
             # a kept entry holds its list alive, so no other list can have its id meanwhile
-            entry = now.get(key) or self._this_call.get(key) or self._last_call.get(key)
-            now[key] = entry or (prompt, on_device(device, prompt, torch.long))
-        self._last_call = {key: entry for key, entry in self._this_call.items() if key not in now}
+            kept = _caught_up(now.get(key) or self._this_call.get(key) or self._last_call.get(key), tokens, device)
+            now[key] = kept
+            parts.append(kept.ids[:kept.length])
+            if drafts:
+                parts.append(on_device(device, drafts, torch.long))
+            lengths.append(kept.length + len(drafts))
+        self._last_call = {key: kept for key, kept in self._this_call.items() if key not in now}
         self._this_call = now
-        lengths = [len(prompt) for prompt in prompts]
-        rows = torch.repeat_interleave(torch.arange(len(prompts), device=device),
+        rows = torch.repeat_interleave(torch.arange(len(lists), device=device),
                                        on_device(device, lengths, torch.long), output_size=sum(lengths))
-        return _scattered(rows, torch.cat([now[id(prompt)][1] for prompt in prompts]), like)
+        counts = torch.zeros(like.shape, dtype=like.dtype, device=device)
+        ids = torch.cat(parts)
+        return counts.index_put_((rows, ids), torch.ones(len(ids), dtype=like.dtype, device=device), accumulate=True)
 
 
-def token_counts(token_lists: Sequence[Sequence[int]], like: torch.Tensor) -> torch.Tensor:
-    """[len(token_lists), vocab] in ``like``'s dtype and device: how often each token occurs in
-    each list (the outputs: they grow every step)."""
-    lengths = torch.tensor([len(tokens) for tokens in token_lists])
-    ids = torch.tensor([t for tokens in token_lists for t in tokens], dtype=torch.long)
-    rows = torch.repeat_interleave(torch.arange(len(token_lists)), lengths)
-    return _scattered(on_device(like.device, rows), on_device(like.device, ids), like)
-
-
-def _scattered(rows: torch.Tensor, ids: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    counts = torch.zeros(like.shape, dtype=like.dtype, device=like.device)
-    return counts.index_put_((rows, ids), torch.ones(len(ids), dtype=like.dtype, device=like.device), accumulate=True)
+def _caught_up(kept: Optional[_Kept], tokens: Sequence[int], device: torch.device) -> _Kept:
+    """``kept`` holding all of ``tokens``: the ids appended since copied (a list that shrank,
+    which no request's does, starts over)."""
+    if kept is None or len(tokens) < kept.length:
+        kept = _Kept(tokens, torch.empty(len(tokens), dtype=torch.long, device=device), 0)
+    if len(tokens) > kept.length:
+        if len(tokens) > kept.ids.numel():  # room for as many again: a copy per doubling
+            grown = torch.empty(2 * len(tokens), dtype=torch.long, device=device)
+            grown[:kept.length] = kept.ids[:kept.length]
+            kept.ids = grown
+        kept.ids[kept.length:len(tokens)] = on_device(device, tokens[kept.length:], torch.long)
+        kept.length = len(tokens)
+    return kept

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from tokenmill.core.distributed.messages import Row, Step
+from tokenmill.core.sample.drafted_history import DraftedHistory
 from tokenmill.core.sample.persistent_batch import PersistentBatch
 from tokenmill.core.sample.rejection_sampler import accept_greedy, row_starts, verify
 from tokenmill.core.sample.sampler import LogprobValues, Sampler, SamplingRow
@@ -335,7 +336,8 @@ class ModelRunner:
             params, prompt, output = state.data.sampling_params, state.data.prompt_token_ids, state.output_token_ids
             rows.append(SamplingRow(params, prompt, output, state.generator))
             for j in range(1, len(item.spec_token_ids) + 1):
-                rows.append(SamplingRow(params, prompt, [*output, *item.spec_token_ids[:j]], state.generator))
+                history = DraftedHistory(output, item.spec_token_ids[:j])
+                rows.append(SamplingRow(params, prompt, history, state.generator))
         return rows
 
     def _update_processors(self, items: list[ScheduledRequest]) -> list[SamplingRow]:
