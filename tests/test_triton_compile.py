@@ -21,6 +21,8 @@ from tokenmill.testing.triton_aot import TARGETS, kernel_cases
 #: shared memory one block may use: sm_80's and sm_90's opt-in maxima
 SHARED_LIMIT = {"sm80": 163 * 1024, "sm90": 227 * 1024}
 CASES = kernel_cases()
+#: the attention kernels' (query, cache) dtypes: the cache in the query's, or bf16 under fp32 and fp16
+PAIRS = (("fp32", "fp32"), ("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "bf16"), ("fp16", "bf16"))
 
 
 @pytest.fixture(scope="module")
@@ -48,12 +50,12 @@ def test_the_cases_cover_every_kernel_and_every_choice():
     assert {c["IEEE_FP32"] for c in prefill} == {True, False}
     assert {(case.signature["q_ptr"], case.signature["cache_ptr"], case.constexprs["HEAD_DIM"])
             for case in CASES if case.kernel == "prefill_attention"} == {
-        (f"*{q}", f"*{c}", head) for q, c in (("fp32", "fp32"), ("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "bf16"))
-        for head in (64, 80, 96, 112, 128, 256)}  # each with the tile the wrapper picks for it
+        (f"*{q}", f"*{c}", head) for q, c in PAIRS for head in (64, 80, 96, 112, 128, 256)
+    }  # each with the tile the wrapper picks for it
     assert {(case.signature["q_ptr"], case.signature["cache_ptr"], case.constexprs["HEAD_DIM"])
             for case in CASES if case.kernel == "paged_attention"} == {
-        (f"*{q}", f"*{c}", head) for q, c in (("fp32", "fp32"), ("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "bf16"))
-        for head in (64, 80, 96, 112, 128, 256)}  # each with the tile the wrapper picks for it
+        (f"*{q}", f"*{c}", head) for q, c in PAIRS for head in (64, 80, 96, 112, 128, 256)
+    }  # each with the tile the wrapper picks for it
     assert {(c["BITS"], c["IEEE_FP32"]) for c in (case.constexprs for case in CASES if case.kernel == "dequant_gemm")} \
         == {(4, True), (8, True), (4, False), (8, False)}
     moe = [(case.signature["a_ptr"], case.constexprs) for case in CASES if case.kernel == "fused_moe"]

@@ -116,10 +116,11 @@ def kernel_cases() -> list[KernelCase]:
                            {"key_ptr": f"*{dtype}", "value_ptr": f"*{dtype}", "cache_ptr": f"*{dtype}",
                             "slot_ptr": "*i64"},
                            {"BLOCK_SIZE": block, "ROW": row, "ROW_PAD": triton.next_power_of_2(row)}))
-    # paged attention: the cache in the query's dtype, or bf16 under an fp32 or fp16 model
-    query_cache = (("fp32", "fp32"), ("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "bf16"), ("fp16", "bf16"))
+    # paged attention: the cache in the query's dtype, or bf16 under an fp32 model, then (its
+    # own cycle, so the others' combinations stay as they were) bf16 under an fp16 model
+    query_cache = (("fp32", "fp32"), ("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "bf16"))
     flags = tuple(itertools.product((False, True), repeat=2))
-    pairs = list(itertools.product(HEAD_DIMS, query_cache))
+    pairs = list(itertools.product(HEAD_DIMS, query_cache)) + list(itertools.product(HEAD_DIMS, [("fp16", "bf16")]))
     # decode: every head size with every query/cache dtype pair, each with the tile the wrapper picks
     for (head, (query, cache)), block, group, splits, (soft_cap, window) in zip(
             pairs, _cycle(BLOCK_SIZES, len(pairs)), _cycle(GROUPS, len(pairs)),
