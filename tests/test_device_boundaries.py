@@ -46,8 +46,11 @@ FAMILIES = ["llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3-moe", "phi3"
 
 
 def fake_cuda_llm(path: Path, **overrides) -> LLM:
+    """An engine on the stand-in device. Its contexts are short (the tests' prompts are): the
+    memory profile prefills a ``max_model_len`` context through the interpreted Triton kernels,
+    which at the tiny models' 512 took half of each build."""
     args = dict(model=str(path), device="fake-cuda", attention_backend="triton", dtype="float32", block_size=8,
-                max_num_seqs=4, max_num_batched_tokens=32, kv_cache_memory_bytes=2**23)
+                max_num_seqs=4, max_num_batched_tokens=32, kv_cache_memory_bytes=2**23, max_model_len=128)
     return LLM(config=load_config(**{**args, **overrides}), plugin_manager=with_platforms(FakeCudaPlatform))
 
 

@@ -1,8 +1,8 @@
 """On a CUDA GPU: the engine's features beyond plain decoding, each against the same engine
 without it, or against HF, in fp32 (no TF32: torch's default for fp32 matmuls), so that the
 bound is fp32's up to summation order: GPTQ/AWQ through the Triton dequant-GEMM, LoRA, both
-speculative proposers, structured outputs, preemption by swapping to host memory, long prompts in
-chunks and an embedding model."""
+speculative proposers, penalties, structured outputs, preemption by swapping to host memory, long
+prompts in chunks and an embedding model."""
 
 from __future__ import annotations
 
@@ -111,6 +111,23 @@ def test_async_scheduling_decodes_as_hf_with_graphs_and_as_the_step_by_step_engi
     seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=16, ignore_eos=True)
     step_by_step = cuda_llm(model_dir("llama"), dtype="float32", max_num_seqs=4)
     assert greedy(llm, prompts, seeded)[0] == greedy(step_by_step, prompts, seeded)[0]
+
+
+def test_penalised_rows_decode_alike_with_and_without_prompt_lookup(model_dir):
+    """Repetition, frequency and presence penalties count prompt and output ids kept on the GPU,
+    the output's growing by each step's tokens; a verify step's draft rows count the output then
+    their drafts. The penalties change the tokens, and speculation does not."""
+    penalised = SamplingParams(temperature=0, repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2,
+                               max_tokens=24, ignore_eos=True, logprobs=0)
+    prompts = [(p * 3)[:24] for p in PROMPTS[:3]]
+    plain = cuda_llm(model_dir("llama"), dtype="float32", max_num_seqs=4)
+    tokens = greedy(plain, prompts, penalised)[0]
+    unpenalised = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
+    assert tokens != greedy(plain, prompts, unpenalised)[0]
+    speculating = cuda_llm(model_dir("llama"), dtype="float32", max_num_seqs=4, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+    assert greedy(speculating, prompts, penalised)[0] == tokens
+    assert speculating.llm_engine.scheduler.spec_stats.num_draft_tokens > 0
 
 
 def test_unseeded_sampling_draws_on_the_gpu_and_follows_the_engine_seed(model_dir):
