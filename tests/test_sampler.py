@@ -125,12 +125,12 @@ def test_penalties_batched_equal_penalties_row_by_row():
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 3), st.lists(st.integers(0, 11), max_size=5), st.booleans()),
                 min_size=1, max_size=30))
-def test_token_counts_follow_growing_lists_and_drafted_histories(steps):
-    """The device counts kept under each list equal a fresh count of it, call after call, as
+def test_kept_token_ids_follow_growing_lists_and_drafted_histories(steps):
+    """The device ids kept under each list are the list's, call after call, as
     lists grow (by any number of ids), start over (a new list, or one cut in place), skip a
     call, or come with drafts appended (a verify step's rows)."""
     from tokenmill.core.sample.drafted_history import DraftedHistory
-    from tokenmill.core.sample.token_counts import DeviceTokens
+    from tokenmill.core.sample.device_tokens import DeviceTokens
 
     kept, lists = DeviceTokens(), [[], [], [], []]
     for which, grown, drafted in steps:
@@ -140,9 +140,8 @@ def test_token_counts_follow_growing_lists_and_drafted_histories(steps):
         elif not grown:
             del lists[which][len(lists[which]) // 2:]  # cut in place (no request's output is)
         rows = [DraftedHistory(tokens, [which, 11]) if drafted else tokens for tokens in lists[:which + 1]]
-        counts = kept.counts(rows, torch.empty(len(rows), 12))
-        for row, tokens in zip(counts, rows):
-            assert row.tolist() == torch.bincount(torch.tensor(list(tokens), dtype=torch.long), minlength=12).tolist()
+        row_of, ids = kept.ids(rows, torch.device("cpu"))
+        assert [ids[row_of == i].tolist() for i in range(len(rows))] == [list(tokens) for tokens in rows]
 
 
 def test_logit_bias_is_added_before_sampling_and_logprobs_stay_raw():

@@ -1,7 +1,7 @@
-"""How often each token occurs in each penalised row's output and prompt, on the logits'
-device, for the frequency, presence and repetition penalties.
+"""The ids of each penalised row's output and prompt, on the logits' device, for the
+frequency, presence and repetition penalties.
 
-Flattened from the host's lists and copied every step, the counts would cost O(tokens of the
+Flattened from the host's lists and copied every step, the ids would cost O(tokens of the
 batch) of Python a step: 64 rows of 2k-token prompts are 128k ids, 1024 rows of 1k outputs
 140 ms, several times a GPU's decode step (and a CPU's at small models). A request's prompt
 is one list for its life and its output one list that only grows, so each list's ids are kept
@@ -36,10 +36,10 @@ class DeviceTokens:
         self._this_call: dict[int, _Kept] = {}
         self._last_call: dict[int, _Kept] = {}
 
-    def counts(self, lists: Sequence[Sequence[int]], like: torch.Tensor) -> torch.Tensor:
-        """[len(lists), vocab] in ``like``'s dtype and device: how often each token occurs in
-        each list. A ``DraftedHistory`` counts its output's kept ids and its drafts."""
-        device, now = like.device, {}
+    def ids(self, lists: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every list's ids on ``device``, concatenated, and the index of the list each came
+        from. A ``DraftedHistory`` gives its output's kept ids, then its drafts."""
+        now: dict[int, _Kept] = {}
         parts, lengths = [], []
         for tokens in lists:
             drafts: Sequence[int] = ()
@@ -57,9 +57,7 @@ class DeviceTokens:
         self._this_call = now
         rows = torch.repeat_interleave(torch.arange(len(lists), device=device),
                                        on_device(device, lengths, torch.long), output_size=sum(lengths))
-        counts = torch.zeros(like.shape, dtype=like.dtype, device=device)
-        ids = torch.cat(parts)
-        return counts.index_put_((rows, ids), torch.ones(len(ids), dtype=like.dtype, device=device), accumulate=True)
+        return rows, torch.cat(parts)
 
 
 def _caught_up(kept: Optional[_Kept], tokens: Sequence[int], device: torch.device) -> _Kept:
