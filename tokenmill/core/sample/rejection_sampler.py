@@ -141,7 +141,8 @@ def _rejection_sample(sampler: Sampler, processed: torch.Tensor, rows: Sequence[
             one_hot.append((n, drafts[i][rejected]))
         elif rejected is not None:
             residual_q.append((n, q[rejected]))
-    final = probs[on_device(device, final_rows, torch.long)]
+    target = probs[on_device(device, final_rows, torch.long)]
+    final = target.clone()
     # a rejection draws from the residual max(p - q, 0): p without the draft where q is one-hot
     if one_hot:
         final[on_device(device, [n for n, _ in one_hot], torch.long),
@@ -150,7 +151,7 @@ def _rejection_sample(sampler: Sampler, processed: torch.Tensor, rows: Sequence[
         index = on_device(device, [n for n, _ in residual_q], torch.long)
         final[index] = (final[index] - torch.stack([q for _, q in residual_q]).to(final.dtype)).clamp_min(0.0)
     # p <= q everywhere (p == q up to rounding): the row's p itself
-    final = torch.where(final.sum(dim=-1, keepdim=True) > 0, final, probs[on_device(device, final_rows, torch.long)])
+    final = torch.where(final.sum(dim=-1, keepdim=True) > 0, final, target)
     final = final / final.sum(dim=-1, keepdim=True)
     for i, token in zip(requests, sampler.draw(final, generators).tolist()):
         tokens[i].append(token)
