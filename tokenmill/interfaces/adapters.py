@@ -33,7 +33,7 @@ class AdapterType(Protocol):
     max_active: int
     #: set by the engine: whether a live request uses the named adapter (never evict those)
     in_use: Callable[[str], bool]
-    #: set by the engine before ``attach``: zeroed host memory of a shape and dtype (the
+    #: set by the engine: zeroed host memory of a shape and dtype (the
     #: platform's ``host_buffer``: pinned on a GPU, so weights cross to the device without a wait)
     host_buffer: Callable[[Sequence[int], torch.dtype], torch.Tensor]
 

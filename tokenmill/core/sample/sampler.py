@@ -182,24 +182,24 @@ class Sampler:
         device, vocab = logits.device, logits.shape[1]
         params = [rows[i].params for i in penalized]
         out_rows, out_ids = self._output_tokens.ids([rows[i].output_token_ids for i in penalized], device)
-        out_keys = out_rows * vocab + out_ids  # (penalised row, token) as one index
-        counts = torch.zeros(len(penalized) * vocab, dtype=logits.dtype, device=device)
-        counts.index_put_((out_keys,), torch.ones(len(out_keys), dtype=logits.dtype, device=device), accumulate=True)
         repeating = any(p.repetition_penalty != 1.0 for p in params)
-        keys = out_keys
+        seen_rows, seen_ids = out_rows, out_ids  # (penalised row, token) pairs
         if repeating:
             prompt_rows, prompt_ids = self._prompt_tokens.ids([rows[i].prompt_token_ids for i in penalized], device)
-            keys = torch.cat([prompt_rows * vocab + prompt_ids, out_keys])
-        row_of = keys // vocab
-        at = on_device(device, penalized, torch.long)[row_of] * vocab + keys % vocab  # into the flat logits
+            seen_rows, seen_ids = torch.cat([prompt_rows, out_rows]), torch.cat([prompt_ids, out_ids])
+        # flat indices: one index tensor gathers and scatters faster than a (row, token) pair of them
+        counts = torch.zeros(len(penalized) * vocab, dtype=logits.dtype, device=device)
+        counts.index_put_((out_rows * vocab + out_ids,), torch.ones(len(out_ids), dtype=logits.dtype, device=device),
+                          accumulate=True)
+        at = on_device(device, penalized, torch.long)[seen_rows] * vocab + seen_ids
         flat = logits.view(-1)
         values = flat[at]
         if repeating:
-            repetition = on_device(device, [p.repetition_penalty for p in params], logits.dtype)[row_of]
+            repetition = on_device(device, [p.repetition_penalty for p in params], logits.dtype)[seen_rows]
             values = torch.where(values > 0, values / repetition, values * repetition)
-        frequency = on_device(device, [p.frequency_penalty for p in params], logits.dtype)[row_of]
-        presence = on_device(device, [p.presence_penalty for p in params], logits.dtype)[row_of]
-        seen = counts[keys]
+        frequency = on_device(device, [p.frequency_penalty for p in params], logits.dtype)[seen_rows]
+        presence = on_device(device, [p.presence_penalty for p in params], logits.dtype)[seen_rows]
+        seen = counts[seen_rows * vocab + seen_ids]
         flat[at] = values - (frequency * seen + presence * (seen > 0))
         return logits
 

@@ -50,8 +50,7 @@ class _StepGroups:
 
 
 class LoRALayer:
-    def __init__(self, linear: Linear, slots: int, max_rank: int, step: _StepGroups,
-                 host_buffer: Callable[[Sequence[int], torch.dtype], torch.Tensor]) -> None:
+    def __init__(self, linear: Linear, slots: int, max_rank: int, step: _StepGroups) -> None:
         self.sizes = linear.output_sizes
         #: the base layer's tensor-parallel slice: adapters are cut to match it
         self.shard = linear.shard
@@ -65,7 +64,6 @@ class LoRALayer:
         self.A = torch.zeros(slots, parts * max_rank, linear.input_size, dtype=dtype, device=device)
         self.B = torch.zeros(slots, sum(self.sizes), parts * max_rank, dtype=dtype, device=device)
         self.step = step
-        self.host_buffer = host_buffer
 
     def mismatch(self, part: int, a: torch.Tensor, b: torch.Tensor) -> Optional[str]:
         """Why ``a``/``b`` cannot be part ``part`` of this layer (None when they fit): checked
@@ -79,14 +77,15 @@ class LoRALayer:
                     f"{want_a} and {want_b} (rank at most {self.max_rank})")
         return None
 
-    def set_slot(self, slot: int, weights: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Put an adapter's parts in ``slot``. The slot is laid out on the host and crosses in
-        two copies; on a GPU from pinned memory without a wait (a blocking copy per part and
+    def set_slot(self, slot: int, weights: dict[int, tuple[torch.Tensor, torch.Tensor]],
+                 host_buffer: Callable[[Sequence[int], torch.dtype], torch.Tensor]) -> None:
+        """Put an adapter's parts in ``slot``. The slot is laid out in ``host_buffer``'s memory
+        and crosses in two copies; on a GPU from pinned memory without a wait (a blocking copy per part and
         layer would wait, each, for every kernel queued: the forward pass in flight). The
         device runs the copies in queue order, after the steps that still read the slot's
         previous adapter."""
-        a_host = self.host_buffer(self.A.shape[1:], self.A.dtype)
-        b_host = self.host_buffer(self.B.shape[1:], self.B.dtype)
+        a_host = host_buffer(self.A.shape[1:], self.A.dtype)
+        b_host = host_buffer(self.B.shape[1:], self.B.dtype)
         for part, (a, b) in weights.items():
             rows = slice(part * self.max_rank, part * self.max_rank + a.shape[0])
             a_host[rows] = a
@@ -126,7 +125,7 @@ class LoRAAdapters:
         self._slots: OrderedDict[str, int] = OrderedDict()  # adapter -> slot, LRU order
         #: set by the engine: whether a live request uses an adapter (those are never evicted)
         self.in_use: Callable[[str], bool] = lambda name: False
-        #: set by the engine before ``attach``: the platform's staging memory (pinned on a GPU)
+        #: set by the engine: the platform's staging memory (pinned on a GPU)
         self.host_buffer: Callable[[Sequence[int], torch.dtype], torch.Tensor] = \
             lambda shape, dtype: torch.zeros(tuple(shape), dtype=dtype)
 
@@ -139,7 +138,7 @@ class LoRAAdapters:
                 continue
             head, _, leaf = prefix.rpartition(".")
             parts = sorted((index, part) for fused, part, index in stacked if fused == leaf) or [(0, leaf)]
-            layer = LoRALayer(module, self.max_active, self.max_rank, self._step, self.host_buffer)
+            layer = LoRALayer(module, self.max_active, self.max_rank, self._step)
             module.output_delta = layer
             self._all_layers.append(layer)
             for index, part in parts:
@@ -265,7 +264,7 @@ class LoRAAdapters:
             layer, part = self._layers[module]
             parts.setdefault(id(layer), {})[part] = weights
         for layer in self._all_layers:
-            layer.set_slot(slot, parts.get(id(layer), {}))
+            layer.set_slot(slot, parts.get(id(layer), {}), self.host_buffer)
         self._slots[name] = slot
         return slot
 
