@@ -216,6 +216,32 @@ def test_mutation_fp8_scale_repeated_by_a_host_tensor_fails(monkeypatch):
         fake_cuda_llm(CHECKPOINTS / "fp8-tensor-static", enforce_eager=True)
 
 
+def test_the_draft_model_replays_its_decode_passes_from_recorded_graphs(model_dir):
+    """A draft model decodes k one-token passes a step, each bound by its launches on a GPU:
+    it records its own decode graphs over its own cache, and its passes replay them. The
+    target drafts for itself, so every draft is accepted only where the replayed passes read
+    the right buffers (positions, blocks, the KV the catch-up pass wrote); tokens and logprobs
+    are HF's. Mutation: graphs recorded before the cache is bound read freed memory (the
+    proposals fail, and the steps go without drafts)."""
+    prompts, max_tokens = [p[:14] for p in PROMPTS[:3]], [9, 7, 5]
+    with fake_cuda():
+        llm = fake_cuda_llm(model_dir("llama"), speculative_config={"model": str(model_dir("llama")),
+                                                                    "num_speculative_tokens": 3})
+        tokens, logprobs = greedy(llm, prompts, max_tokens)
+        engine = llm.llm_engine
+        graphs = engine.speculator.proposer.model.model_step.graphs
+        assert graphs is not engine.runner.model_step.graphs
+        # two speculating steps at least (4 tokens each), each a catch-up pass then two one-token passes
+        assert sum(graph.replays for graph in graphs.graphs.values()) >= 4
+        # a failed proposal goes without drafts (the step survives it): so count the drafts too
+        stats = engine.scheduler.spec_stats
+        assert stats.num_drafts >= 4 and stats.acceptance_rate > 0.9, stats
+    reference = hf_greedy(model_dir("llama"), prompts, max(max_tokens))
+    for ref, n in zip(reference, max_tokens):
+        ref.token_ids[n:], ref.logprobs[n:] = [], []
+    assert_matches_reference(reference, tokens, logprobs)
+
+
 def test_mutation_graph_metadata_freed_after_capture_fails(model_dir):
     """The graph crash put back: each bucket's attention metadata freed once its graph is
     recorded (what DecodeGraphs did before it kept them), so replays read freed memory."""

@@ -61,15 +61,24 @@ def test_lora_adapters_in_one_batch_match_merged_hf(model_dir, tmp_path):
 
 @pytest.mark.parametrize("spec", [
     {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
-    {"model": str(DEMO_DRAFT_MODEL), "num_speculative_tokens": 4}], ids=["ngram", "draft_model"])
+    {"model": str(DEMO_DRAFT_MODEL), "num_speculative_tokens": 4},
+    {"model": str(DEMO_MODEL), "num_speculative_tokens": 3}], ids=["ngram", "draft_model", "self_draft"])
 def test_speculative_decoding_gives_the_plain_engines_tokens(spec):
+    """The target drafting for itself has every draft accepted only where the draft model's
+    passes, replayed from its own CUDA graphs, read the right KV and positions (a failed
+    proposal goes without drafts, so the outputs alone could not show it)."""
     prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 12, 13, 14]]
     plain = greedy(cuda_llm(DEMO_MODEL, dtype="float32"), prompts)
     speculating = cuda_llm(DEMO_MODEL, dtype="float32", speculative_config=spec)
     tokens, logprobs = greedy(speculating, prompts)
     assert tokens == plain[0]
     assert max(abs(a - b) for x, y in zip(logprobs, plain[1]) for a, b in zip(x, y)) < 1e-3
-    assert speculating.llm_engine.scheduler.spec_stats.num_draft_tokens > 0
+    stats = speculating.llm_engine.scheduler.spec_stats
+    assert stats.num_draft_tokens > 0
+    if spec.get("model") == str(DEMO_MODEL):
+        assert stats.num_drafts >= 6 and stats.acceptance_rate > 0.9, stats
+        graphs = speculating.llm_engine.speculator.proposer.model.model_step.graphs
+        assert sum(graph.replays for graph in graphs.graphs.values()) > 0
 
 
 def test_structured_outputs_constrain_the_reply(model_dir):

@@ -134,7 +134,7 @@ def _build_engine(config: EngineConfig, pm: PluginManager, components: Component
         group.send(Setup(num_blocks, host_blocks))
     swap_caches = built.allocate_caches(config, platform, num_blocks, host_blocks)
     for proposer_model in proposer_models:
-        proposer_model.allocate_caches(num_blocks)
+        proposer_model.bind(num_blocks, speculator.proposer.num_lookahead_slots)
     kv_cache = KVCacheManager(num_blocks, config.cache.block_size, config.cache.prefix_caching)
     swap_space = SwapSpace(host_blocks) if config.scheduler.preemption_mode == "swap" else None
     adapters = built.adapters

@@ -6,6 +6,10 @@ at the same block ids as its target KV, in the draft model's cache tensors. The 
 reserves ``num_lookahead_slots`` past each request's tokens for the draft positions. The
 engine loads proposer models before it sizes the KV cache, so ``cache.kv_cache_memory``
 covers both caches; it binds their caches once the number of blocks is known.
+
+A proposer decodes one token per request and forward pass, k passes a step: on a GPU each is
+bound by its kernel launches, as the target's decode steps are, so where the engine records
+its own decode steps (CUDA graphs) a proposer model records its own too, over its cache.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from tokenmill.core.config.engine_config import AdaptersConfig, EngineConfig, Qu
 from tokenmill.core.distributed.messages import Row, Step
 from tokenmill.core.plugin_host.components import Components
 from tokenmill.core.plugin_host.plugin_manager import PluginManager
+from tokenmill.core.worker.decode_graphs import DecodeGraphs
 from tokenmill.core.worker.input_staging import InputStaging
 from tokenmill.core.worker.kv_cache import allocate_kv_caches
 from tokenmill.core.worker.model_builder import BuiltModel, build_model
@@ -35,21 +40,30 @@ class LocalProposerModel:
     forward passes of at most ``max_tokens`` tokens (the engine's ``max_num_batched_tokens``):
     a proposer's first rows are whole prompts, which the memory profile never sized."""
 
-    def __init__(self, built: BuiltModel, model_step: ModelStep, platform: Platform, max_tokens: int) -> None:
+    def __init__(self, built: BuiltModel, model_step: ModelStep, platform: Platform, max_tokens: int,
+                 graph_rows: int = 0, max_model_len: int = 0) -> None:
         self.built = built
         self.model_step = model_step
         self.platform = platform
         self.vocab_size = model_step.vocab_size
         self.max_tokens = max(1, max_tokens)
+        #: the most rows a recorded decode pass takes (the engine's ``max_num_seqs``); 0 records none
+        self.graph_rows = graph_rows
+        self.max_model_len = max_model_len
 
     def kv_bytes_per_block(self) -> int:
         return self.built.kv_bytes_per_block(self.model_step.block_size)
 
-    def allocate_caches(self, num_blocks: int) -> None:
-        built = self.built
-        allocate_kv_caches(built.model, built.backend, num_blocks, self.model_step.block_size, built.cache_dtype,
+    def bind(self, num_blocks: int, lookahead_slots: int) -> None:
+        """Allocate the KV cache of ``num_blocks`` blocks, then record the decode passes over it
+        (where the engine records graphs): a recording holds the cache's addresses."""
+        built, step = self.built, self.model_step
+        allocate_kv_caches(built.model, built.backend, num_blocks, step.block_size, built.cache_dtype,
                            self.platform.device_type)
         log.info("draft model KV cache", kv_cache_mib=round(self.kv_bytes_per_block() * num_blocks / 2**20, 2))
+        if self.graph_rows:
+            step.graphs = DecodeGraphs.for_engine(built.model, built.backend, self.platform, self.graph_rows,
+                                                  step.block_size, self.max_model_len, lookahead_slots)
 
     def next_tokens(self, rows: Sequence[ForwardRow]) -> list[int]:
         tokens: list[int] = [0] * len(rows)
@@ -101,5 +115,7 @@ def load_proposer_model(path: str, config: EngineConfig, components: Components,
     greedy_head = None if config.enforce_eager else platform.greedy_head(built.model)
     step = ModelStep(built.model, built.backend, config.cache.block_size, built.model_config.vocab_size,
                      greedy_head=greedy_head, staging=InputStaging.for_platform(platform))
+    graphs = not config.enforce_eager and built.backend.capabilities.cuda_graph
     log.info("draft model loaded", model=path, architecture=built.model_config.architecture)
-    return LocalProposerModel(built, step, platform, config.scheduler.max_num_batched_tokens)
+    return LocalProposerModel(built, step, platform, config.scheduler.max_num_batched_tokens,
+                              config.scheduler.max_num_seqs if graphs else 0, max_model_len)
