@@ -221,14 +221,29 @@ def test_the_draft_model_replays_its_decode_passes_from_recorded_graphs(model_di
     it records its own decode graphs over its own cache, and its passes replay them. The
     target drafts for itself, so every draft is accepted only where the replayed passes read
     the right buffers (positions, blocks, the KV the catch-up pass wrote); tokens and logprobs
-    are HF's. Mutation: graphs recorded before the cache is bound read freed memory (the
+    are HF's. Its passes chain on the device: a proposal reads the device back once, for all
+    its drafts. Mutation: graphs recorded before the cache is bound read freed memory (the
     proposals fail, and the steps go without drafts)."""
     prompts, max_tokens = [p[:14] for p in PROMPTS[:3]], [9, 7, 5]
     with fake_cuda():
         llm = fake_cuda_llm(model_dir("llama"), speculative_config={"model": str(model_dir("llama")),
                                                                     "num_speculative_tokens": 3})
-        tokens, logprobs = greedy(llm, prompts, max_tokens)
         engine = llm.llm_engine
+        draft, waits = engine.speculator.proposer.model, []
+        decode = draft.greedy_decode
+
+        def watched(*args):
+            with host_syncs() as events:
+                drafts = decode(*args)
+            waits.append(events)
+            return drafts
+
+        draft.greedy_decode = watched
+        tokens, logprobs = greedy(llm, prompts, max_tokens)
+        # the drafts, read once; the other waits are the staging buffers' (a pass's inputs wait
+        # for the copies out of the last pass's: the host stays a pass ahead of the device)
+        reads = [[e for e in events if e != "waited for a recorded event"] for events in waits]
+        assert reads and all(r == ["tolist of a device tensor"] for r in reads), waits
         graphs = engine.speculator.proposer.model.model_step.graphs
         assert graphs is not engine.runner.model_step.graphs
         # two speculating steps at least (4 tokens each), each a catch-up pass then two one-token passes

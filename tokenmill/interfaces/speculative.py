@@ -48,8 +48,11 @@ class ProposerModel(Protocol):
 
     vocab_size: int
 
-    def next_tokens(self, rows: Sequence[ForwardRow]) -> list[int]:
-        """Run ``rows`` (writing their KV) and return each row's argmax next token."""
+    def greedy_decode(self, rows: Sequence[ForwardRow], num_tokens: Sequence[int]) -> list[list[int]]:
+        """Run ``rows`` (writing their KV), then decode greedily from each: ``num_tokens[i]``
+        tokens for row ``i`` (at least 1: its argmax next token first), each fed back at the
+        position after the last. The passes chain on the model's device and the tokens are
+        read back once, at the end: a GPU does not wait for the host between passes."""
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import structlog
+import torch
 
 from tokenmill.core.config.engine_config import AdaptersConfig, EngineConfig, QuantizationConfig
 from tokenmill.core.distributed.messages import Row, Step
@@ -26,7 +27,9 @@ from tokenmill.core.worker.decode_graphs import DecodeGraphs
 from tokenmill.core.worker.input_staging import InputStaging
 from tokenmill.core.worker.kv_cache import allocate_kv_caches
 from tokenmill.core.worker.model_builder import BuiltModel, build_model
-from tokenmill.core.worker.model_step import ModelStep
+from tokenmill.core.worker.model_step import ModelStep, StepResult
+from tokenmill.core.worker.placeholder_tokens import PlaceholderTokens
+from tokenmill.interfaces.batch import PLACEHOLDER_TOKEN
 from tokenmill.interfaces.errors import ConfigError
 from tokenmill.interfaces.parallel import SINGLE
 from tokenmill.interfaces.platform import Platform
@@ -65,22 +68,51 @@ class LocalProposerModel:
             step.graphs = DecodeGraphs.for_engine(built.model, built.backend, self.platform, self.graph_rows,
                                                   step.block_size, self.max_model_len, lookahead_slots)
 
-    def next_tokens(self, rows: Sequence[ForwardRow]) -> list[int]:
-        tokens: list[int] = [0] * len(rows)
+    def greedy_decode(self, rows: Sequence[ForwardRow], num_tokens: Sequence[int]) -> list[list[int]]:
+        passes = [self._first_tokens(rows)]
+        active = list(range(len(rows)))
+        order = [active]  # the rows of each pass, in its tokens' order
+        for step in range(1, max(num_tokens, default=0)):
+            before = {row: index for index, row in enumerate(active)}
+            active = [i for i in active if num_tokens[i] > step]
+            if not active:
+                break
+            # each row feeds its last draft, which is on the device: a placeholder the pass
+            # fills there from the last pass's tokens
+            pieces = [Row([PLACEHOLDER_TOKEN], rows[i].num_computed_tokens + len(rows[i].token_ids) + step - 1,
+                          tuple(rows[i].block_ids), None) for i in active]
+            fill = PlaceholderTokens(list(range(len(active))), [(passes[-1], before[i]) for i in active])
+            passes.append(self._tokens(self.model_step.run(Step(pieces, list(range(len(active))), True),
+                                                           placeholders=fill)))
+            order.append(active)
+        drafts: list[list[int]] = [[] for _ in rows]
+        flat = iter(torch.cat(passes).tolist())  # the one read of the device
+        for rows_of_pass in order:
+            for i in rows_of_pass:
+                drafts[i].append(next(flat))
+        return drafts
+
+    def _first_tokens(self, rows: Sequence[ForwardRow]) -> torch.Tensor:
+        """Each row's argmax next token, in row order, left on the device."""
+        found = []
         for batch in self._batches(rows):
-            pieces, ends, sampled, total = [], [], [], 0
-            for index, row, last in batch:
+            pieces, ends, total = [], [], 0
+            for _, row, last in batch:
                 pieces.append(row)
                 total += len(row.token_ids)
                 if last:
                     ends.append(total - 1)
-                    sampled.append(index)
             result = self.model_step.run(Step(pieces, ends, True))
-            if sampled:
-                found = result.tokens if result.tokens is not None else result.logits.argmax(dim=-1).tolist()
-                for index, token in zip(sampled, found):
-                    tokens[index] = token
-        return tokens
+            if ends:  # rows end in the order they come, so the batches' tokens are in row order
+                found.append(self._tokens(result))
+        return torch.cat(found)
+
+    def _tokens(self, result: StepResult) -> torch.Tensor:
+        """A greedy pass's tokens: the platform's greedy head reads them on the host (the CPU's
+        does); otherwise the argmax of the logits, on the device."""
+        if result.tokens is not None:
+            return torch.tensor(result.tokens, dtype=torch.long)
+        return result.logits.argmax(dim=-1)
 
     def _batches(self, rows: Sequence[ForwardRow]) -> list[list[tuple[int, Row, bool]]]:
         """Forward passes of at most ``max_tokens`` tokens: each row cut into pieces that fit,

@@ -4,7 +4,8 @@
 Each round first feeds the draft the request's tokens it has not seen (the prompt, the first
 time; afterwards the tokens the last step verified, which overwrite its guesses' KV), then
 decodes one token per forward pass, all requests together, until each has its
-``max_draft_tokens``. Greedy drafts are deterministic, so the rejection sampler treats them
+``max_draft_tokens`` (``ProposerModel.greedy_decode``: the passes chain on the device, and
+the drafts are read back once). Greedy drafts are deterministic, so the rejection sampler treats them
 as one-hot proposals: exact for sampled requests too.
 """
 
@@ -40,16 +41,7 @@ class DraftModelProposer(SpeculativeProposer):
             computed = min(self._computed.get(request.request_id, 0), len(request.token_ids) - 1)
             rows.append(ForwardRow(request.token_ids[computed:], computed, request.block_ids))
             self._computed[request.request_id] = len(request.token_ids)
-        drafts = [[token] for token in self.model.next_tokens(rows)]
-        while True:
-            active = [i for i, r in enumerate(requests) if len(drafts[i]) < r.max_draft_tokens]
-            if not active:
-                return drafts
-            tokens = self.model.next_tokens([
-                ForwardRow((drafts[i][-1],), len(requests[i].token_ids) + len(drafts[i]) - 1, requests[i].block_ids)
-                for i in active])
-            for i, token in zip(active, tokens):
-                drafts[i].append(token)
+        return self.model.greedy_decode(rows, [request.max_draft_tokens for request in requests])
 
     def forget(self, request_ids: Iterable[str]) -> None:
         for request_id in request_ids:
