@@ -14,7 +14,7 @@ its own decode steps (CUDA graphs) a proposer model records its own too, over it
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Sequence, Union
 
 import structlog
 import torch
@@ -36,6 +36,16 @@ from tokenmill.interfaces.platform import Platform
 from tokenmill.interfaces.speculative import ForwardRow
 
 log = structlog.get_logger("tokenmill.speculative")
+
+#: a pass's tokens: read on the host already, or still on the model's device
+Tokens = Union[list[int], torch.Tensor]
+
+
+def _on_host(passes: list[Tokens]) -> list[list[int]]:
+    """Every pass's tokens as lists, with one read of the device for all of those still there."""
+    on_device = [tokens for tokens in passes if isinstance(tokens, torch.Tensor)]
+    values = iter(torch.cat(on_device).tolist() if on_device else ())
+    return [tokens if isinstance(tokens, list) else [next(values) for _ in range(len(tokens))] for tokens in passes]
 
 
 class LocalProposerModel:
@@ -77,24 +87,26 @@ class LocalProposerModel:
             active = [i for i in active if num_tokens[i] > step]
             if not active:
                 break
-            # each row feeds its last draft, which is on the device: a placeholder the pass
-            # fills there from the last pass's tokens
-            pieces = [Row([PLACEHOLDER_TOKEN], rows[i].num_computed_tokens + len(rows[i].token_ids) + step - 1,
-                          tuple(rows[i].block_ids), None) for i in active]
-            fill = PlaceholderTokens(list(range(len(active))), [(passes[-1], before[i]) for i in active])
+            last, fill = passes[-1], None
+            if isinstance(last, list):  # read on the host already (the CPU's greedy head)
+                fed = [last[before[i]] for i in active]
+            else:  # on the device: placeholders, filled there from the last pass's tokens
+                fed = [PLACEHOLDER_TOKEN] * len(active)
+                fill = PlaceholderTokens(list(range(len(active))), [(last, before[i]) for i in active])
+            pieces = [Row([token], rows[i].num_computed_tokens + len(rows[i].token_ids) + step - 1,
+                          tuple(rows[i].block_ids), None) for i, token in zip(active, fed)]
             passes.append(self._tokens(self.model_step.run(Step(pieces, list(range(len(active))), True),
                                                            placeholders=fill)))
             order.append(active)
         drafts: list[list[int]] = [[] for _ in rows]
-        flat = iter(torch.cat(passes).tolist())  # the one read of the device
-        for rows_of_pass in order:
-            for i in rows_of_pass:
-                drafts[i].append(next(flat))
+        for rows_of_pass, tokens in zip(order, _on_host(passes)):
+            for i, token in zip(rows_of_pass, tokens):
+                drafts[i].append(token)
         return drafts
 
-    def _first_tokens(self, rows: Sequence[ForwardRow]) -> torch.Tensor:
-        """Each row's argmax next token, in row order, left on the device."""
-        found = []
+    def _first_tokens(self, rows: Sequence[ForwardRow]) -> Tokens:
+        """Each row's argmax next token, in row order."""
+        found: list[Tokens] = []
         for batch in self._batches(rows):
             pieces, ends, total = [], [], 0
             for _, row, last in batch:
@@ -105,14 +117,18 @@ class LocalProposerModel:
             result = self.model_step.run(Step(pieces, ends, True))
             if ends:  # rows end in the order they come, so the batches' tokens are in row order
                 found.append(self._tokens(result))
-        return torch.cat(found)
+        if all(isinstance(tokens, list) for tokens in found):
+            return [token for tokens in found for token in tokens]
+        device = next(tokens.device for tokens in found if isinstance(tokens, torch.Tensor))
+        # a greedy head's fallback to the logits in some batch (a row not finite): rare
+        return torch.cat([tokens if isinstance(tokens, torch.Tensor) else torch.tensor(tokens, device=device)
+                          for tokens in found])
 
-    def _tokens(self, result: StepResult) -> torch.Tensor:
-        """A greedy pass's tokens: the platform's greedy head reads them on the host (the CPU's
-        does); otherwise the argmax of the logits, on the device."""
-        if result.tokens is not None:
-            return torch.tensor(result.tokens, dtype=torch.long)
-        return result.logits.argmax(dim=-1)
+    @staticmethod
+    def _tokens(result: StepResult) -> Tokens:
+        """A greedy pass's tokens: read on the host by the platform's greedy head (the CPU's),
+        or else the argmax of the logits, left on the device for the next pass."""
+        return result.tokens if result.tokens is not None else result.logits.argmax(dim=-1)
 
     def _batches(self, rows: Sequence[ForwardRow]) -> list[list[tuple[int, Row, bool]]]:
         """Forward passes of at most ``max_tokens`` tokens: each row cut into pieces that fit,
