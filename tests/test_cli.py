@@ -122,7 +122,8 @@ def test_triton_without_a_gpu_fails_at_startup_with_the_reason(model_dir):
 
 def test_server_flags_reach_the_server_section():
     """vLLM's network flags, including --allowed-origins in vLLM's JSON-list form."""
-    from tokenmill.cli import _parser, resolve_config
+    from tokenmill.cli.command import _parser
+    from tokenmill.cli.flags import resolve_config
 
     args = _parser().parse_args(["serve", "m", "--allowed-origins", '["https://a.example", "https://b.example"]',
                                  "--allowed-methods", "GET", "POST", "--ssl-cert-reqs", "2", "--root-path", "/llm",

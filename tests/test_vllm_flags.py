@@ -15,7 +15,7 @@ import pytest
 
 from server_harness import free_port, wait_until_healthy
 from test_cli import tokenmill
-from tokenmill.cli import serve_flags
+from tokenmill.cli.command import serve_flags
 from tokenmill.server.vllm_flags import ALREADY_SO, INERT, REFUSED, VLLM_SERVE_FLAGS, markdown_table
 
 README = Path(__file__).parents[1] / "README.md"

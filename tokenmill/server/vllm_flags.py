@@ -5,7 +5,7 @@ or fails at startup saying why and what to use instead.
 Every name in ``vllm-0.32-serve-flags.txt`` (beside this file: read from vLLM 0.32's
 ``--help=all``) is one of:
 
-- **honoured**: a flag of ``tokenmill serve`` itself (``tokenmill/cli.py``), with a test that
+- **honoured**: a flag of ``tokenmill serve`` itself (``tokenmill/cli/``), with a test that
   observes its effect;
 - **already so** (``ALREADY_SO``): accepted, and nothing to do, because tokenmill always
   behaves as the flag asks; the reason says how;
@@ -302,6 +302,6 @@ def markdown_table(honoured: set[str]) -> str:
 
 
 if __name__ == "__main__":
-    from tokenmill.cli import serve_flags
+    from tokenmill.cli.command import serve_flags
 
     print(markdown_table(serve_flags()))

@@ -1,0 +1,14 @@
+"""The ``tokenmill`` command: serve, generate, bench, compare, config explain, plugins, make-model.
+
+Engine flags are vLLM's (``--max-num-seqs``, ``--enable-prefix-caching``,
+...), generated from ``config.VLLM_NAMES`` so the CLI, ``LLM(...)`` and the
+YAML tree never drift apart. Precedence: defaults < --config YAML <
+TOKENMILL_* env < flags.
+
+``command`` holds the parser and the entry point, ``flags`` the engine and server flags and
+how they become an EngineConfig, ``subcommands`` what each command runs.
+"""
+
+from tokenmill.cli.command import main
+
+__all__ = ["main"]
