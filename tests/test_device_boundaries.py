@@ -222,8 +222,9 @@ def test_the_draft_model_replays_its_decode_passes_from_recorded_graphs(model_di
     target drafts for itself, so every draft is accepted only where the replayed passes read
     the right buffers (positions, blocks, the KV the catch-up pass wrote); tokens and logprobs
     are HF's. Its passes chain on the device: a proposal reads the device back once, for all
-    its drafts. Mutation: graphs recorded before the cache is bound read freed memory (the
-    proposals fail, and the steps go without drafts)."""
+    its drafts, and a pass's staging waits for the pass before last only. Mutations: graphs
+    recorded before the cache is bound read freed memory (the proposals fail, and the steps go
+    without drafts); one set of staging buffers waits for the last pass."""
     prompts, max_tokens = [p[:14] for p in PROMPTS[:3]], [9, 7, 5]
     with fake_cuda():
         llm = fake_cuda_llm(model_dir("llama"), speculative_config={"model": str(model_dir("llama")),
@@ -239,11 +240,32 @@ def test_the_draft_model_replays_its_decode_passes_from_recorded_graphs(model_di
             return drafts
 
         draft.greedy_decode = watched
+        # the staging buffers' waits: each names the pass whose mark it waits for (a mark follows
+        # a replay, so on a GPU waiting for the last pass's would wait for its forward)
+        step, passes, staged = draft.model_step, [0], []
+        run, record = step.run, step.staging._record_event
+
+        def counted(*args, **kwargs):
+            passes[0] += 1
+            return run(*args, **kwargs)
+
+        def tagged():
+            event, made = record(), passes[0]
+
+            class Tagged:
+                def synchronize(self) -> None:
+                    staged.append((made, passes[0]))
+                    event.synchronize()
+
+            return Tagged()
+
+        step.run, step.staging._record_event = counted, tagged
         tokens, logprobs = greedy(llm, prompts, max_tokens)
-        # the drafts, read once; the other waits are the staging buffers' (a pass's inputs wait
-        # for the copies out of the last pass's: the host stays a pass ahead of the device)
+        # the drafts, read once; the other waits are the staging buffers'
         reads = [[e for e in events if e != "waited for a recorded event"] for events in waits]
         assert reads and all(r == ["tolist of a device tensor"] for r in reads), waits
+        # ... for the pass before last: the host builds a pass while the last one runs
+        assert staged and all(made <= now - 2 for made, now in staged), staged
         graphs = engine.speculator.proposer.model.model_step.graphs
         assert graphs is not engine.runner.model_step.graphs
         # two speculating steps at least (4 tokens each), each a catch-up pass then two one-token passes

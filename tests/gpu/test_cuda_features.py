@@ -70,15 +70,20 @@ def test_speculative_decoding_gives_the_plain_engines_tokens(spec):
     prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 12, 13, 14]]
     plain = greedy(cuda_llm(DEMO_MODEL, dtype="float32"), prompts)
     speculating = cuda_llm(DEMO_MODEL, dtype="float32", speculative_config=spec)
+    replays = []
+    if "model" in spec:  # count the draft's replayed passes (a torch.cuda.CUDAGraph counts none)
+        graphs = speculating.llm_engine.speculator.proposer.model.model_step.graphs
+        run = graphs.run
+        graphs.run = lambda size, *args, **kwargs: replays.append(size) or run(size, *args, **kwargs)
     tokens, logprobs = greedy(speculating, prompts)
     assert tokens == plain[0]
     assert max(abs(a - b) for x, y in zip(logprobs, plain[1]) for a, b in zip(x, y)) < 1e-3
     stats = speculating.llm_engine.scheduler.spec_stats
     assert stats.num_draft_tokens > 0
+    if "model" in spec:
+        assert replays
     if spec.get("model") == str(DEMO_MODEL):
         assert stats.num_drafts >= 6 and stats.acceptance_rate > 0.9, stats
-        graphs = speculating.llm_engine.speculator.proposer.model.model_step.graphs
-        assert sum(graph.replays for graph in graphs.graphs.values()) > 0
 
 
 def test_structured_outputs_constrain_the_reply(model_dir):

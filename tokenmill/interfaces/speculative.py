@@ -52,7 +52,7 @@ class ProposerModel(Protocol):
         """Run ``rows`` (writing their KV), then decode greedily from each: ``num_tokens[i]``
         tokens for row ``i`` (at least 1: its argmax next token first), each fed back at the
         position after the last. The passes chain on the model's device and the tokens are
-        read back once, at the end: a GPU does not wait for the host between passes."""
+        read back once, at the end: the host builds each pass while the one before it runs."""
 
 
 @dataclass(frozen=True)

@@ -133,8 +133,11 @@ def _build_engine(config: EngineConfig, pm: PluginManager, components: Component
     if group is not None:
         group.send(Setup(num_blocks, host_blocks))
     swap_caches = built.allocate_caches(config, platform, num_blocks, host_blocks)
+    # a draft model records its decode passes where the engine records its own (it runs on the
+    # driver alone, unsharded, but a multi-process engine records no graphs at all)
+    draft_graph_rows = config.scheduler.max_num_seqs if not (config.enforce_eager or group) else 0
     for proposer_model in proposer_models:
-        proposer_model.bind(num_blocks, speculator.proposer.num_lookahead_slots)
+        proposer_model.bind(num_blocks, speculator.proposer.num_lookahead_slots, draft_graph_rows)
     kv_cache = KVCacheManager(num_blocks, config.cache.block_size, config.cache.prefix_caching)
     swap_space = SwapSpace(host_blocks) if config.scheduler.preemption_mode == "swap" else None
     adapters = built.adapters

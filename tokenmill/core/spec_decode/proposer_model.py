@@ -54,28 +54,27 @@ class LocalProposerModel:
     a proposer's first rows are whole prompts, which the memory profile never sized."""
 
     def __init__(self, built: BuiltModel, model_step: ModelStep, platform: Platform, max_tokens: int,
-                 graph_rows: int = 0, max_model_len: int = 0) -> None:
+                 max_model_len: int) -> None:
         self.built = built
         self.model_step = model_step
         self.platform = platform
         self.vocab_size = model_step.vocab_size
         self.max_tokens = max(1, max_tokens)
-        #: the most rows a recorded decode pass takes (the engine's ``max_num_seqs``); 0 records none
-        self.graph_rows = graph_rows
         self.max_model_len = max_model_len
 
     def kv_bytes_per_block(self) -> int:
         return self.built.kv_bytes_per_block(self.model_step.block_size)
 
-    def bind(self, num_blocks: int, lookahead_slots: int) -> None:
-        """Allocate the KV cache of ``num_blocks`` blocks, then record the decode passes over it
-        (where the engine records graphs): a recording holds the cache's addresses."""
+    def bind(self, num_blocks: int, lookahead_slots: int, graph_rows: int) -> None:
+        """Allocate the KV cache of ``num_blocks`` blocks, then record the decode passes of up to
+        ``graph_rows`` rows over it (0: none; the engine passes its ``max_num_seqs`` where it
+        records its own, the backend permitting): a recording holds the cache's addresses."""
         built, step = self.built, self.model_step
         allocate_kv_caches(built.model, built.backend, num_blocks, step.block_size, built.cache_dtype,
                            self.platform.device_type)
         log.info("draft model KV cache", kv_cache_mib=round(self.kv_bytes_per_block() * num_blocks / 2**20, 2))
-        if self.graph_rows:
-            step.graphs = DecodeGraphs.for_engine(built.model, built.backend, self.platform, self.graph_rows,
+        if graph_rows and built.backend.capabilities.cuda_graph:
+            step.graphs = DecodeGraphs.for_engine(built.model, built.backend, self.platform, graph_rows,
                                                   step.block_size, self.max_model_len, lookahead_slots)
 
     def greedy_decode(self, rows: Sequence[ForwardRow], num_tokens: Sequence[int]) -> list[list[int]]:
@@ -153,7 +152,7 @@ class LocalProposerModel:
 def load_proposer_model(path: str, config: EngineConfig, components: Components, pm: PluginManager,
                         platform: Platform, max_model_len: int) -> LocalProposerModel:
     """The checkpoint at ``path`` as a proposer model able to hold ``max_model_len`` tokens
-    (its KV cache is bound later, with ``allocate_caches``)."""
+    (its KV cache is bound later, with ``bind``)."""
     draft_config = config.model_copy(update={
         "model": path, "tokenizer": None, "max_model_len": max_model_len,
         "adapters": AdaptersConfig(), "quantization": QuantizationConfig()})
@@ -161,9 +160,9 @@ def load_proposer_model(path: str, config: EngineConfig, components: Components,
     if built.is_embedding_model:
         raise ConfigError("speculative.model", f"{path} is an embedding model, which cannot draft tokens")
     greedy_head = None if config.enforce_eager else platform.greedy_head(built.model)
+    # two sets of staging buffers: a pass's inputs wait only for the copies of the pass before
+    # last (each set's mark follows its replay), so the host builds a pass while the last one runs
     step = ModelStep(built.model, built.backend, config.cache.block_size, built.model_config.vocab_size,
-                     greedy_head=greedy_head, staging=InputStaging.for_platform(platform))
-    graphs = not config.enforce_eager and built.backend.capabilities.cuda_graph
+                     greedy_head=greedy_head, staging=InputStaging.for_platform(platform, sets=2))
     log.info("draft model loaded", model=path, architecture=built.model_config.architecture)
-    return LocalProposerModel(built, step, platform, config.scheduler.max_num_batched_tokens,
-                              config.scheduler.max_num_seqs if graphs else 0, max_model_len)
+    return LocalProposerModel(built, step, platform, config.scheduler.max_num_batched_tokens, max_model_len)
