@@ -1,4 +1,4 @@
-"""The ``tokenmill`` command: serve, generate, bench, compare, config explain, plugins, make-model.
+"""The ``tokenmill`` command line.
 
 Engine flags are vLLM's (``--max-num-seqs``, ``--enable-prefix-caching``,
 ...), generated from ``config.VLLM_NAMES`` so the CLI, ``LLM(...)`` and the

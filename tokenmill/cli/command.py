@@ -1,4 +1,7 @@
-"""The ``tokenmill`` command's parser and entry point (the console script ``tokenmill``)."""
+"""The ``tokenmill`` command: serve, generate, bench, compare, config explain, plugins, make-model.
+
+Its parser and entry point (the console script ``tokenmill``; ``python -m tokenmill.cli``).
+"""
 
 from __future__ import annotations
 
@@ -13,8 +16,6 @@ from tokenmill.cli import subcommands
 from tokenmill.cli.flags import add_engine_flags, add_server_flags
 from tokenmill.interfaces.errors import TokenmillError
 from tokenmill.server.vllm_flags import add_vllm_flags, expand_vllm_config
-
-DESCRIPTION = "The tokenmill command: serve, generate, bench, compare, config explain, plugins, make-model."
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -35,7 +36,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tokenmill", description=DESCRIPTION)
+    parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__.splitlines()[0])
     # the metavar lists the public commands: _compare-worker is compare's internal helper
     commands = parser.add_subparsers(dest="command", required=True,
                                      metavar="{serve,generate,bench,compare,config,plugins,make-model}")
