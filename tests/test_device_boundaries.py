@@ -150,6 +150,47 @@ def test_every_quantization_method_applies_to_device_weights(name):
     assert ((logits - expected).norm() / expected.norm()).item() < bound
 
 
+def load_overhead(name: str) -> tuple[int, int]:
+    """(the device memory loading ``name`` peaked at above what it left resident, the largest
+    layer's packed weight words), on the stand-in."""
+    load, seen = model_builder._load_checkpoint, {}
+
+    def measured(model, model_config):
+        DEVICE_MEMORY.reset_peak()
+        load(model, model_config)
+        seen["overhead"] = DEVICE_MEMORY.peak - DEVICE_MEMORY.allocated
+        seen["largest"] = max(buffer.numel() * buffer.element_size() for key, buffer in model.named_buffers()
+                              if key.endswith("t_qweight"))
+
+    model_builder._load_checkpoint = measured
+    try:
+        with fake_cuda():
+            fake_cuda_llm(CHECKPOINTS / name, enforce_eager=True)
+    finally:
+        model_builder._load_checkpoint = load
+    return seen["overhead"], seen["largest"]
+
+
+@pytest.mark.skipif(not CHECKPOINTS.is_dir(), reason=f"shared checkpoints not found at {CHECKPOINTS}")
+@pytest.mark.parametrize("name", [name for name in QUANTIZED if "gptq" in name or "awq" in name])
+def test_gptq_and_awq_load_without_unpacking_on_the_device(name):
+    """A GPU's memory is full of weights at load: GPTQ's packed words feed the Triton GEMM as they
+    are and AWQ's are repacked word by word, so loading peaks at most one layer's packed words
+    above what it keeps (unpacking to ints and repacking them took ~20 bytes a parameter of the
+    largest layer: over 10 GB for a 70B model's)."""
+    overhead, largest = load_overhead(name)
+    assert overhead <= 1.25 * largest
+
+
+@pytest.mark.skipif(not CHECKPOINTS.is_dir(), reason=f"shared checkpoints not found at {CHECKPOINTS}")
+def test_mutation_awq_unpacked_and_repacked_at_load_fails(monkeypatch):
+    from tokenmill.plugins.quantization import awq, packing
+
+    monkeypatch.setattr(awq, "awq_to_gptq", lambda words: packing.pack(packing.unpack_awq(words), 4, dim=0))
+    overhead, largest = load_overhead("awq-w4g64-gemm-rtn")
+    assert overhead > 10 * largest
+
+
 def test_mutation_profiling_forward_without_staging_fails(model_dir, monkeypatch):
     """The GPU bug put back: the profiling step's token ids stay on the host."""
 

@@ -16,7 +16,7 @@ from conftest import QUANT_CHECKPOINTS, make_llm
 from tokenmill import LLM, SamplingParams, load_config
 from tokenmill.interfaces.errors import ConfigError
 from tokenmill.plugins.quantization.group_quant import GroupQuantizedLinear
-from tokenmill.plugins.quantization.packing import pack, pack_awq, unpack, unpack_awq
+from tokenmill.plugins.quantization.packing import awq_to_gptq, pack, pack_awq, unpack, unpack_awq
 from tokenmill.testing.logits import prompt_logits
 
 CHECKPOINTS = QUANT_CHECKPOINTS
@@ -139,6 +139,16 @@ def test_awq_nibble_order_round_trip(seed):
     assert torch.equal(unpack_awq(packed), values.to(torch.int32))
     # nibble 1 of word 0 holds column 2 (order 0, 2, 4, 6, 1, 3, 5, 7)
     assert ((packed[0, 0] >> 4) & 0xF).item() == values[0, 2].item()
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 1000), rows=st.sampled_from([8, 16, 64]), words=st.integers(1, 6))
+def test_awq_repacks_word_by_word_to_gptqs_layout(seed, rows, words):
+    """The GPU path's AWQ repack (nibbles moved word by word) gives GPTQ's packing of the same
+    values, the sign bit included (a 15 in the eighth row of a word)."""
+    values = torch.randint(0, 16, (rows, 8 * words), generator=torch.Generator().manual_seed(seed))
+    values[7] = 15
+    assert torch.equal(awq_to_gptq(pack_awq(values)), pack(values, 4, dim=0))
 
 
 def random_group_quantized(seed: int, k: int, n: int, group: int, bits: int, act_order: bool):

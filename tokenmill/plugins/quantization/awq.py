@@ -13,8 +13,13 @@ from torch import nn
 
 from tokenmill.interfaces.errors import ConfigError
 from tokenmill.interfaces.hookspecs import hookimpl
-from tokenmill.plugins.quantization.group_quant import GroupQuantizedLinear, ignored, output_shard_loader
-from tokenmill.plugins.quantization.packing import unpack_awq
+from tokenmill.plugins.quantization.group_quant import (
+    GroupQuantizedLinear,
+    TritonGroupQuantizedLinear,
+    ignored,
+    output_shard_loader,
+)
+from tokenmill.plugins.quantization.packing import awq_to_gptq, unpack_awq
 
 
 class AWQLinearMethod:
@@ -43,13 +48,17 @@ class AWQLinearMethod:
         layer.quant_dtype = dtype
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        q = unpack_awq(layer.qweight.data)  # [K, N]
+        qweight = layer.qweight.data
         zeros = unpack_awq(layer.qzeros.data)  # [G, N]
         scales = layer.scales.data.float()
-        g_idx = torch.arange(q.shape[0], device=q.device) // self.group_size
+        g_idx = torch.arange(qweight.shape[0], device=qweight.device) // self.group_size
         for name in ("qweight", "qzeros", "scales"):
             delattr(layer, name)
-        layer.kernel = GroupQuantizedLinear(q, zeros, scales, g_idx, 4, layer.quant_dtype, layer)
+        if qweight.device.type == "cuda":
+            layer.kernel = TritonGroupQuantizedLinear(awq_to_gptq(qweight), zeros, scales, g_idx, 4,
+                                                      layer.quant_dtype, layer)
+        else:
+            layer.kernel = GroupQuantizedLinear(unpack_awq(qweight), zeros, scales, g_idx, 4, layer.quant_dtype, layer)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         return layer.kernel.apply(layer, x, bias)

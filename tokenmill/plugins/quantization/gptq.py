@@ -18,6 +18,7 @@ from tokenmill.interfaces.hookspecs import hookimpl
 from tokenmill.plugins.quantization.group_quant import (
     GroupQuantizedLinear,
     ShardedGroupQuantizedLinear,
+    TritonGroupQuantizedLinear,
     ignored,
     output_shard_loader,
     per_shard_loader,
@@ -73,7 +74,7 @@ class GPTQLinearMethod:
         layer.quant_output_sizes = output_sizes
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        q = unpack(layer.qweight.data, self.bits, dim=0)  # [K, N]
+        qweight = layer.qweight.data  # [K / pack, N]: the Triton GEMM's layout as it is
         zeros = unpack(layer.qzeros.data, self.bits, dim=1) + self.zero_offset  # [G, N]
         g_idx = layer.g_idx.data.long()
         if self._groups_split(layer):  # the checkpoint numbers the groups of the whole layer
@@ -81,15 +82,19 @@ class GPTQLinearMethod:
         scales = layer.scales.data.float()
         for name in ("qweight", "qzeros", "scales", "g_idx"):
             delattr(layer, name)
+        if qweight.device.type == "cuda":
+            kernel, weights = TritonGroupQuantizedLinear, qweight
+        else:
+            kernel, weights = GroupQuantizedLinear, unpack(qweight, self.bits, dim=0)  # [K, N]
         if all(torch.equal(g_idx[0], row) for row in g_idx):
-            layer.kernel = GroupQuantizedLinear(q, zeros, scales, g_idx[0], self.bits, layer.quant_dtype, layer)
+            layer.kernel = kernel(weights, zeros, scales, g_idx[0], self.bits, layer.quant_dtype, layer)
             return
         # parts quantized with different act orders (each module has its own g_idx)
         parts, start = [], 0
         for i, size in enumerate(layer.quant_output_sizes):
             cols = slice(start, start + size)
-            parts.append(GroupQuantizedLinear(q[:, cols], zeros[:, cols], scales[:, cols], g_idx[i], self.bits,
-                                              layer.quant_dtype, layer, prefix=f"part{i}_"))
+            parts.append(kernel(weights[:, cols], zeros[:, cols], scales[:, cols], g_idx[i], self.bits,
+                                layer.quant_dtype, layer, prefix=f"part{i}_"))
             start += size
         layer.kernel = ShardedGroupQuantizedLinear(parts)
 

@@ -10,9 +10,12 @@ zeros[g_idx[k], n]) * scales[g_idx[k], n]``. From there one kernel is chosen:
   input channels, applied to activations.
 - otherwise (8-bit, irregular groups): int8 storage, dequantized per call.
 - CUDA (when the layer's tensors live on a GPU, as under the cuda platform, which
-  loads weights straight to the device): the Triton dequant-GEMM in ``triton_gemm``
-  over GPTQ-packed weights (AWQ is repacked to that layout); tested on CPU by the
-  kernel test under TRITON_INTERPRET=1, and compiled for sm_80/sm_90.
+  loads weights straight to the device): ``TritonGroupQuantizedLinear``, the Triton
+  dequant-GEMM in ``triton_gemm`` over GPTQ-packed weights. It takes the packed words
+  rather than the canonical form: a GPTQ checkpoint's ``qweight`` as it is, an AWQ one
+  repacked word by word (``packing.awq_to_gptq``), so loading never holds a layer's
+  unpacked integers on the device. Tested on CPU by the kernel test under
+  TRITON_INTERPRET=1, and compiled for sm_80/sm_90.
 
 Weights stay quantized in memory in every case.
 """
@@ -26,7 +29,7 @@ from torch import nn
 
 
 class GroupQuantizedLinear:
-    """Kernel state for one layer, built once from the canonical form."""
+    """Kernel state for one layer off a GPU, built once from the canonical form."""
 
     def __init__(self, q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor,
                  bits: int, dtype: torch.dtype, layer: nn.Module, prefix: str = "") -> None:
@@ -40,15 +43,6 @@ class GroupQuantizedLinear:
         uniform = bool((counts == group_size).all()) and group_size > 0
         self.perm: Optional[torch.Tensor] = None
         self.kind = "dequant"
-        if q.device.type == "cuda":  # Triton dequant-GEMM over GPTQ-packed weights
-            from tokenmill.plugins.quantization.packing import pack
-
-            self.kind = "triton"
-            layer.register_buffer(prefix + "t_qweight", pack(q, bits, dim=0), persistent=False)
-            layer.register_buffer(prefix + "t_zeros", zeros.to(torch.int32), persistent=False)
-            layer.register_buffer(prefix + "t_scales", scales, persistent=False)
-            layer.register_buffer(prefix + "t_g_idx", g_idx.to(torch.int32), persistent=False)
-            return
         if bits == 4 and uniform and self.in_features % group_size == 0:
             order = torch.argsort(g_idx, stable=True)
             if not torch.equal(order, torch.arange(self.in_features)):
@@ -83,12 +77,7 @@ class GroupQuantizedLinear:
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, self.in_features)
-        if self.kind == "triton":
-            from tokenmill.plugins.quantization.triton_gemm import dequant_gemm
-
-            out = dequant_gemm(x.to(self.dtype), *(self._get(layer, f"t_{name}") for name in
-                                                   ("qweight", "zeros", "scales", "g_idx")), self.bits)
-        elif self.kind == "int4pack":
+        if self.kind == "int4pack":
             if self.perm is not None:
                 x = x.index_select(1, self._get(layer, "input_perm"))
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(
@@ -100,10 +89,36 @@ class GroupQuantizedLinear:
         return out.reshape(*shape[:-1], self.out_features)
 
 
+class TritonGroupQuantizedLinear:
+    """Kernel state for one layer on a GPU: GPTQ-packed ``qweight [K / (32 / bits), N]`` (a
+    column slice of a fused layer's words is one too), unpacked ``zeros``, ``scales``, ``g_idx``."""
+
+    kind = "triton"
+
+    def __init__(self, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor,
+                 bits: int, dtype: torch.dtype, layer: nn.Module, prefix: str = "") -> None:
+        self.in_features, self.out_features = qweight.shape[0] * (32 // bits), qweight.shape[1]
+        self.prefix, self.bits, self.dtype = prefix, bits, dtype
+        layer.register_buffer(prefix + "t_qweight", qweight, persistent=False)
+        layer.register_buffer(prefix + "t_zeros", zeros.to(torch.int32), persistent=False)
+        layer.register_buffer(prefix + "t_scales", scales.to(dtype), persistent=False)
+        layer.register_buffer(prefix + "t_g_idx", g_idx.to(torch.int32), persistent=False)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        from tokenmill.plugins.quantization.triton_gemm import dequant_gemm
+
+        shape = x.shape
+        tensors = (getattr(layer, f"{self.prefix}t_{name}") for name in ("qweight", "zeros", "scales", "g_idx"))
+        out = dequant_gemm(x.reshape(-1, self.in_features).to(self.dtype), *tensors, self.bits)
+        if bias is not None:
+            out = out + bias
+        return out.reshape(*shape[:-1], self.out_features)
+
+
 class ShardedGroupQuantizedLinear:
     """A fused layer whose parts were quantized with different act orders: one kernel per part."""
 
-    def __init__(self, parts: list[GroupQuantizedLinear]) -> None:
+    def __init__(self, parts: list[GroupQuantizedLinear] | list[TritonGroupQuantizedLinear]) -> None:
         self.parts = parts
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:

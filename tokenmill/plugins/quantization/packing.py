@@ -40,6 +40,23 @@ def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
     return nibbles[..., list(AWQ_REVERSE)].flatten(1)
 
 
+def awq_to_gptq(packed: torch.Tensor) -> torch.Tensor:
+    """AWQ GEMM int32 ``[K, N / 8]`` -> GPTQ-packed int32 ``[K / 8, N]``, the Triton GEMM's layout.
+
+    It runs on the device at load, so it moves nibbles word by word rather than through
+    ``unpack``/``pack``, whose int32 and int64 temporaries take ~20 bytes a parameter (over
+    10 GB for a 70B model's largest layer): here the output and one ``[K / 8, N / 8]`` slice
+    of temporaries are all it adds to the checkpoint's words.
+    """
+    k, words = packed.shape
+    rows = packed.view(k // 8, 8, words)  # input channel 8 * kb + j at [kb, j]
+    out = torch.zeros(k // 8, words, 8, dtype=torch.int32, device=packed.device)  # column 8 * w + c at [w, c]
+    for column, nibble in enumerate(AWQ_REVERSE):
+        for j in range(8):  # torch's int32 << wraps into the sign bit, as GPTQ's words hold it
+            out[:, :, column] |= ((rows[:, j] >> (4 * nibble)) & 15) << (4 * j)
+    return out.view(k // 8, words * 8)
+
+
 def pack_awq(values: torch.Tensor) -> torch.Tensor:
     """int [rows, cols] -> AWQ GEMM int32 [rows, cols / 8] (inverse of ``unpack_awq``)."""
     grouped = values.view(values.shape[0], -1, 8)[..., list(AWQ_ORDER)]
