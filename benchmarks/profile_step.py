@@ -14,7 +14,7 @@ import cProfile
 import pstats
 import time
 
-from tokenmill.bench.common import add_common_args, prepare, random_prompts, write_json
+from tokenmill.bench.common import add_common_args, add_kernel_args, kernel_args, prepare, random_prompts, write_json
 from tokenmill import LLM, SamplingParams
 
 #: bucket -> substrings of cProfile function names (first match wins)
@@ -44,12 +44,12 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--enforce-eager", action="store_true")
+    add_kernel_args(parser)
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16"],
                         help="tokenmill's KV cache: auto is the compute dtype")
     args = parser.parse_args()
     path = prepare(args)
-    llm = LLM(str(path), enforce_eager=args.enforce_eager, num_threads=args.threads,
+    llm = LLM(str(path), **kernel_args(args), num_threads=args.threads,
               kv_cache_dtype=args.kv_cache_dtype)
     prompts = [{"prompt_token_ids": p} for p in random_prompts(args.num_prompts, args.input_len, path, seed=0)]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)

@@ -22,6 +22,8 @@ from tokenmill.testing.hf_reference import ReferenceSequence, hf_greedy
 from tokenmill.testing.tiny_models import make_tiny_model
 
 NEW_TOKENS = 24
+#: engine arguments for plain PyTorch everywhere: none of the platform's kernels (vLLM's spelling)
+PLAIN = {"compilation_config": {"custom_ops": ["none"]}}
 
 #: the shared quantized checkpoints (FP8, GPTQ, AWQ): ../shared beside the checkout, or the
 #: copy benchmarks/gpu_prepare.py puts in the checkout for a GPU machine (../shared does not travel)

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import NEW_TOKENS, PROMPTS, greedy_in_batches, make_llm
+from conftest import NEW_TOKENS, PLAIN, PROMPTS, greedy_in_batches, make_llm
 from tokenmill import SamplingParams
 from tokenmill.testing.hf_reference import assert_matches_reference, hf_greedy
 
@@ -65,8 +65,8 @@ def test_dtype_auto_takes_the_checkpoint_dtype_where_the_cpu_computes_it(native,
     assert load_model_config(path, resolve_dtype=resolve).dtype == expected
     assert load_model_config(path, "bfloat16", resolve_dtype=resolve).dtype == torch.bfloat16  # asked for
     assert load_model_config(path).dtype == torch.bfloat16  # without a platform: the stored dtype
-    # eager: the prepacked bf16 GEMMs the played CPU would get need the real one's instructions
-    engine = make_llm(path, enforce_eager=True).llm_engine
+    # plain PyTorch: the prepacked bf16 GEMMs the played CPU would get need the real one's instructions
+    engine = make_llm(path, **PLAIN).llm_engine
     assert engine.model_config.dtype == expected
     caches = [m.kv_cache for m in engine.runner.model.modules() if hasattr(m, "kv_cache")]
     assert caches and all(c.dtype == expected for c in caches)

@@ -29,6 +29,16 @@ def test_plugins_json_lists_distributions_and_registrations():
     assert "LlamaForCausalLM" in plugins["llama"]["registers"]["model_architectures"]
 
 
+def test_a_reader_that_stops_early_gets_no_traceback():
+    """`tokenmill plugins | head -1`: the pipe closes before the table is written."""
+    process = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "plugins"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    process.stdout.close()  # before the command has imported anything, let alone printed
+    stderr = process.stderr.read()
+    assert process.wait(timeout=60) == 1
+    assert stderr == ""
+
+
 def test_make_model_then_generate_from_yaml(tmp_path):
     """make-model writes a loadable model; generate --config runs it with flags overriding YAML."""
     model = tmp_path / "model"
@@ -134,6 +144,22 @@ def test_server_flags_reach_the_server_section():
     assert server.root_path == "/llm" and server.enable_request_id_headers and server.disable_fastapi_docs
     with pytest.raises(SystemExit):
         _parser().parse_args(["serve", "m", "--allowed-origins", "[not json"])
+
+
+def test_compilation_config_takes_vllms_custom_ops_and_names_what_it_does_not_read(model_dir):
+    """vLLM's JSON flag: custom_ops reaches the config (its effect: tests/test_fast_paths.py);
+    a torch.compile key is a one-line error naming it, before the model loads."""
+    from tokenmill.cli.command import _parser
+    from tokenmill.cli.flags import resolve_config
+
+    args = _parser().parse_args(["serve", "m", "--compilation-config", '{"custom_ops": ["none", "+rms_norm"]}',
+                                 "--enforce-eager"])
+    config = resolve_config(args)
+    assert config.compilation_config.custom_ops == ["none", "+rms_norm"] and config.enforce_eager
+    result = tokenmill("generate", "--model", str(model_dir("llama")), "--prompt", "x",
+                       "--compilation-config", '{"level": 3, "custom_ops": ["-rms_norm"]}')
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "compilation_config" in result.stderr and "level: not read" in result.stderr
 
 
 def _children(pid: int) -> list[int]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import NEW_TOKENS, PREEMPTING, PROMPTS, QUANT_CHECKPOINTS, assert_preempted, make_llm
+from conftest import NEW_TOKENS, PLAIN, PREEMPTING, PROMPTS, QUANT_CHECKPOINTS, assert_preempted, make_llm
 from tokenmill import LLM, LoRARequest, SamplingParams, load_config
 from tokenmill.testing.hf_reference import assert_matches_reference, hf_greedy
 from tokenmill.testing.logits import prompt_logits
@@ -60,8 +60,8 @@ def test_tensor_and_pipeline_parallel_together_match_hf(arch, model_dir, hf_refe
 
 def test_each_rank_holds_its_shard(model_dir):
     """Half the weights per rank (the norms and KV heads of a 1-KV-head model are replicated)."""
-    with make_llm(model_dir("llama"), enforce_eager=True) as whole, \
-            make_llm(model_dir("llama"), enforce_eager=True, tensor_parallel_size=2) as half:
+    with make_llm(model_dir("llama"), **PLAIN) as whole, \
+            make_llm(model_dir("llama"), **PLAIN, tensor_parallel_size=2) as half:
         full = dict(whole.llm_engine.runner.model.named_parameters())
         shard = dict(half.llm_engine.runner.model.named_parameters())
         assert full.keys() == shard.keys()

@@ -1,5 +1,6 @@
 """The CPU fast paths (prepacked GEMM weights, fused C++ layer ops) equal the eager modules,
-and ``enforce_eager`` turns them all off."""
+and ``compilation_config: {"custom_ops": ["none"]}`` turns them all off; ``enforce_eager``
+keeps them (it is about CUDA graphs, as in vLLM)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import NEW_TOKENS, PROMPTS, greedy_in_batches, make_llm
+from conftest import NEW_TOKENS, PLAIN, PROMPTS, greedy_in_batches, make_llm
 from tokenmill import SamplingParams
 from tokenmill.core.layers.activation import GatedActivation
 from tokenmill.core.layers.linear import Linear
@@ -224,23 +225,46 @@ def test_gemv_takes_1_to_8_rows(dtype, rows):
         KERNELS.gemv(torch.randn(9, 200).to(dtype), weight, None)
 
 
-def test_enforce_eager_keeps_plain_modules(model_dir):
-    """enforce_eager: no packed weights, no fused kernels anywhere in the model."""
-    model = make_llm(model_dir("llama"), enforce_eager=True).llm_engine.runner.model
+def test_custom_ops_none_keeps_plain_modules_and_enforce_eager_does_not(model_dir):
+    """custom_ops ["none"]: no packed weights, no fused kernels anywhere in the model. vLLM's
+    enforce_eager is about CUDA graphs only: a user who passes it from habit keeps the kernels."""
+    model = make_llm(model_dir("llama"), **PLAIN).llm_engine.runner.model
     assert all(not hasattr(m, "packed_weight") for m in model.modules())
     assert all(getattr(m, "op_impl", None) is None for m in model.modules())
     assert model.model.fused_decoder is None
-    fast = make_llm(model_dir("llama")).llm_engine.runner.model
-    assert any(hasattr(m, "packed_weight") for m in fast.modules())
-    assert any(isinstance(m, RMSNorm) and m.op_impl is not None for m in fast.modules())
+    for args in ({}, {"enforce_eager": True}):
+        fast = make_llm(model_dir("llama"), **args).llm_engine.runner.model
+        assert any(hasattr(m, "packed_weight") for m in fast.modules())
+        assert any(isinstance(m, RMSNorm) and m.op_impl is not None for m in fast.modules())
+
+
+@pytest.mark.parametrize("custom_ops,dispatched", [
+    (["-rms_norm"], {"silu_and_mul", "rotary_embedding"}),
+    (["none", "+rms_norm"], {"rms_norm"}),
+    (["all", "-silu_and_mul", "-rotary_embedding"], {"rms_norm"}),
+])
+def test_custom_ops_turn_single_ops_on_and_off_by_vllms_names(custom_ops, dispatched, model_dir):
+    """vLLM's grammar: "+op" and "-op" over the default ("all"), or over "none"; the unfused
+    decode stack then (it would run every op fused)."""
+    llm = make_llm(model_dir("llama"), compilation_config={"custom_ops": custom_ops}, max_num_seqs=2)
+    model = llm.llm_engine.runner.model
+    assert {m.op_name for m in model.modules() if getattr(m, "op_impl", None) is not None} == dispatched
+    assert model.model.fused_decoder is None
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]],
+                           SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0),
+                           use_tqdm=False)
+    reference = hf_greedy(model_dir("llama"), PROMPTS[:2], NEW_TOKENS)
+    assert_matches_reference(reference, [o.outputs[0].token_ids for o in outputs],
+                             [[e[t].logprob for e, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+                              for o in outputs])
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_fast_and_eager_engines_match_hf_alike(arch, model_dir, hf_reference):
     """Both engines meet the fp32 parity standard, so every fast path is proven against HF."""
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
-    for eager in (False, True):
-        outputs = make_llm(model_dir(arch), enforce_eager=eager).generate(
+    for args in ({}, PLAIN):
+        outputs = make_llm(model_dir(arch), **args).generate(
             [{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
         tokens = [o.outputs[0].token_ids for o in outputs]
         logprobs = [[e[t].logprob for e, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outputs]
@@ -357,7 +381,7 @@ def test_verify_steps_run_layer_by_layer_where_the_weights_outgrow_the_cache(cac
 @pytest.mark.parametrize("arch,engine_args,fused", [
     ("llama", {}, True),
     ("qwen2", {}, True),
-    ("llama", {"enforce_eager": True}, False),  # no fused kernels at all
+    ("llama", PLAIN, False),  # no fused kernels at all
     ("llama", {"small_batch_gemv": False}, False),  # no plain weights for the GEMV kernel
     ("llama", {"enable_lora": True}, False),  # adapters add deltas to the projections
     ("qwen3", {}, False),  # q/k norms

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import NEW_TOKENS, PROMPTS, make_llm, sampler_for
+from conftest import NEW_TOKENS, PLAIN, PROMPTS, make_llm, sampler_for
 from tokenmill import SamplingParams
 from tokenmill.plugins.platforms.cpu.greedy_head import GreedyHead, quantize_rows
 from tokenmill.plugins.platforms.cpu.kernels import cpu_kernels
@@ -165,7 +165,7 @@ def test_a_batch_with_one_sampled_row_takes_all_logits(model_dir, monkeypatch):
 
 
 @pytest.mark.parametrize("arch, engine_args", [
-    ("llama", {"enforce_eager": True}),     # every fast path off
+    ("llama", PLAIN),                       # every fast path off
     ("llama", {"dtype": "bfloat16"}),       # the head is bf16 already
     ("gemma2", {}),                         # a logit soft cap can round large logits to ties
     ("llama", {"small_batch_gemv": False}),  # no plain fp32 head weight kept

@@ -4,7 +4,7 @@
 from ``tokenmill.core.layers`` (the public layers) and ``tokenmill.interfaces`` only. The
 conformance kit serves it through the engine and holds it to HF parity, with the platform's
 fast paths (its CustomOps get the cpu platform's kernels, its FusableDecoder stack the fused
-decoder) and under enforce_eager.
+decoder) and as plain PyTorch.
 """
 
 from __future__ import annotations

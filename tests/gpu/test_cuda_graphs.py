@@ -1,8 +1,7 @@
 """On a CUDA GPU: decode steps replayed from CUDA graphs give exactly the tokens and logprobs
-of the same engine launching every kernel itself (its graphs dropped), for every family, with
-batch sizes that fill a bucket and sizes that pad one. Not against ``enforce_eager``: that also
-turns the platform's fused kernels (RMSNorm, rotary, SiLU-and-mul, fused MoE) back into PyTorch
-ops, whose roundings differ, so it would compare kernels rather than graphs.
+of the same engine under ``enforce_eager``, which launches every kernel itself (the same
+kernels: vLLM's meaning, graphs only), for every family, with batch sizes that fill a bucket
+and sizes that pad one.
 
 Dense families run in bf16. The mixture-of-experts families run in fp32: in bf16 their
 router logits tie exactly every few hundred steps, and a padded bucket's router GEMM may
@@ -38,6 +37,6 @@ def test_cuda_graphs_on_and_off_give_identical_tokens(arch, model_dir):
     graphed = cuda_llm(model_dir(arch), dtype=dtype, max_num_seqs=8)
     graphs = graphed.llm_engine.runner.model_step.graphs
     assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4, 8]
-    eager = cuda_llm(model_dir(arch), dtype=dtype, max_num_seqs=8)
-    eager.llm_engine.runner.model_step.graphs = None  # every step launches its kernels
+    eager = cuda_llm(model_dir(arch), dtype=dtype, max_num_seqs=8, enforce_eager=True)
+    assert eager.llm_engine.runner.model_step.graphs is None
     assert decode(graphed, prompts, max_tokens) == decode(eager, prompts, max_tokens)

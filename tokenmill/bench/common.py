@@ -71,6 +71,19 @@ def add_async_scheduling_arg(parser: argparse.ArgumentParser) -> None:
                              "without it and one with it (tokenmill-async), timed side by side")
 
 
+def add_kernel_args(parser: argparse.ArgumentParser) -> None:
+    """vLLM's engine flags for what the forward pass runs, passed to each tokenmill engine."""
+    parser.add_argument("--enforce-eager", action="store_true", help="tokenmill without CUDA graphs")
+    parser.add_argument("--compilation-config", default=None,
+                        help='\'{"custom_ops": ["none"]}\': tokenmill without its platform kernels (plain PyTorch)')
+
+
+def kernel_args(args: argparse.Namespace) -> dict[str, Any]:
+    """``LLM`` keyword arguments from ``add_kernel_args``' flags."""
+    given = {"compilation_config": args.compilation_config} if args.compilation_config else {}
+    return {"enforce_eager": args.enforce_eager, **given}
+
+
 def add_gpu_memory_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=None,
                         help="vLLM's engine flag: each tokenmill engine's share of the GPU (default: 0.9 shared out "

@@ -26,7 +26,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.bench.common import (add_async_scheduling_arg, add_common_args, add_gpu_memory_arg, engine_memory,
+from tokenmill.bench.common import (add_async_scheduling_arg, add_common_args, add_gpu_memory_arg, add_kernel_args,
+                                    engine_memory, kernel_args,
                                     hf_device, hf_dtype, interleaved_rounds, prepare, random_prompts,
                                     tokenmill_engines, write_json)
 from tokenmill.bench.llama_cpp import add_llama_cpp_args, batched_bench
@@ -39,7 +40,7 @@ def tokenmill_pass(path, prompt, args, async_scheduling: Optional[bool] = None) 
     with a prompt of its own (a repeated prompt would hit the prefix cache). A token's time is
     the end of the step that returned it (under async scheduling, the step after the one that
     computed it)."""
-    engine = LLM(str(path), dtype=args.dtype, enforce_eager=args.enforce_eager, num_threads=args.threads,
+    engine = LLM(str(path), dtype=args.dtype, **kernel_args(args), num_threads=args.threads,
                  device=args.device, async_scheduling=async_scheduling, **args.engine_memory).llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     counter = iter(range(1 << 30))
@@ -102,7 +103,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--dtype", default="auto", choices=["float32", "bfloat16", "float16", "auto"])
     parser.add_argument("--device", default="auto", help="the engine's platform (cpu, cuda; vLLM's --device); HF "
                         "runs on the same device")
-    parser.add_argument("--enforce-eager", action="store_true", help="tokenmill without prepacked/fused ops")
+    add_kernel_args(parser)
     parser.add_argument("--skip-hf", action="store_true")
     add_async_scheduling_arg(parser)
     add_gpu_memory_arg(parser)

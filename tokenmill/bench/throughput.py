@@ -36,7 +36,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.bench.common import (add_async_scheduling_arg, add_common_args, add_gpu_memory_arg, engine_memory,
+from tokenmill.bench.common import (add_async_scheduling_arg, add_common_args, add_gpu_memory_arg, add_kernel_args,
+                                    engine_memory, kernel_args,
                                     hf_device, hf_dtype, interleaved_rounds, prepare, random_prompts,
                                     tokenmill_engines, write_json)
 from tokenmill.bench.llama_cpp import add_llama_cpp_args, batched_bench
@@ -61,7 +62,7 @@ def tokenmill_pass(path, prompt_sets, output_len, args, tp: int = 1, pp: int = 1
     """A built and warmed-up engine; each call times one pass over the next prompt set."""
     llm = LLM(str(path), dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
-              enforce_eager=args.enforce_eager, num_threads=args.threads, kv_cache_dtype=args.kv_cache_dtype,
+              **kernel_args(args), num_threads=args.threads, kv_cache_dtype=args.kv_cache_dtype,
               tensor_parallel_size=tp, pipeline_parallel_size=pp, device=args.device,
               async_scheduling=async_scheduling, **args.engine_memory,
               **({"kv_cache_memory_bytes": args.kv_cache_memory_bytes} if args.kv_cache_memory_bytes else {}))
@@ -149,7 +150,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--dtype", default="auto", choices=["float32", "bfloat16", "float16", "auto"],
                         help="auto: the checkpoint's (presets: 52m fp32, 350m bf16), or fp32 for bf16 where the "
                              "CPU has no bf16 arithmetic; HF computes in the same dtype")
-    parser.add_argument("--enforce-eager", action="store_true", help="tokenmill without prepacked/fused ops")
+    add_kernel_args(parser)
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16"],
                         help="tokenmill's KV cache: auto is the compute dtype")
     parser.add_argument("--kv-cache-memory-bytes", type=int,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -33,6 +34,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except TokenmillError as exc:
         print(f"tokenmill: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `tokenmill plugins | head`: the reader has what it wanted
+        # the interpreter flushes stdout at exit: into /dev/null, not the closed pipe again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -132,13 +132,14 @@ class Platform:
     def custom_op(self, layer: torch.nn.Module) -> Optional[Callable[..., Any]]:
         """This platform's implementation of the op ``layer.op_name`` names (a
         ``tokenmill.core.layers.custom_op.CustomOp``), called as ``impl(layer, *args)``; None
-        keeps the layer's ``forward_native``. Asked once per layer, not under ``enforce_eager``."""
+        keeps the layer's ``forward_native``. Asked once per layer whose op
+        ``compilation_config.custom_ops`` leaves on."""
         return None
 
     def optimize_model(self, model: torch.nn.Module) -> None:
         """The optimisation pass over a loaded model, after the custom ops are dispatched
         (prepacked weights, a ``fused_decoder`` for ``FusableDecoder`` stacks). Not called
-        under ``enforce_eager``, so the plain PyTorch model stays the reference."""
+        under ``compilation_config.custom_ops: ["none"]``, so the plain PyTorch model stays the reference."""
 
     def place_model(self, model: torch.nn.Module) -> None:
         """Where the loaded (and optimised) weights live: a device, huge pages, ..."""

@@ -12,7 +12,8 @@ Any model package can use it::
 The checkpoint is one transformers can load. The kit serves it under an architecture name
 of the model's own (a copy of config.json naming it; the safetensors files are linked, not
 copied), registered by a plugin made here, once with the platform's fast paths (custom ops,
-prepacked weights, fused decoders) and once under ``enforce_eager``.
+prepacked weights, fused decoders) and once as plain PyTorch (``compilation_config``'s
+``custom_ops: ["none"]``).
 """
 
 from __future__ import annotations
@@ -59,11 +60,11 @@ def check_model(model_cls: type, checkpoint: str | Path, workdir: str | Path, *,
 
     reference = hf_greedy(checkpoint, prompts, max_tokens, dtype=torch.float32)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
-    for eager in (False, True):
+    for plain in (False, True):
         pm = make_plugin_manager()
         pm.register_plugin(ModelPlugin(), f"conformance-{model_cls.__name__}")
-        engine_args = {"kv_cache_memory_bytes": 32 * 2**20, **engine_args, "enforce_eager": eager,
-                       "dtype": "float32"}
+        engine_args = {"kv_cache_memory_bytes": 32 * 2**20, **engine_args, "dtype": "float32",
+                       **({"compilation_config": {"custom_ops": ["none"]}} if plain else {})}
         llm = LLM(str(served), plugin_manager=pm, **engine_args)
         outputs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
         tokens = [o.outputs[0].token_ids for o in outputs]
@@ -72,4 +73,5 @@ def check_model(model_cls: type, checkpoint: str | Path, workdir: str | Path, *,
         try:
             assert_matches_reference(reference, tokens, logprobs)
         except AssertionError as exc:
-            raise AssertionError(f"{model_cls.__name__} (enforce_eager={eager}): {exc}") from None
+            kind = "plain PyTorch" if plain else "fast paths"
+            raise AssertionError(f"{model_cls.__name__} ({kind}): {exc}") from None

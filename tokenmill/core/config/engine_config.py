@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from tokenmill.core.config.compilation_config import CompilationConfig
 from tokenmill.core.config.server_config import ServerConfig
 from tokenmill.core.config.speculative_config import SpeculativeConfig
 from tokenmill.core.config.strict import STRICT
@@ -171,9 +172,12 @@ class EngineConfig(BaseSettings):
     seed: int = 0
     max_model_len: Optional[int] = Field(None, ge=1)
     trust_remote_code: bool = False
-    #: plain eager PyTorch everywhere: no prepacked GEMM weights, no compiled or fused
-    #: ops. The reference to compare the fast paths against (vLLM: enforce_eager)
+    #: no CUDA graphs: every decode step launches its kernels one by one (vLLM's enforce_eager;
+    #: the platform's kernels are compilation_config.custom_ops')
     enforce_eager: bool = False
+    #: which of the platform's kernels run (vLLM's compilation_config; custom_ops only):
+    #: {"custom_ops": ["none"]} is plain PyTorch everywhere, the reference the kernels are tested against
+    compilation_config: CompilationConfig = CompilationConfig()
     #: logits processors to add to the built-ins: registered names or 'module:Class' paths (vLLM: logits_processors)
     logits_processors: list[str] = []
     #: where requests' sampling defaults come from (vLLM's): "auto", the model's
@@ -207,7 +211,7 @@ class EngineConfig(BaseSettings):
     server: ServerConfig = ServerConfig()
 
     @field_validator("override_generation_config", "hf_overrides", "structured_outputs", "weight_transfer_config",
-                     "profiler_config", mode="before")
+                     "profiler_config", "compilation_config", mode="before")
     @classmethod
     def _json_text(cls, value: Any) -> Any:
         """The CLI's text, as vLLM's flag takes it: a JSON object."""
@@ -240,6 +244,7 @@ VLLM_NAMES: dict[str, str] = {
     "max_model_len": "max_model_len",
     "trust_remote_code": "trust_remote_code",
     "enforce_eager": "enforce_eager",
+    "compilation_config": "compilation_config",
     "logits_processors": "logits_processors",
     "generation_config": "generation_config",
     "override_generation_config": "override_generation_config",

@@ -146,11 +146,11 @@ def _build_engine(config: EngineConfig, pm: PluginManager, components: Component
                           max_adapters=adapters.max_active if adapters else None, pipeline_depth=parallel.pp_size,
                           num_lookahead_slots=speculator.proposer.num_lookahead_slots if speculator else 0,
                           async_scheduling=async_scheduling)
-    # the platform's fast paths for the forward pass: one rank, no per-step adapter state
-    fast_paths = not (config.enforce_eager or adapters or group)
-    greedy_head = platform.greedy_head(model) if fast_paths else None
+    # the step's fast paths (the platform's greedy head, decode graphs): one rank, no per-step adapter state
+    one_plain_rank = not (adapters or group)
+    greedy_head = platform.greedy_head(model) if one_plain_rank and config.compilation_config.platform_kernels else None
     record_graphs = None
-    if fast_paths and built.backend.capabilities.cuda_graph:
+    if one_plain_rank and not config.enforce_eager and built.backend.capabilities.cuda_graph:
         def record_graphs() -> Optional[DecodeGraphs]:
             return DecodeGraphs.for_engine(model, built.backend, platform, config.scheduler.max_num_seqs,
                                            config.cache.block_size, model_config.max_model_len,

@@ -3,9 +3,9 @@
 The hot elementwise layers (RMSNorm, SiLU-and-mul, rotary embeddings) are each five to
 fifteen eager ops; a platform may supply one fused kernel instead. Which implementation a
 layer runs is chosen once per model, after loading, by ``dispatch_custom_ops`` asking the
-platform (``Platform.custom_op``), in the manner of vLLM's ``CustomOp``. Under
-``enforce_eager`` nothing is dispatched, so ``forward_native`` stays the reference the
-platform's kernels are tested against.
+platform (``Platform.custom_op``), in the manner of vLLM's ``CustomOp``, for the ops
+``compilation_config.custom_ops`` leaves on: under ``["none"]`` nothing is dispatched, so
+``forward_native`` stays the reference the platform's kernels are tested against.
 
 A platform's implementation is called as ``impl(layer, *args)``; where it cannot take an
 input (a dtype its kernel was not built for) it returns ``layer.forward_native(*args)``.
@@ -49,11 +49,12 @@ class CustomOp(nn.Module):
         raise NotImplementedError
 
 
-def dispatch_custom_ops(model: nn.Module, provider: OpProvider) -> int:
-    """Give each CustomOp of ``model`` the provider's implementation; returns how many got one."""
+def dispatch_custom_ops(model: nn.Module, provider: OpProvider, enabled: Callable[[str], bool]) -> int:
+    """Give each CustomOp of ``model`` whose op is ``enabled`` the provider's implementation;
+    returns how many got one."""
     count = 0
     for module in model.modules():
         if isinstance(module, CustomOp):
-            module.op_impl = provider.custom_op(module)
+            module.op_impl = provider.custom_op(module) if enabled(module.op_name) else None
             count += module.op_impl is not None
     return count

@@ -12,12 +12,11 @@ code); tests run it on the CPU, under Triton's interpreter, by setting a layer's
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from tokenmill.core.layers.activation import GatedActivation
 from tokenmill.core.layers.custom_op import CustomOp
 from tokenmill.interfaces.errors import ConfigError
 from tokenmill.interfaces.parallel import SINGLE, ParallelContext
@@ -37,9 +36,8 @@ class FusedMoE(CustomOp):
 
     op_name = "fused_moe"
 
-    def __init__(self, num_experts: int, top_k: int, hidden: int, inter: int, renormalize: bool,
-                 activation: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype,
-                 parallel: ParallelContext = SINGLE) -> None:
+    def __init__(self, num_experts: int, top_k: int, hidden: int, inter: int, renormalize: bool, activation: str,
+                 dtype: torch.dtype, parallel: ParallelContext = SINGLE) -> None:
         super().__init__()
         if inter % parallel.tp_size:
             raise ConfigError("tensor_parallel_size", f"the experts' intermediate size {inter} is not divisible "
@@ -49,7 +47,9 @@ class FusedMoE(CustomOp):
         inter //= parallel.tp_size
         self.num_experts, self.top_k, self.inter = num_experts, top_k, inter
         self.renormalize = renormalize
-        self.act = activation
+        #: ``act(gate) * up`` over a GEMM's ``[rows, 2 * inter]`` output (HF's ``hidden_act``): a
+        #: CustomOp of its own, so a platform's fused kernel serves both paths
+        self.act_and_mul = GatedActivation(activation)
         self.gate = nn.Linear(hidden, num_experts, bias=False, dtype=dtype)
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden, dtype=dtype), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inter, dtype=dtype), requires_grad=False)
@@ -112,8 +112,7 @@ class FusedMoE(CustomOp):
                 continue
             rows = slice(start, start + count)
             tokens = token_of[rows]
-            gate, up = F.linear(x[tokens], self.w13[expert]).chunk(2, dim=-1)
-            y = F.linear(self.act(gate) * up, self.w2[expert])
+            y = F.linear(self.act_and_mul(F.linear(x[tokens], self.w13[expert])), self.w2[expert])
             out.index_add_(0, tokens, (y * flat_weights[rows, None]).to(out.dtype))
             start += count
         return self.all_reduce(out)

@@ -159,7 +159,7 @@ def load_proposer_model(path: str, config: EngineConfig, components: Components,
     built = build_model(draft_config, components, pm, platform, SINGLE)
     if built.is_embedding_model:
         raise ConfigError("speculative.model", f"{path} is an embedding model, which cannot draft tokens")
-    greedy_head = None if config.enforce_eager else platform.greedy_head(built.model)
+    greedy_head = platform.greedy_head(built.model) if config.compilation_config.platform_kernels else None
     # two sets of staging buffers: a pass's inputs wait only for the copies of the pass before
     # last (each set's mark follows its replay), so the host builds a pass while the last one runs
     step = ModelStep(built.model, built.backend, config.cache.block_size, built.model_config.vocab_size,

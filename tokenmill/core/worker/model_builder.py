@@ -111,8 +111,8 @@ def build_model(config: EngineConfig, components: Components, pm: PluginManager,
     _load_checkpoint(model, model_config)
     # a trainer's updates and sleep's reload write into the plain weights: the platform keeps them
     model.keeps_plain_weights = config.weight_transfer_config is not None or config.enable_sleep_mode
-    if not config.enforce_eager:
-        dispatch_custom_ops(model, platform)
+    dispatch_custom_ops(model, platform, config.compilation_config.op_enabled)
+    if config.compilation_config.platform_kernels:
         platform.optimize_model(model)
     platform.place_model(model)
     platform.release_memory()  # before the KV cache: the checkpoint's tensors, plain weights packed since

@@ -8,7 +8,6 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from tokenmill.core.layers.activation import activation
 from tokenmill.core.layers.moe import FusedMoE
 from tokenmill.interfaces.hookspecs import hookimpl
 from tokenmill.interfaces.models import ModelContext
@@ -22,8 +21,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
     def make_mlp(self, ctx: ModelContext, prefix: str, layer: int) -> nn.Module:
         cfg = ctx.hf_config
         return FusedMoE(cfg["num_local_experts"], cfg["num_experts_per_tok"], cfg["hidden_size"],
-                        cfg["intermediate_size"], True, activation(cfg.get("hidden_act", "silu")), ctx.dtype,
-                        ctx.parallel)
+                        cfg["intermediate_size"], True, cfg.get("hidden_act", "silu"), ctx.dtype, ctx.parallel)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         skip = self.checkpoint_skips()

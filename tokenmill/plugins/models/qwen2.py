@@ -8,7 +8,6 @@ from typing import Any, Iterable, Mapping, Optional
 import torch
 from torch import nn
 
-from tokenmill.core.layers.activation import activation
 from tokenmill.core.layers.linear import Linear
 from tokenmill.core.layers.moe import FusedMoE
 from tokenmill.core.model_loader.weights import copy_tensor, load_weights
@@ -127,7 +126,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
             return LlamaMLP(ctx, cfg, prefix)
         return FusedMoE(num_experts, cfg["num_experts_per_tok"], cfg["hidden_size"],
                         cfg["moe_intermediate_size"], bool(cfg.get("norm_topk_prob", False)),
-                        activation(cfg.get("hidden_act", "silu")), ctx.dtype, ctx.parallel)
+                        cfg.get("hidden_act", "silu"), ctx.dtype, ctx.parallel)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         skip = self.checkpoint_skips()

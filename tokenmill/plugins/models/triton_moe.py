@@ -154,6 +154,6 @@ def fused_moe(layer: FusedMoE, x: torch.Tensor) -> torch.Tensor:
     tiles = tiles_for(num_pairs, layer.num_experts, x.dtype)
     blocks = align_block_size(experts, layer.num_experts, tiles[0])
     routed_weights = weights.flatten()
-    gate, up = expert_gemm(x, layer.w13, blocks, routed_weights, top_k, tiles, False).chunk(2, dim=-1)
-    down = expert_gemm(layer.act(gate) * up, layer.w2, blocks, routed_weights, 1, tiles, True)
+    gate_up = expert_gemm(x, layer.w13, blocks, routed_weights, top_k, tiles, False)
+    down = expert_gemm(layer.act_and_mul(gate_up), layer.w2, blocks, routed_weights, 1, tiles, True)
     return layer.all_reduce(down.view(num_tokens, top_k, down.shape[1]).sum(dim=1))

@@ -84,7 +84,10 @@ class CpuPlatform(Platform):
         for module in model.modules():
             if isinstance(module, FusableDecoder):
                 parts = module.decoder_layer_parts()
-                if parts:
+                # the stack runs the norms, rotary and activation fused: only where each of those
+                # ops got its kernel (compilation_config.custom_ops may turn one off)
+                if parts and all(getattr(op, "op_impl", None) is not None for layer in parts
+                                 for op in (layer.input_norm, layer.rotary, layer.post_norm, layer.act)):
                     module.fused_decoder = DecodeStack(parts, kernels)
 
     def place_model(self, model: torch.nn.Module) -> None:
