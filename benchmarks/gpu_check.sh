@@ -20,7 +20,8 @@
 #   5. where a step's time goes on the GPU (gpu_profile.py: kernel time, idle share, top kernels);
 #   and, named alone (not defaults): sweep, the attention kernels' tile choices timed (150 s); flex, the
 #   flex backend (FlexAttention, compiled) through tests/gpu/test_cuda_flex.py and timed beside the
-#   Triton attention and SDPA (150 + 120 s: its kernels compile at first use).
+#   Triton attention and SDPA (150 + 120 s: its kernels compile at first use); speculative, the demo
+#   pair without speculation, with ngram and with the draft model, batch 1 and 32 (speculative.py, 120 s).
 # It prints a summary (last, on stdout) and writes at most 8 files to $OUT. Exit status: the suite's.
 # Arguments name the stages to run after install (default: suite attention throughput latency profile), so a rerun
 # within the same lease can spend its minutes on the suite alone.
@@ -102,6 +103,8 @@ if [[ $stages == *" flex "* ]]; then  # asked for by name only
         tests/gpu/test_cuda_flex.py
     stage flex 120 python3 benchmarks/gpu_attention.py --flex
 fi
+[[ $stages == *" speculative "* ]] && stage speculative 120 python3 benchmarks/speculative.py --device cuda \
+    --rounds 2 --batch1-prompts 8  # asked for by name only
 
 if [[ -n $maker ]]; then
     wait "$maker" || summary+=("the 1b model was not made: $(tail -1 "$OUT/model.log")")
