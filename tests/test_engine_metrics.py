@@ -4,10 +4,16 @@ the names ``/metrics`` serves, as Counter / Gauge / Histogram objects."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
+from prometheus_client import Histogram as PrometheusHistogram
 
 from conftest import make_llm
 from tokenmill import SamplingParams
-from tokenmill.core.engine.metrics_reader import Counter, Gauge, Histogram
+from tokenmill.core.engine.metrics import _LATENCY_BUCKETS
+from tokenmill.core.engine.metrics_reader import Counter, Gauge, Histogram, read_metrics
+from tokenmill.core.engine.step_histogram import StepHistogram
 from tokenmill.interfaces.errors import InvalidRequest
 
 
@@ -35,3 +41,23 @@ def test_an_embedding_model_has_none(model_dir):
     with make_llm(model_dir("bert")) as llm:
         with pytest.raises(InvalidRequest, match="keeps no generation metrics"):
             llm.get_metrics()
+
+
+@settings(max_examples=50, deadline=None)
+@given(steps=st.lists(st.lists(st.one_of(st.sampled_from(_LATENCY_BUCKETS), st.floats(0, 100)), max_size=40),
+                      max_size=5))
+def test_a_step_histogram_exposes_what_prometheus_histogram_does(steps):
+    """The inter-token latency histogram takes a step's values at once; /metrics shows the same
+    buckets (a value on a bound counts in that bucket), count and sum as prometheus_client's."""
+    plain, batched = CollectorRegistry(), CollectorRegistry()
+    histogram = PrometheusHistogram("tokenmill:itl_seconds", "doc", ["model_name"], buckets=_LATENCY_BUCKETS,
+                                    registry=plain).labels("m")
+    step_histogram = StepHistogram("tokenmill:itl_seconds", "doc", {"model_name": "m"}, _LATENCY_BUCKETS, batched)
+    for values in steps:
+        for value in values:
+            histogram.observe(value)
+        step_histogram.observe_many(values)
+    expected, got = read_metrics(plain)[0], read_metrics(batched)[0]
+    assert (got.name, got.labels, got.buckets, got.count) == (expected.name, expected.labels, expected.buckets,
+                                                              expected.count)
+    assert got.sum == pytest.approx(expected.sum)

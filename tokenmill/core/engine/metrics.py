@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from tokenmill.core.engine.llm_engine import LLMEngine
 from tokenmill.core.engine.output_processor import RequestProgress
+from tokenmill.core.engine.step_histogram import StepHistogram
 from tokenmill.core.sched.spec_decode_stats import SpecDecodingStats
 from tokenmill.interfaces.types import RequestOutput
 
@@ -61,7 +62,9 @@ class EngineMetrics:
         self._success = Counter("tokenmill:request_success", "Finished requests by finish reason.",
                                 ["model_name", "finished_reason"], registry=r)
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.")
-        self.itl = histogram("inter_token_latency_seconds", "Time between output tokens.")
+        #: one observation per request a step advanced: taken a step at a time
+        self.itl = StepHistogram("tokenmill:inter_token_latency_seconds", "Time between output tokens.",
+                                 {"model_name": model_name}, _LATENCY_BUCKETS, r)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.")
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduling.")
         self.model_name = model_name
@@ -89,8 +92,10 @@ class EngineMetrics:
         self._seen_prefix = (kv.prefix_queries, kv.prefix_hits)
         self._observe_spec(scheduler.spec_stats)
         now = time.monotonic()
-        for progress in engine.last_step_progress:
-            self._observe_request(progress, now)
+        latencies: list[float] = []
+        generated = sum(self._observe_request(progress, now, latencies) for progress in engine.last_step_progress)
+        self.generation_tokens.inc(generated)
+        self.itl.observe_many(latencies)
 
     def _observe_spec(self, stats: SpecDecodingStats) -> None:
         if stats.num_drafts == self._seen_spec.num_drafts:  # most steps: nothing verified
@@ -103,7 +108,9 @@ class EngineMetrics:
             self._spec_per_position.labels(self.model_name, str(position)).inc(count)
         self._seen_spec = stats.snapshot()
 
-    def _observe_request(self, progress: RequestProgress, now: float) -> None:
+    def _observe_request(self, progress: RequestProgress, now: float, latencies: list[float]) -> int:
+        """Observe one request's progress; its inter-token latency goes to ``latencies``.
+        Returns the tokens it generated since the last step."""
         metrics = progress.metrics
         generated = metrics.num_generation_tokens
         last: Optional[tuple[float, int]] = self._last_token_time.get(progress.request_id)
@@ -114,9 +121,8 @@ class EngineMetrics:
                 if metrics.first_scheduled_time is not None:
                     self.queue_time.observe(metrics.first_scheduled_time - metrics.arrival_time)
         elif generated > last[1]:
-            self.itl.observe((now - last[0]) / (generated - last[1]))
+            latencies.append((now - last[0]) / (generated - last[1]))
         previous = last[1] if last else 0
-        self.generation_tokens.inc(max(0, generated - previous))
         if progress.finish_reasons is not None:
             self._last_token_time.pop(progress.request_id, None)
             for reason in progress.finish_reasons:
@@ -124,3 +130,4 @@ class EngineMetrics:
             self.e2e.observe(now - metrics.arrival_time)
         elif generated:
             self._last_token_time[progress.request_id] = (now, generated)
+        return max(0, generated - previous)
