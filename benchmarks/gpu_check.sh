@@ -21,7 +21,10 @@
 #   and, named alone (not defaults): sweep, the attention kernels' tile choices timed (150 s); flex, the
 #   flex backend (FlexAttention, compiled) through tests/gpu/test_cuda_flex.py and timed beside the
 #   Triton attention and SDPA (150 + 120 s: its kernels compile at first use); speculative, the demo
-#   pair without speculation, with ngram and with the draft model, batch 1 and 32 (speculative.py, 120 s).
+#   pair without speculation, with ngram and with the draft model, batch 1 and 32 (speculative.py, 120 s);
+#   8b, Llama-3-8B's shapes (random bf16 weights drawn on the GPU, 16 GB): throughput 256 x (256 -> 128) and
+#   batch-1 latency against HF, one tokenmill engine (async scheduling) at 0.6 of the GPU so HF's copy
+#   fits beside it (150 + 200 + 130 s: a call of its own, DEADLINE=495 and timeout_s=510).
 # It prints a summary (last, on stdout) and writes at most 8 files to $OUT. Exit status: the suite's.
 # Arguments name the stages to run after install (default: suite attention throughput latency profile), so a rerun
 # within the same lease can spend its minutes on the suite alone.
@@ -103,6 +106,17 @@ if [[ $stages == *" flex "* ]]; then  # asked for by name only
         tests/gpu/test_cuda_flex.py
     stage flex 120 python3 benchmarks/gpu_attention.py --flex
 fi
+if [[ $stages == *" 8b "* ]]; then  # asked for by name only
+    big=/tmp/tokenmill-8b
+    stage make-8b 150 python3 -m tokenmill.cli make-model "$big" --preset 8b --device cuda
+    for bench in throughput latency; do
+        extra=(--num-prompts 256 --hf-batch-size 128)
+        [[ $bench == latency ]] && extra=(--num-iters 3)
+        stage "$bench-8b" $([[ $bench == throughput ]] && echo 200 || echo 130) python3 -m tokenmill.cli bench "$bench" \
+            --device cuda --model "$big" --dtype bfloat16 --input-len 256 --output-len 128 --rounds 2 \
+            --async-scheduling on --gpu-memory-utilization 0.6 "${extra[@]}"
+    done
+fi
 [[ $stages == *" speculative "* ]] && stage speculative 120 python3 benchmarks/speculative.py --device cuda \
     --rounds 2 --batch1-prompts 8  # asked for by name only
 
@@ -126,7 +140,9 @@ fi
     grep -E "^(FAILED|ERROR) |(passed|failed|error|skipped|deselected)( |,|$)" "$OUT/suite.txt" 2>/dev/null | sed 's/^/suite: /' | tail -60
     grep -E "(passed|failed|error)( |,|$)" "$OUT/flex-suite.txt" 2>/dev/null | sed 's/^/flex suite: /' | tail -8
     grep -E "^(case|decode|prefill|  flex) " "$OUT/attention.txt" "$OUT/sweep.txt" "$OUT/flex.txt" 2>/dev/null
-    grep -E "tok/s|x HF|TPOT|tokenmill|hf-generate" "$OUT/throughput.txt" "$OUT/latency.txt" 2>/dev/null | tail -16
+    grep -E "tok/s|x HF|TPOT|tokenmill|hf-generate|roofline" "$OUT/throughput.txt" "$OUT/latency.txt" \
+        "$OUT/throughput-8b.txt" "$OUT/latency-8b.txt" 2>/dev/null | tail -24
+    grep -E "TPOT|tok/s" "$OUT/speculative.txt" 2>/dev/null | tail -12
     grep -E "^(== |wall )" "$OUT/profile.txt" 2>/dev/null
     echo "total $((SECONDS - started)) s"
 }

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tokenmill.bench.common import engine_memory, interleaved_rounds
-from tokenmill.bench.roofline import Machine, Workload, model_workload, offline_bound
+from tokenmill.bench.roofline import Machine, Workload, decode_bound, model_workload, offline_bound
 from tokenmill.demo_models import DEMO_MODEL
 
 
@@ -144,6 +144,17 @@ def test_latency_reports_a_tpot_per_round(tmp_path):
         assert len(r["tpot_ms_median_by_round"]) == 2
         assert min(r["tpot_ms_median_by_round"]) <= r["tpot_ms_median"] <= max(r["tpot_ms_median_by_round"])
     assert len(results["tpot_speedup_vs_hf_by_round"]) == 2
+    roofline = results["roofline"]  # batch 1's weight-streaming bound, and tokenmill's TPOT against it
+    assert roofline["tpot_ms"] > 0 and roofline["bandwidth_gb_s"] > 0
+    assert roofline["tokenmill_tpot_vs_bound"] == pytest.approx(engines["tokenmill"]["tpot_ms_median"]
+                                                                / roofline["tpot_ms"], rel=0.01)
+
+
+def test_the_batch_1_bound_reads_the_weights_and_the_mean_contexts_kv_once_a_token():
+    work = Workload(weight_bytes=1000, flops_per_token=300, head_flops_per_token=100, kv_bytes_per_token=10,
+                    attention_flops_per_pair=1)
+    assert decode_bound(Machine(bandwidth=1e4, peak_flops=1e5), work, input_len=20, output_len=8) == \
+        pytest.approx((1000 + 24 * 10) / 1e4)
 
 
 def test_engines_in_one_bench_process_share_the_gpu(tmp_path):

@@ -42,6 +42,11 @@ PRESETS: dict[str, dict[str, Any]] = {
     "1b": dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
                intermediate_size=5632, vocab_size=32000, max_position_embeddings=2048,
                initializer_range=0.02, dtype=torch.bfloat16),
+    # Llama-3-8B's shapes (16 GB in bf16): the GPU speed issue's realistic size, made on the GPU
+    # machine (`tokenmill make-model DIR --preset 8b --device cuda`)
+    "8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+               intermediate_size=14336, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
+               initializer_range=0.02, dtype=torch.bfloat16),
 }
 
 

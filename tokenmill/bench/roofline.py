@@ -103,6 +103,13 @@ def model_workload(model: Path, dtype: torch.dtype, kv_dtype: torch.dtype) -> Wo
                     attention_flops_per_pair=4 * layers * heads * head_dim)
 
 
+def decode_bound(machine: Machine, work: Workload, input_len: int, output_len: int) -> float:
+    """The bound on one request's time per output token (batch 1: every weight and the
+    request's K/V read once per token, at the mean context of its decode)."""
+    context = input_len + output_len / 2
+    return (work.weight_bytes + context * work.kv_bytes_per_token) / machine.bandwidth
+
+
 def offline_bound(machine: Machine, work: Workload, num_prompts: int, input_len: int, output_len: int) -> float:
     """The bound on output tokens/s for ``num_prompts`` requests of ``input_len`` -> ``output_len``
     (the first output token comes from the prefill)."""

@@ -37,9 +37,8 @@ from transformers import AutoModelForCausalLM
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.bench.common import (add_async_scheduling_arg, add_common_args, add_gpu_memory_arg, add_kernel_args,
-                                    engine_memory, kernel_args,
-                                    hf_device, hf_dtype, interleaved_rounds, prepare, random_prompts,
-                                    tokenmill_engines, write_json)
+                                    engine_memory, hf_device, hf_dtype, interleaved_rounds, kernel_args, prepare,
+                                    random_prompts, tokenmill_engines, write_json)
 from tokenmill.bench.llama_cpp import add_llama_cpp_args, batched_bench
 from tokenmill.bench.roofline import Workload, measure_machine, model_workload, offline_bound
 from tokenmill.bench.vllm_peer import add_vllm_args, throughput_seconds

@@ -93,6 +93,8 @@ def compare(args: argparse.Namespace) -> int:
 
 
 def make_model(args: argparse.Namespace) -> int:
+    import torch
+
     from tokenmill.bench.common import PRESETS
     from tokenmill.testing.tiny_models import make_tiny_model
 
@@ -100,7 +102,11 @@ def make_model(args: argparse.Namespace) -> int:
         print(f"tokenmill make-model: unknown preset {args.preset!r}; known: {', '.join(sorted(PRESETS))}",
               file=sys.stderr)
         return 2
-    path = make_tiny_model(args.arch, args.directory, seed=args.seed, **PRESETS.get(args.preset, {}))
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("tokenmill make-model: --device cuda, but torch sees no CUDA device", file=sys.stderr)
+        return 2
+    path = make_tiny_model(args.arch, args.directory, seed=args.seed, device=args.device,
+                           **PRESETS.get(args.preset, {}))
     print(path)
     return 0
 

@@ -130,11 +130,13 @@ def train_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
 
 
 def make_tiny_model(arch: str, path: str | Path, *, seed: int = 0, dtype: torch.dtype = torch.float32,
-                    **overrides: Any) -> Path:
+                    device: str = "cpu", **overrides: Any) -> Path:
     """Write a random-weight model of family ``arch`` (see ARCHITECTURES) to ``path``.
 
     Weights are drawn in fp32 (the same values whatever ``dtype``) and saved in ``dtype``,
-    which config.json then records, so ``dtype="auto"`` loads them as such.
+    which config.json then records, so ``dtype="auto"`` loads them as such. ``device="cuda"``
+    draws them on a GPU (other values than the CPU's draws): an 8B model's initialisation
+    takes seconds there and minutes on a CPU.
     """
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown tiny architecture {arch!r}; known: {', '.join(sorted(ARCHITECTURES))}")
@@ -152,7 +154,7 @@ def make_tiny_model(arch: str, path: str | Path, *, seed: int = 0, dtype: torch.
     config = AutoConfig.for_model(model_type, **fields)
     auto = (AutoModelForSequenceClassification if arch in _CLASSIFIERS else AutoModel if arch in _ENCODERS
             else AutoModelForCausalLM)
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[] if device == "cpu" else [torch.device(device)]), torch.device(device):
         torch.manual_seed(seed)
         model = auto.from_config(config, dtype=torch.float32)
     model.to(dtype)
