@@ -33,6 +33,22 @@ def test_precedence_defaults_yaml_env_arguments(tmp_path, monkeypatch):
     assert (config.scheduler.max_num_seqs, config.cache.block_size) == (3, 8)
 
 
+def test_compilation_config_from_yaml_and_env_and_bad_json_in_env(tmp_path, monkeypatch):
+    """compilation_config as YAML, as a nested or a whole-JSON TOKENMILL_* variable; a variable
+    whose JSON does not parse is a ConfigError naming the field, not a traceback."""
+    path = tmp_path / "engine.yaml"
+    path.write_text("compilation_config: {custom_ops: [none, +rms_norm]}\n")
+    assert load_config(path).compilation_config.custom_ops == ["none", "+rms_norm"]
+    monkeypatch.setenv("TOKENMILL_COMPILATION_CONFIG__CUSTOM_OPS", '["-rms_norm"]')
+    assert load_config(path).compilation_config.custom_ops == ["-rms_norm"]
+    monkeypatch.delenv("TOKENMILL_COMPILATION_CONFIG__CUSTOM_OPS")
+    monkeypatch.setenv("TOKENMILL_COMPILATION_CONFIG", '{"custom_ops": ["all", "-silu_and_mul"]}')
+    assert not load_config().compilation_config.op_enabled("silu_and_mul")
+    monkeypatch.setenv("TOKENMILL_COMPILATION_CONFIG", '{"custom_ops": ["none"')
+    with pytest.raises(ConfigError, match="compilation_config"):
+        load_config()
+
+
 def test_unknown_yaml_key_is_an_error_with_its_path(tmp_path):
     """A typo in YAML fails with the dotted key, never silently ignored."""
     path = tmp_path / "engine.yaml"

@@ -27,10 +27,12 @@ from conftest import PROMPTS, QUANT_CHECKPOINTS, make_llm, with_platforms
 from tokenmill import LLM, SamplingParams, load_config
 from tokenmill.core.distributed.messages import Row, Step
 from tokenmill.core.layers.custom_op import CustomOp
+from tokenmill.core.layers.moe import FusedMoE
 from tokenmill.core.worker import memory_profile, model_builder
 from tokenmill.plugins.platforms.cuda.fused_ops import FUSED_OPS
 from tokenmill.plugins.quantization import fp8
-from tokenmill.testing.device_graphs import FreedTensorError
+from tokenmill.plugins.quantization.group_quant import TritonGroupQuantizedLinear
+from tokenmill.testing.device_graphs import FreedTensorError, HostSyncError
 from tokenmill.testing.device_memory import DEVICE_MEMORY
 from tokenmill.testing.fake_cuda import DeviceMismatchError, DeviceTensor, fake_cuda, host_syncs
 from tokenmill.testing.fake_cuda_platform import FakeCudaPlatform
@@ -100,6 +102,28 @@ def test_every_family_runs_on_the_device_stand_in_at_hf_parity(arch, model_dir):
     for ref, n in zip(reference, max_tokens):
         ref.token_ids[n:], ref.logprobs[n:] = [], []
     assert_matches_reference(reference, tokens, logprobs)
+
+
+@pytest.mark.parametrize("custom_ops", [["-fused_moe"], ["none"]])
+def test_a_moe_model_on_its_loop_path_decodes_without_graphs(custom_ops, model_dir):
+    """The mixture-of-experts loop (``FusedMoE.forward_native``) reads each expert's token count
+    back, which a CUDA graph cannot record: where custom_ops turns the fused kernel off, decode
+    steps run without graphs (enforce_eager not needed), at HF parity."""
+    prompts, max_tokens = [p[:14] for p in PROMPTS[:2]], [5, 3]
+    with fake_cuda():
+        llm = fake_cuda_llm(model_dir("mixtral"), compilation_config={"custom_ops": custom_ops})
+        assert llm.llm_engine.runner.model_step.graphs is None
+        tokens, logprobs = greedy(llm, prompts, max_tokens)
+    reference = hf_greedy(model_dir("mixtral"), prompts, max(max_tokens))
+    for ref, n in zip(reference, max_tokens):
+        ref.token_ids[n:], ref.logprobs[n:] = [], []
+    assert_matches_reference(reference, tokens, logprobs)
+
+
+def test_mutation_recording_the_moe_loop_fails(model_dir, monkeypatch):
+    monkeypatch.setattr(FusedMoE, "native_in_graphs", True)
+    with fake_cuda(), pytest.raises(HostSyncError, match="bincount"):
+        fake_cuda_llm(model_dir("mixtral"), compilation_config={"custom_ops": ["-fused_moe"]})
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -183,11 +207,17 @@ def test_gptq_and_awq_load_without_unpacking_on_the_device(name):
 
 
 @pytest.mark.skipif(not CHECKPOINTS.is_dir(), reason=f"shared checkpoints not found at {CHECKPOINTS}")
-def test_mutation_awq_unpacked_and_repacked_at_load_fails(monkeypatch):
-    from tokenmill.plugins.quantization import awq, packing
+@pytest.mark.parametrize("name", ["gptq-w4g64-sym-v1-rtn", "awq-w4g64-gemm-rtn"])
+def test_mutation_weights_unpacked_and_repacked_at_load_fail(name, monkeypatch):
+    from tokenmill.plugins.quantization import awq, gptq, packing
+
+    def repacked(qweight, zeros, scales, g_idx, bits, *args, **kwargs):
+        words = packing.pack(packing.unpack(qweight, bits, dim=0), bits, dim=0)
+        return TritonGroupQuantizedLinear(words, zeros, scales, g_idx, bits, *args, **kwargs)
 
     monkeypatch.setattr(awq, "awq_to_gptq", lambda words: packing.pack(packing.unpack_awq(words), 4, dim=0))
-    overhead, largest = load_overhead("awq-w4g64-gemm-rtn")
+    monkeypatch.setattr(gptq, "TritonGroupQuantizedLinear", repacked)
+    overhead, largest = load_overhead(name)
     assert overhead > 10 * largest
 
 

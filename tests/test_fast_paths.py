@@ -259,8 +259,19 @@ def test_custom_ops_turn_single_ops_on_and_off_by_vllms_names(custom_ops, dispat
                               for o in outputs])
 
 
+def test_custom_ops_naming_an_op_the_model_lacks_is_a_warning(model_dir):
+    """vLLM's op names and a model's may differ ("gelu_and_mul" is Gemma's gelu_pytorch_tanh_and_mul
+    here): a name that turns nothing off says so, with the model's own names."""
+    from structlog.testing import capture_logs
+
+    with capture_logs() as logs:
+        make_llm(model_dir("llama"), compilation_config={"custom_ops": ["-gelu_and_mul", "-rms_norm"]})
+    [warning] = [entry for entry in logs if entry["event"].startswith("compilation_config.custom_ops names ops")]
+    assert warning["unknown"] == ["gelu_and_mul"] and "silu_and_mul" in warning["model_ops"]
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_fast_and_eager_engines_match_hf_alike(arch, model_dir, hf_reference):
+def test_fast_and_plain_engines_match_hf_alike(arch, model_dir, hf_reference):
     """Both engines meet the fp32 parity standard, so every fast path is proven against HF."""
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
     for args in ({}, PLAIN):

@@ -13,6 +13,7 @@ from tokenmill import SamplingParams
 from tokenmill.core.layers.moe import FusedMoE
 from tokenmill.plugins.attention.triton_paged.backend import TritonPagedAttention
 from tokenmill.plugins.models.triton_moe import fused_moe
+from tokenmill.plugins.platforms.cuda.fused_ops import act_and_mul
 from tokenmill.testing.attention_conformance import AttentionCase, check_backend
 
 #: Llama-3-8B-like (32q / 8kv x 128), Qwen2-7B-like (28 / 4 x 128), Gemma-2-like windows and
@@ -45,6 +46,7 @@ def test_fused_moe_matches_the_loop_path_and_replays_in_a_cuda_graph(tokens):
     GEMM's output to bf16 after different accumulation orders, so they agree to a few bf16 ulps."""
     torch.manual_seed(0)
     moe = FusedMoE(8, 2, 1024, 3584, True, "silu", torch.bfloat16).cuda()
+    moe.act_and_mul.op_impl = act_and_mul  # as the cuda platform dispatches it: both paths, and the graph
     for param in moe.parameters():
         param.normal_(0, param.shape[-1] ** -0.5)
     x = torch.randn(tokens, 1024, device="cuda", dtype=torch.bfloat16)

@@ -33,6 +33,9 @@ class CompilationConfig(BaseModel):
     def _only_custom_ops(cls, value: Any) -> Any:
         """vLLM's other keys configure torch.compile and graph capture, which tokenmill does its own
         way: named in the error rather than pydantic's 'extra inputs are not permitted'."""
+        if isinstance(value, int) and not isinstance(value, bool):  # vLLM's `--compilation-config 3`
+            raise ValueError(f"level {value}: a level configures torch.compile, which tokenmill does not use "
+                             "(it reads {\"custom_ops\": [...]})")
         if isinstance(value, dict):
             others = sorted(set(value) - {"custom_ops"})
             if others:
@@ -53,6 +56,10 @@ class CompilationConfig(BaseModel):
         if len(named) != len(set(named)):
             raise ValueError("an op is named twice")
         return ops
+
+    def named_ops(self) -> set[str]:
+        """The ops "+op" and "-op" name."""
+        return {op[1:] for op in self.custom_ops if op[0] in "+-"}
 
     @property
     def platform_kernels(self) -> bool:

@@ -15,7 +15,7 @@ from typing import Any, Literal, Optional
 
 import yaml
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
 from tokenmill.core.config.compilation_config import CompilationConfig
 from tokenmill.core.config.server_config import ServerConfig
@@ -357,6 +357,9 @@ def load_config(
         return validated_config(path, **overrides)
     except ValidationError as exc:
         raise config_error(exc) from None
+    except SettingsError as exc:  # a TOKENMILL_* variable pydantic-settings cannot parse (bad JSON)
+        cause = f": {exc.__cause__}" if exc.__cause__ is not None else ""
+        raise ConfigError("environment", f"{exc}{cause}") from None
 
 
 def validated_config(path: str | Path | None = None, /, **overrides: Any) -> EngineConfig:
@@ -415,4 +418,5 @@ def config_error(exc: ValidationError, section: str = "") -> ConfigError:
     first = exc.errors()[0]
     key = ".".join(([section] if section else []) + [str(part) for part in first["loc"]]) or "config"
     extra = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
-    return ConfigError(key, f"{first['msg']}{extra}")
+    message = first["msg"].removeprefix("Value error, ")  # pydantic's prefix for a validator's ValueError
+    return ConfigError(key, f"{message}{extra}")

@@ -150,6 +150,9 @@ def _build_engine(config: EngineConfig, pm: PluginManager, components: Component
     one_plain_rank = not (adapters or group)
     greedy_head = platform.greedy_head(model) if one_plain_rank and config.compilation_config.platform_kernels else None
     record_graphs = None
+    if config.enforce_eager and not built.backend.capabilities.cuda_graph:
+        log.info("enforce_eager changes nothing here: this engine records no CUDA graphs (vLLM's meaning); "
+                 "compilation_config {\"custom_ops\": [\"none\"]} turns the platform's kernels off")
     if one_plain_rank and not config.enforce_eager and built.backend.capabilities.cuda_graph:
         def record_graphs() -> Optional[DecodeGraphs]:
             return DecodeGraphs.for_engine(model, built.backend, platform, config.scheduler.max_num_seqs,

@@ -34,6 +34,9 @@ class CustomOp(nn.Module):
     #: the name platforms know the op by ("rms_norm", "silu_and_mul", "rotary_embedding"); a
     #: class covering several ops sets it per instance
     op_name: str
+    #: whether ``forward_native`` can be recorded in a CUDA graph (it reads nothing back from the
+    #: device); where one that cannot runs, decode steps run without graphs
+    native_in_graphs: bool = True
 
     def __init__(self) -> None:
         super().__init__()

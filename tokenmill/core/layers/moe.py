@@ -35,10 +35,13 @@ class FusedMoE(CustomOp):
     """
 
     op_name = "fused_moe"
+    native_in_graphs = False  # the loop reads each expert's token count back
 
     def __init__(self, num_experts: int, top_k: int, hidden: int, inter: int, renormalize: bool, activation: str,
                  dtype: torch.dtype, parallel: ParallelContext = SINGLE) -> None:
         super().__init__()
+        if not isinstance(activation, str):
+            raise TypeError("FusedMoE takes the activation's name (HF's hidden_act: 'silu', ...), not a function")
         if inter % parallel.tp_size:
             raise ConfigError("tensor_parallel_size", f"the experts' intermediate size {inter} is not divisible "
                                                       f"by tensor_parallel_size={parallel.tp_size}")

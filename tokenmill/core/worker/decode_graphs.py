@@ -28,6 +28,7 @@ import structlog
 import torch
 from tqdm import tqdm
 
+from tokenmill.core.layers.custom_op import CustomOp
 from tokenmill.interfaces.attention import AttentionBackend, AttentionMetadata
 from tokenmill.interfaces.models import CausalLM
 from tokenmill.interfaces.platform import DeviceGraph, Platform
@@ -76,7 +77,14 @@ class DecodeGraphs:
     @classmethod
     def for_engine(cls, model: CausalLM, backend: AttentionBackend, platform: Platform, max_num_seqs: int,
                    block_size: int, max_seq_len: int, lookahead_slots: int) -> Optional["DecodeGraphs"]:
-        """The engine's recorded decode steps, or None where its platform records no graphs."""
+        """The engine's recorded decode steps, or None where its platform records no graphs, or
+        where a layer runs a plain PyTorch path that reads from the device mid-step."""
+        unrecordable = sorted({module.op_name for module in model.modules() if isinstance(module, CustomOp)
+                               and module.op_impl is None and not module.native_in_graphs})
+        if unrecordable:
+            log.info("decode steps run without graphs", because=f"{', '.join(unrecordable)} runs its plain PyTorch "
+                     "path (compilation_config.custom_ops), which reads from the device mid-step")
+            return None
         graphs = cls(model, backend, capture_sizes(max_num_seqs), -(-(max_seq_len + lookahead_slots) // block_size),
                      block_size, max_seq_len, platform.device_type)
         return graphs if graphs.capture(platform) else None

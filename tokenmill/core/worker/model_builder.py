@@ -18,7 +18,7 @@ import torch
 from tokenmill.core.config.engine_config import EngineConfig
 from tokenmill.core.config.model_config import ModelConfig, load_model_config
 from tokenmill.core.layers.attention import Attention
-from tokenmill.core.layers.custom_op import dispatch_custom_ops
+from tokenmill.core.layers.custom_op import CustomOp, dispatch_custom_ops
 from tokenmill.core.model_loader.safetensors_files import iterate_weights
 from tokenmill.core.model_loader.weights import load_strictly
 from tokenmill.core.plugin_host.components import Components
@@ -112,6 +112,7 @@ def build_model(config: EngineConfig, components: Components, pm: PluginManager,
     # a trainer's updates and sleep's reload write into the plain weights: the platform keeps them
     model.keeps_plain_weights = config.weight_transfer_config is not None or config.enable_sleep_mode
     dispatch_custom_ops(model, platform, config.compilation_config.op_enabled)
+    _check_op_names(model, config.compilation_config.named_ops())
     if config.compilation_config.platform_kernels:
         platform.optimize_model(model)
     platform.place_model(model)
@@ -177,6 +178,15 @@ def _attention_backend(
     if problems:
         raise ConfigError("attention.backend", f"backend {name!r} cannot run this model: " + "; ".join(problems))
     return backend
+
+
+def _check_op_names(model: torch.nn.Module, named: set[str]) -> None:
+    """A "+op"/"-op" naming no op of this model does nothing: say so (vLLM's names and this
+    model's may differ: Gemma's activation is gelu_pytorch_tanh_and_mul here)."""
+    ops = {module.op_name for module in model.modules() if isinstance(module, CustomOp)}
+    if named - ops:
+        log.warning("compilation_config.custom_ops names ops this model does not have",
+                    unknown=sorted(named - ops), model_ops=sorted(ops))
 
 
 def _quantization(config: EngineConfig, model_config: ModelConfig, components: Components):

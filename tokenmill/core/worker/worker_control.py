@@ -59,6 +59,8 @@ class WorkerControl:
         self._offloaded: Optional[dict[str, torch.Tensor]] = None
         self._kv_released = False
         self._profiler: Optional[torch.profiler.profile] = None
+        #: whether the step samples greedy rows through the platform's head, awake (sleep drops it)
+        self._has_greedy_head = parts.step.greedy_head is not None
 
     @property
     def model(self) -> torch.nn.Module:
@@ -137,7 +139,7 @@ class WorkerControl:
     def _refresh(self) -> None:
         parts = self.parts
         parts.platform.refresh_weights(self.model)
-        if parts.step.greedy_head is not None or self._released is not None or self._offloaded is not None:
+        if self._has_greedy_head:
             asleep = self._released is not None or self._offloaded is not None
             parts.step.greedy_head = None if asleep else parts.platform.greedy_head(self.model)
         if parts.record_graphs is not None and parts.step.graphs is not None:

@@ -31,6 +31,9 @@ class AWQLinearMethod:
 
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int], dtype: torch.dtype) -> None:
         n, groups = sum(output_sizes), input_size // self.group_size
+        if input_size % 8 or any(size % 8 for size in output_sizes):  # 8 nibbles a word, either way on a GPU
+            raise ConfigError("quantization_config", f"layer sizes {input_size}x{output_sizes} are not multiples "
+                                                     "of AWQ's packing factor 8")
         offsets = [sum(output_sizes[:i]) for i in range(len(output_sizes))]
         packed = output_shard_loader([o // 8 for o in offsets], [s // 8 for s in output_sizes], 1)
         tensors = {
