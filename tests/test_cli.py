@@ -147,7 +147,8 @@ def test_server_flags_reach_the_server_section():
 
 
 def test_compilation_config_takes_vllms_custom_ops_and_names_what_it_does_not_read(model_dir):
-    """vLLM's JSON flag: custom_ops reaches the config (its effect: tests/test_fast_paths.py);
+    """vLLM's JSON flag: custom_ops reaches the config (its effect: tests/test_fast_paths.py), and
+    the capture-size flags (tests/test_decode_graphs.py);
     a torch.compile key is a one-line error naming it, before the model loads."""
     from tokenmill.cli.command import _parser
     from tokenmill.cli.flags import resolve_config
@@ -156,6 +157,9 @@ def test_compilation_config_takes_vllms_custom_ops_and_names_what_it_does_not_re
                                  "--enforce-eager"])
     config = resolve_config(args)
     assert config.compilation_config.custom_ops == ["none", "+rms_norm"] and config.enforce_eager
+    args = _parser().parse_args(["serve", "m", "--cudagraph-capture-sizes", "1", "2", "8",
+                                 "--max-cudagraph-capture-size", "8"])
+    assert resolve_config(args).compilation_config.capture_sizes(256) == [1, 2, 8]  # the buckets, in vLLM's flags
     result = tokenmill("generate", "--model", str(model_dir("llama")), "--prompt", "x",
                        "--compilation-config", '{"level": 3, "custom_ops": ["-rms_norm"]}')
     assert result.returncode == 2 and "Traceback" not in result.stderr

@@ -16,7 +16,8 @@ import torch
 
 from conftest import PROMPTS, with_platforms
 from tokenmill import LLM, SamplingParams, load_config
-from tokenmill.core.worker.decode_graphs import DecodeGraphs, capture_sizes
+from tokenmill.core.config.compilation_config import CompilationConfig
+from tokenmill.core.worker.decode_graphs import DecodeGraphs
 from tokenmill.testing.device_graphs import FreedTensorError, HostSyncCheck, HostSyncError, RecordingPlatform, record
 from tokenmill.testing.fake_cuda import fake_cuda
 from tokenmill.testing.hf_reference import assert_matches_reference, hf_greedy
@@ -40,7 +41,37 @@ def run(llm: LLM, prompts, max_tokens):
 @pytest.mark.parametrize("max_num_seqs,sizes", [(1, [1]), (2, [1, 2]), (8, [1, 2, 4, 8]),
                                                 (12, [1, 2, 4, 8, 12]), (256, [1, 2, 4, 8, 16, 32, 64, 128, 256])])
 def test_buckets_are_powers_of_two_up_to_max_num_seqs(max_num_seqs, sizes):
-    assert capture_sizes(max_num_seqs) == sizes
+    assert CompilationConfig().capture_sizes(max_num_seqs) == sizes
+
+
+@pytest.mark.parametrize("given,max_num_seqs,sizes", [
+    ({"max_cudagraph_capture_size": 48}, 256, [1, 2, 4, 8, 16, 32, 48]),
+    ({"max_cudagraph_capture_size": 48}, 16, [1, 2, 4, 8, 16]),
+    ({"cudagraph_capture_sizes": [8, 1, 3, 3, 512]}, 256, [1, 3, 8]),
+    ({"cudagraph_capture_sizes": [1, 3], "max_cudagraph_capture_size": 3}, 256, [1, 3]),
+    ({"cudagraph_capture_sizes": []}, 256, []),
+])
+def test_vllms_capture_sizes_choose_the_buckets(given, max_num_seqs, sizes):
+    """vLLM's names: the sizes as given, or powers of two up to the largest; none above max_num_seqs."""
+    assert CompilationConfig(**given).capture_sizes(max_num_seqs) == sizes
+
+
+def test_a_step_replays_the_smallest_given_size_that_holds_it_and_runs_eagerly_above(model_dir):
+    """Buckets 1 and 3 only: decode batches of 2 and 3 replay bucket 3, of 1 bucket 1, and a
+    batch of 4 (above the largest) runs eagerly; the tokens are those of the same engine without
+    graphs, and the tokens and logprobs HF's."""
+    prompts, max_tokens = [p[:10] for p in PROMPTS[:4]], [10, 7, 5, 3]
+    llm = graphed_llm(model_dir, "llama", compilation_config={"cudagraph_capture_sizes": [1, 3]})
+    graphs = llm.llm_engine.runner.model_step.graphs
+    assert sorted(graphs.graphs) == [1, 3]
+    tokens, logprobs = run(llm, prompts, max_tokens)
+    assert graphs.graphs[3].replays > 0 and graphs.graphs[1].replays > 0
+    eager = graphed_llm(model_dir, "llama", enforce_eager=True)
+    assert eager.llm_engine.runner.model_step.graphs is None and run(eager, prompts, max_tokens)[0] == tokens
+    reference = hf_greedy(model_dir("llama"), prompts, max(max_tokens))
+    for ref, n in zip(reference, max_tokens):
+        ref.token_ids[n:], ref.logprobs[n:] = [], []
+    assert_matches_reference(reference, tokens, logprobs)
 
 
 @pytest.mark.parametrize("arch", ["llama"])

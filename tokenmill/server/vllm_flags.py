@@ -43,9 +43,9 @@ _CONTEXT_PARALLEL = "context parallelism is not supported: use --tensor-parallel
 _HYBRID = "state-space (Mamba, linear attention) models are not supported: the served families are attention-only"
 _DISAGGREGATED = "disaggregated serving (KV and encoder-cache transfer, offloading to other tiers) is not supported"
 _NO_HUB = "there is no model hub here: pass a local model directory"
-_COMPILE = ("torch.compile and its configuration are not used: CUDA graphs are recorded per batch-size bucket "
-            "(1, 2, 4, ... up to --max-num-seqs); --enforce-eager turns them off, and --compilation-config's "
-            "custom_ops picks the platform's kernels")
+_COMPILE = ("torch.compile and its configuration are not used: CUDA graphs are recorded for decode steps "
+            "(--cudagraph-capture-sizes, --max-cudagraph-capture-size; --enforce-eager turns them off), and "
+            "--compilation-config's custom_ops picks the platform's kernels")
 _TRACING = "this tracing and metrics detail is not supported: /metrics serves vLLM's Prometheus metrics"
 _POOLING = "pooling runners are chosen by the architecture: BertModel checkpoints serve /v1/embeddings"
 _LORA = "this LoRA variant is not supported: --enable-lora serves rank-<= --max-lora-rank adapters on linear layers"
@@ -116,7 +116,7 @@ REFUSED: dict[str, str] = {
     "--model-loader-extra-config": "model loaders are not configurable",
     "--max-parallel-loading-workers": "ranks load their shards in parallel, each one tensor at a time",
     **{flag: _COMPILE for flag in (
-        "--cudagraph-capture-sizes", "--max-cudagraph-capture-size", "--optimization-level",
+        "--optimization-level",
         "--performance-mode", "--jit-monitor-mode", "--jit-monitor-verbose")},
     **{flag: _TRACING for flag in (
         "--otlp-traces-endpoint", "--collect-detailed-traces", "--enable-layerwise-nvtx-tracing",

@@ -1,5 +1,5 @@
-"""Which of the platform's kernels a model runs: vLLM's ``compilation_config``, the part of it
-with a meaning here.
+"""Which of the platform's kernels a model runs and which decode batch sizes are recorded as
+CUDA graphs: vLLM's ``compilation_config``, the part of it with a meaning here.
 
 tokenmill compiles nothing with torch.compile; its platforms bring kernels instead: the
 ``CustomOp`` layers' fused implementations (``rms_norm``, ``silu_and_mul``,
@@ -7,14 +7,17 @@ tokenmill compiles nothing with torch.compile; its platforms bring kernels inste
 (prepacked GEMM weights, fused decode stacks, the greedy argmax head). ``custom_ops`` picks
 among them in vLLM's grammar, so a ``--compilation-config '{"custom_ops": ["none"]}'`` that
 asks vLLM for plain PyTorch ops asks tokenmill for the same: the reference every kernel is
-tested against. CUDA graphs are ``enforce_eager``'s, as in vLLM.
+tested against. CUDA graphs are recorded for decode steps (vLLM's ``FULL_DECODE_ONLY``) at
+``cudagraph_capture_sizes``, or powers of two up to ``max_cudagraph_capture_size``; a decode
+step pads to the smallest size that holds it and runs eagerly above the largest.
+``enforce_eager`` records none, as in vLLM.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
-from pydantic import BaseModel, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from tokenmill.core.config.strict import STRICT
 
@@ -27,6 +30,11 @@ class CompilationConfig(BaseModel):
     #: paths that are not CustomOps (prepacked GEMMs, fused decode stacks, the greedy head):
     #: plain PyTorch everywhere
     custom_ops: list[str] = []
+    #: the decode batch sizes recorded as graphs (vLLM's name); default: powers of two up to
+    #: max_cudagraph_capture_size, and it. Sizes above max_num_seqs are never recorded
+    cudagraph_capture_sizes: Optional[list[int]] = None
+    #: the largest batch size recorded (vLLM's name); default max_num_seqs
+    max_cudagraph_capture_size: Optional[int] = Field(None, ge=1)
 
     @model_validator(mode="before")
     @classmethod
@@ -37,11 +45,11 @@ class CompilationConfig(BaseModel):
             raise ValueError(f"level {value}: a level configures torch.compile, which tokenmill does not use "
                              "(it reads {\"custom_ops\": [...]})")
         if isinstance(value, dict):
-            others = sorted(set(value) - {"custom_ops"})
+            others = sorted(set(value) - set(cls.model_fields))
             if others:
                 raise ValueError(f"{', '.join(others)}: not read, as tokenmill does not use torch.compile "
-                                 "(custom_ops is the key it reads); CUDA graphs are recorded per batch-size "
-                                 "bucket up to max_num_seqs, and enforce_eager turns them off")
+                                 f"(it reads {', '.join(cls.model_fields)}); CUDA graphs are recorded for decode "
+                                 "steps, and enforce_eager turns them off")
         return value
 
     @field_validator("custom_ops")
@@ -56,6 +64,33 @@ class CompilationConfig(BaseModel):
         if len(named) != len(set(named)):
             raise ValueError("an op is named twice")
         return ops
+
+    @field_validator("cudagraph_capture_sizes")
+    @classmethod
+    def _positive(cls, sizes: Optional[list[int]]) -> Optional[list[int]]:
+        if sizes is not None and any(size < 1 for size in sizes):
+            raise ValueError("batch sizes are 1 or more")
+        return sizes
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "CompilationConfig":
+        sizes, largest = self.cudagraph_capture_sizes, self.max_cudagraph_capture_size
+        if sizes and largest is not None and max(sizes) != largest:
+            raise ValueError(f"max_cudagraph_capture_size {largest} is not the largest of cudagraph_capture_sizes "
+                             f"({max(sizes)}): give one of them")
+        return self
+
+    def capture_sizes(self, max_num_seqs: int) -> list[int]:
+        """The decode batch sizes to record, ascending (none above ``max_num_seqs``: no step has
+        more rows)."""
+        largest = min(max_num_seqs, self.max_cudagraph_capture_size or max_num_seqs)
+        if self.cudagraph_capture_sizes is not None:
+            return sorted({size for size in self.cudagraph_capture_sizes if size <= largest})
+        sizes, size = [], 1
+        while size < largest:
+            sizes.append(size)
+            size *= 2
+        return [*sizes, largest]
 
     def named_ops(self) -> set[str]:
         """The ops "+op" and "-op" name."""

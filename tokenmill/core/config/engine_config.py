@@ -245,6 +245,8 @@ VLLM_NAMES: dict[str, str] = {
     "trust_remote_code": "trust_remote_code",
     "enforce_eager": "enforce_eager",
     "compilation_config": "compilation_config",
+    "cudagraph_capture_sizes": "compilation_config.cudagraph_capture_sizes",
+    "max_cudagraph_capture_size": "compilation_config.max_cudagraph_capture_size",
     "logits_processors": "logits_processors",
     "generation_config": "generation_config",
     "override_generation_config": "override_generation_config",

@@ -135,9 +135,10 @@ def _build_engine(config: EngineConfig, pm: PluginManager, components: Component
     swap_caches = built.allocate_caches(config, platform, num_blocks, host_blocks)
     # a draft model records its decode passes where the engine records its own (it runs on the
     # driver alone, unsharded, but a multi-process engine records no graphs at all)
-    draft_graph_rows = config.scheduler.max_num_seqs if not (config.enforce_eager or group) else 0
+    graph_sizes = config.compilation_config.capture_sizes(config.scheduler.max_num_seqs)
     for proposer_model in proposer_models:
-        proposer_model.bind(num_blocks, speculator.proposer.num_lookahead_slots, draft_graph_rows)
+        proposer_model.bind(num_blocks, speculator.proposer.num_lookahead_slots,
+                            [] if config.enforce_eager or group else graph_sizes)
     kv_cache = KVCacheManager(num_blocks, config.cache.block_size, config.cache.prefix_caching)
     swap_space = SwapSpace(host_blocks) if config.scheduler.preemption_mode == "swap" else None
     adapters = built.adapters
@@ -155,9 +156,8 @@ def _build_engine(config: EngineConfig, pm: PluginManager, components: Component
                  "compilation_config {\"custom_ops\": [\"none\"]} turns the platform's kernels off")
     if one_plain_rank and not config.enforce_eager and built.backend.capabilities.cuda_graph:
         def record_graphs() -> Optional[DecodeGraphs]:
-            return DecodeGraphs.for_engine(model, built.backend, platform, config.scheduler.max_num_seqs,
-                                           config.cache.block_size, model_config.max_model_len,
-                                           scheduler.num_lookahead_slots)
+            return DecodeGraphs.for_engine(model, built.backend, platform, graph_sizes, config.cache.block_size,
+                                           model_config.max_model_len, scheduler.num_lookahead_slots)
     staging = InputStaging.for_platform(platform, sets=2 if async_scheduling else 1)
     model_step = ModelStep(model, built.backend, config.cache.block_size, model_config.vocab_size, parallel,
                            swap_caches, adapters, greedy_head, staging,

@@ -65,16 +65,16 @@ class LocalProposerModel:
     def kv_bytes_per_block(self) -> int:
         return self.built.kv_bytes_per_block(self.model_step.block_size)
 
-    def bind(self, num_blocks: int, lookahead_slots: int, graph_rows: int) -> None:
-        """Allocate the KV cache of ``num_blocks`` blocks, then record the decode passes of up to
-        ``graph_rows`` rows over it (0: none; the engine passes its ``max_num_seqs`` where it
-        records its own, the backend permitting): a recording holds the cache's addresses."""
+    def bind(self, num_blocks: int, lookahead_slots: int, graph_sizes: list[int]) -> None:
+        """Allocate the KV cache of ``num_blocks`` blocks, then record the decode passes of
+        ``graph_sizes`` rows over it (none: no graphs; the engine passes its own sizes where it
+        records graphs, the backend permitting): a recording holds the cache's addresses."""
         built, step = self.built, self.model_step
         allocate_kv_caches(built.model, built.backend, num_blocks, step.block_size, built.cache_dtype,
                            self.platform.device_type)
         log.info("draft model KV cache", kv_cache_mib=round(self.kv_bytes_per_block() * num_blocks / 2**20, 2))
-        if graph_rows and built.backend.capabilities.cuda_graph:
-            step.graphs = DecodeGraphs.for_engine(built.model, built.backend, self.platform, graph_rows,
+        if graph_sizes and built.backend.capabilities.cuda_graph:
+            step.graphs = DecodeGraphs.for_engine(built.model, built.backend, self.platform, graph_sizes,
                                                   step.block_size, self.max_model_len, lookahead_slots)
 
     def greedy_decode(self, rows: Sequence[ForwardRow], num_tokens: Sequence[int]) -> list[list[int]]:

@@ -7,8 +7,9 @@ grid and every tensor's address, so:
 
 - the inputs live in fixed buffers, refilled before each replay;
 - a step of ``n`` decode rows replays the smallest recorded size ``>= n`` (the buckets are
-  1, 2, 4, 8, ... and ``max_num_seqs``), its extra rows padded: token 0 at position 0 with
-  slot -1, so they write no KV; they read block 0 and their outputs are dropped;
+  1, 2, 4, 8, ... and ``max_num_seqs``, or compilation_config's sizes), its extra rows padded:
+  token 0 at position 0 with slot -1, so they write no KV; they read block 0 and their
+  outputs are dropped;
 - the attention metadata is built once per bucket, by the backend's ``graph_metadata``, and
   kept as long as the graphs (a recording holds addresses, not references);
 - the logits and sampling stay outside the graph, on the rows that are real.
@@ -39,16 +40,6 @@ log = structlog.get_logger("tokenmill.worker")
 Put = Callable[[np.ndarray, str], torch.Tensor]
 
 
-def capture_sizes(max_num_seqs: int) -> list[int]:
-    """The batch sizes recorded: powers of two below ``max_num_seqs``, then it, so every
-    decode batch the scheduler can form has a bucket."""
-    sizes, size = [], 1
-    while size < max_num_seqs:
-        sizes.append(size)
-        size *= 2
-    return [*sizes, max_num_seqs]
-
-
 class DecodeGraphs:
     """The recorded decode steps of one model and its input buffers."""
 
@@ -75,17 +66,20 @@ class DecodeGraphs:
         self.metadata: dict[int, AttentionMetadata] = {}
 
     @classmethod
-    def for_engine(cls, model: CausalLM, backend: AttentionBackend, platform: Platform, max_num_seqs: int,
+    def for_engine(cls, model: CausalLM, backend: AttentionBackend, platform: Platform, sizes: list[int],
                    block_size: int, max_seq_len: int, lookahead_slots: int) -> Optional["DecodeGraphs"]:
-        """The engine's recorded decode steps, or None where its platform records no graphs, or
-        where a layer runs a plain PyTorch path that reads from the device mid-step."""
+        """The engine's decode steps recorded at batch ``sizes`` (``CompilationConfig.capture_sizes``),
+        or None where there are none, where its platform records no graphs, or where a layer runs a
+        plain PyTorch path that reads from the device mid-step."""
+        if not sizes:
+            return None
         unrecordable = sorted({module.op_name for module in model.modules() if isinstance(module, CustomOp)
                                and module.op_impl is None and not module.native_in_graphs})
         if unrecordable:
             log.info("decode steps run without graphs", because=f"{', '.join(unrecordable)} runs its plain PyTorch "
                      "path (compilation_config.custom_ops), which reads from the device mid-step")
             return None
-        graphs = cls(model, backend, capture_sizes(max_num_seqs), -(-(max_seq_len + lookahead_slots) // block_size),
+        graphs = cls(model, backend, sizes, -(-(max_seq_len + lookahead_slots) // block_size),
                      block_size, max_seq_len, platform.device_type)
         return graphs if graphs.capture(platform) else None
 
