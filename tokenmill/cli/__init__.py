@@ -1,7 +1,7 @@
 """The ``tokenmill`` command line.
 
 Engine flags are vLLM's (``--max-num-seqs``, ``--enable-prefix-caching``,
-...), generated from ``config.VLLM_NAMES`` so the CLI, ``LLM(...)`` and the
+...), generated from ``config.flat_names.VLLM_NAMES`` so the CLI, ``LLM(...)`` and the
 YAML tree never drift apart. Precedence: defaults < --config YAML <
 TOKENMILL_* env < flags.
 

@@ -55,8 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     make.add_argument("--arch", default="llama", help="tiny architecture key (default: llama)")
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--preset", help="a benchmark preset's shapes (52m, 350m, 1b, 8b, ...) instead of tiny ones")
-    make.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the weights are drawn: cuda makes the 8b preset in "
-                      "seconds rather than the CPU's minutes")
+    make.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                      help="where the weights are drawn: cuda makes the 8b preset in seconds, the CPU in minutes")
     make.set_defaults(handler=subcommands.make_model)
 
     serve = commands.add_parser("serve", help="serve the OpenAI-compatible API")

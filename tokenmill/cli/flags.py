@@ -20,7 +20,8 @@ _SHORT_FLAGS = {"tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-p
 def add_engine_flags(parser: argparse.ArgumentParser, as_text: bool = False) -> None:
     """One flag per vLLM engine argument, typed from the config tree (or plain text, for
     comma-separated variant lists)."""
-    from tokenmill.core.config.engine_config import VLLM_NAMES, EngineConfig
+    from tokenmill.core.config.engine_config import EngineConfig
+    from tokenmill.core.config.flat_names import VLLM_NAMES
 
     group = parser.add_argument_group("engine (vLLM names)")
     for name, dotted in VLLM_NAMES.items():
@@ -129,7 +130,7 @@ def _text_list(value: str) -> list[str]:
 
 
 def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    from tokenmill.core.config.engine_config import SERVER_NAMES, VLLM_NAMES
+    from tokenmill.core.config.flat_names import SERVER_NAMES, VLLM_NAMES
 
     names = list(VLLM_NAMES) + list(SERVER_NAMES)
     overrides = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}

@@ -69,7 +69,7 @@ def plugins(args: argparse.Namespace) -> int:
 
 def compare(args: argparse.Namespace) -> int:
     from tokenmill import compare
-    from tokenmill.core.config.engine_config import VLLM_NAMES
+    from tokenmill.core.config.flat_names import VLLM_NAMES
 
     base: dict[str, Any] = {}
     if args.model_or_config:

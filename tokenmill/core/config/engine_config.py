@@ -3,7 +3,7 @@
 Every section forbids unknown keys, so a typo fails with its dotted path
 instead of being silently ignored. vLLM's flat keyword names
 (``max_num_seqs``, ``enable_prefix_caching``, ...) map onto the tree through
-``VLLM_NAMES`` and are used by both ``LLM(...)`` and the CLI flags.
+``flat_names.VLLM_NAMES`` and are used by both ``LLM(...)`` and the CLI flags.
 """
 
 from __future__ import annotations
@@ -14,17 +14,29 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
+from pydantic import (
+    BaseModel,
+    ByteSize,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+)
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+)
 
 from tokenmill.core.config.compilation_config import CompilationConfig
+from tokenmill.core.config.flat_names import SERVER_NAMES, VLLM_NAMES
 from tokenmill.core.config.server_config import ServerConfig
 from tokenmill.core.config.speculative_config import SpeculativeConfig
 from tokenmill.core.config.strict import STRICT
 from tokenmill.core.config.structured_outputs_config import StructuredOutputsConfig
 from tokenmill.core.config.training_config import ProfilerConfig, WeightTransferConfig
 from tokenmill.interfaces.errors import ConfigError
-
 
 
 class SchedulerConfig(BaseModel):
@@ -233,103 +245,6 @@ class EngineConfig(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         return init_settings, env_settings, _YamlSource(settings_cls)
 
-
-#: vLLM's flat names -> dotted paths in the tree
-VLLM_NAMES: dict[str, str] = {
-    "model": "model",
-    "tokenizer": "tokenizer",
-    "dtype": "dtype",
-    "seed": "seed",
-    "device": "platform.name",
-    "max_model_len": "max_model_len",
-    "trust_remote_code": "trust_remote_code",
-    "enforce_eager": "enforce_eager",
-    "compilation_config": "compilation_config",
-    "cudagraph_capture_sizes": "compilation_config.cudagraph_capture_sizes",
-    "max_cudagraph_capture_size": "compilation_config.max_cudagraph_capture_size",
-    "logits_processors": "logits_processors",
-    "generation_config": "generation_config",
-    "override_generation_config": "override_generation_config",
-    "hf_overrides": "hf_overrides",
-    "logprobs_mode": "logprobs_mode",
-    "weight_transfer_config": "weight_transfer_config",
-    "enable_sleep_mode": "enable_sleep_mode",
-    "profiler_config": "profiler_config",
-    # the cpu platform's options (platform.cpu), by their flat names
-    "num_threads": "platform.cpu.num_threads",
-    "small_batch_gemv": "platform.cpu.small_batch_gemv",
-    "huge_pages": "platform.cpu.huge_pages",
-    "keep_freed_memory": "platform.cpu.keep_freed_memory",
-    # the cuda platform's (platform.cuda)
-    "gpu_memory_utilization": "platform.cuda.gpu_memory_utilization",
-    "cpu_offload_gb": "platform.cuda.cpu_offload_gb",
-    "tensor_parallel_size": "parallel.tensor_parallel_size",
-    "pipeline_parallel_size": "parallel.pipeline_parallel_size",
-    "distributed_executor_backend": "parallel.distributed_executor_backend",
-    "distributed_timeout_seconds": "parallel.distributed_timeout_seconds",
-    "block_size": "cache.block_size",
-    "enable_prefix_caching": "cache.prefix_caching",
-    "num_gpu_blocks_override": "cache.num_blocks",
-    "kv_cache_memory_bytes": "cache.kv_cache_memory",
-    "kv_cache_dtype": "cache.kv_cache_dtype",
-    "swap_space": "cache.swap_space",
-    "max_num_seqs": "scheduler.max_num_seqs",
-    "max_num_batched_tokens": "scheduler.max_num_batched_tokens",
-    "enable_chunked_prefill": "scheduler.chunked_prefill",
-    "long_prefill_token_threshold": "scheduler.long_prefill_token_threshold",
-    "scheduling_policy": "scheduler.policy",
-    "preemption_mode": "scheduler.preemption_mode",
-    "async_scheduling": "scheduler.async_scheduling",
-    "attention_backend": "attention.backend",
-    "quantization": "quantization.method",
-    "enable_lora": "adapters.enable_lora",
-    "max_loras": "adapters.max_loras",
-    "max_lora_rank": "adapters.max_lora_rank",
-    "max_cpu_loras": "adapters.max_cpu_loras",
-    "guided_decoding_backend": "structured_outputs.backend",
-    "structured_outputs_config": "structured_outputs",
-    "speculative_config": "speculative",
-}
-
-#: `tokenmill serve` flags (vLLM's names where vLLM has one) -> dotted paths
-SERVER_NAMES: dict[str, str] = {
-    "host": "server.host",
-    "port": "server.port",
-    "api_key": "server.api_key",
-    "served_model_name": "server.served_model_name",
-    "max_queued_requests": "server.max_queued_requests",
-    "max_request_body_bytes": "server.max_request_body_bytes",
-    "log_level": "server.log_level",
-    "log_format": "server.log_format",
-    "uvicorn_log_level": "server.uvicorn_log_level",
-    "enable_log_requests": "server.log_requests",
-    "lora_modules": "adapters.lora_modules",
-    "allowed_lora_dirs": "adapters.allowed_lora_dirs",
-    "allow_runtime_lora_updating": "adapters.allow_runtime_lora_updating",
-    "trust_request_chat_template": "server.trust_request_chat_template",
-    "chat_template": "server.chat_template",
-    "enable_auto_tool_choice": "server.enable_auto_tool_choice",
-    "tool_call_parser": "server.tool_call_parser",
-    "reasoning_parser": "server.reasoning_parser",
-    "return_tokens_as_token_ids": "server.return_tokens_as_token_ids",
-    "max_logprobs": "server.max_logprobs",
-    "response_role": "server.response_role",
-    "chat_template_content_format": "server.chat_template_content_format",
-    "enable_prompt_tokens_details": "server.enable_prompt_tokens_details",
-    "middleware": "server.middleware",
-    "enable_training_endpoints": "server.enable_training_endpoints",
-    "ssl_keyfile": "server.ssl_keyfile",
-    "ssl_certfile": "server.ssl_certfile",
-    "ssl_ca_certs": "server.ssl_ca_certs",
-    "ssl_cert_reqs": "server.ssl_cert_reqs",
-    "allowed_origins": "server.allowed_origins",
-    "allowed_methods": "server.allowed_methods",
-    "allowed_headers": "server.allowed_headers",
-    "allow_credentials": "server.allow_credentials",
-    "root_path": "server.root_path",
-    "enable_request_id_headers": "server.enable_request_id_headers",
-    "disable_fastapi_docs": "server.disable_fastapi_docs",
-}
 
 _yaml_data: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar(
     "tokenmill_yaml_config", default={}

@@ -16,13 +16,8 @@ from typing import Any, Optional
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from tokenmill.core.config.engine_config import (
-    SERVER_NAMES,
-    VLLM_NAMES,
-    EngineConfig,
-    nest_overrides,
-    validated_config,
-)
+from tokenmill.core.config.engine_config import EngineConfig, nest_overrides, validated_config
+from tokenmill.core.config.flat_names import SERVER_NAMES, VLLM_NAMES
 from tokenmill.interfaces.errors import ConfigError
 
 ENV_PREFIX = "TOKENMILL_"
