@@ -66,7 +66,10 @@ def tokenmill_pass(path, prompt_sets, output_len, args, tp: int = 1, pp: int = 1
               async_scheduling=async_scheduling, **args.engine_memory,
               **({"kv_cache_memory_bytes": args.kv_cache_memory_bytes} if args.kv_cache_memory_bytes else {}))
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": p} for p in prompt_sets[-1][:2]], params, use_tqdm=False)
+    # on a GPU, Triton compiles a kernel at the first use of each specialization (seconds each):
+    # the warm-up set runs the workload's own shapes; the CPU's kernels are built ahead of it
+    warm_up = prompt_sets[-1] if hf_device(args.device) == "cuda" else prompt_sets[-1][:2]
+    llm.generate([{"prompt_token_ids": p} for p in warm_up], params, use_tqdm=False)
     rounds = iter(prompt_sets)
     step = llm.llm_engine.runner.model_step
     comm = step.parallel.comm
