@@ -98,9 +98,12 @@ def hf_pass(path, prompt_sets, output_len, args) -> Callable[[], float]:
     model.eval()
     kwargs = dict(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
                   pad_token_id=0)
-    with torch.inference_mode():
-        model.generate(torch.tensor(prompt_sets[-1][:2], device=device),
-                       **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2})
+    with torch.inference_mode():  # on a GPU a whole batch, as tokenmill's warm-up is its workload
+        if device == "cuda":
+            model.generate(torch.tensor(prompt_sets[-1][:args.hf_batch_size], device=device), **kwargs)
+        else:
+            model.generate(torch.tensor(prompt_sets[-1][:2], device=device),
+                           **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2})
     rounds = iter(prompt_sets)
 
     @torch.inference_mode()
