@@ -153,7 +153,7 @@ def test_latency_reports_a_tpot_per_round(tmp_path):
 def test_the_batch_1_bound_reads_the_weights_and_the_mean_contexts_kv_once_a_token():
     work = Workload(weight_bytes=1000, flops_per_token=300, head_flops_per_token=100, kv_bytes_per_token=10,
                     attention_flops_per_pair=1)
-    assert decode_bound(Machine(bandwidth=1e4, peak_flops=1e5), work, input_len=20, output_len=8) == \
+    assert decode_bound(1e4, work, input_len=20, output_len=8) == \
         pytest.approx((1000 + 24 * 10) / 1e4)
 
 

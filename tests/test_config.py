@@ -47,6 +47,12 @@ def test_compilation_config_from_yaml_and_env_and_bad_json_in_env(tmp_path, monk
     monkeypatch.setenv("TOKENMILL_COMPILATION_CONFIG", '{"custom_ops": ["none"')
     with pytest.raises(ConfigError, match="compilation_config"):
         load_config()
+    monkeypatch.delenv("TOKENMILL_COMPILATION_CONFIG")
+    # the section as JSON text beside a flat name inside it: they merge, in either order
+    for args in ({"compilation_config": '{"custom_ops": ["none"]}', "cudagraph_capture_sizes": [1, 2]},
+                 {"cudagraph_capture_sizes": [1, 2], "compilation_config": '{"custom_ops": ["none"]}'}):
+        section = load_config(**args).compilation_config
+        assert (section.custom_ops, section.cudagraph_capture_sizes) == (["none"], [1, 2])
 
 
 def test_unknown_yaml_key_is_an_error_with_its_path(tmp_path):

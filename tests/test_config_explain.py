@@ -51,3 +51,17 @@ def test_an_api_key_is_never_printed():
     result = explain("--api-key", "hunter2")
     assert result.returncode == 0 and "hunter2" not in result.stdout
     assert sources(result.stdout)["server.api_key"] == ("'**********'", "flag")
+
+
+def test_a_json_section_and_flat_flags_inside_it_merge_and_bad_json_is_one_line():
+    """vLLM's --compilation-config beside --cudagraph-capture-sizes: both reach the section; a
+    TOKENMILL_* variable holding broken JSON, and a validator's complaint, read as plain lines."""
+    result = explain("--compilation-config", '{"custom_ops": ["none"]}', "--cudagraph-capture-sizes", "1", "2")
+    assert result.returncode == 0, result.stderr
+    rows = sources(result.stdout)
+    assert rows["compilation_config.custom_ops"] == ("['none']", "flag")
+    assert rows["compilation_config.cudagraph_capture_sizes"] == ("[1, 2]", "flag")
+    broken = explain(env={"TOKENMILL_COMPILATION_CONFIG": '{"custom_ops": ['})
+    assert broken.returncode == 2 and "Traceback" not in broken.stderr and "compilation_config" in broken.stderr
+    invalid = explain("--compilation-config", '{"cudagraph_capture_sizes": [1, 4], "max_cudagraph_capture_size": 8}')
+    assert invalid.returncode == 2 and "compilation_config: max_cudagraph_capture_size 8 is not" in invalid.stderr

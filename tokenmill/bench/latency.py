@@ -30,7 +30,7 @@ from tokenmill.bench.common import (add_async_scheduling_arg, add_common_args, a
                                     engine_memory, hf_device, hf_dtype, interleaved_rounds, kernel_args, prepare,
                                     random_prompts, tokenmill_engines, write_json)
 from tokenmill.bench.llama_cpp import add_llama_cpp_args, batched_bench
-from tokenmill.bench.roofline import decode_bound, measure_machine, model_workload
+from tokenmill.bench.roofline import decode_bound, measure_bandwidth, model_workload
 
 Timings = tuple[list[float], list[float]]  # TTFTs, TPOTs (seconds)
 
@@ -156,15 +156,15 @@ def print_roofline(results: dict, path, args) -> None:
     """Batch 1's weight-streaming bound on this machine (roofline.py: its bandwidth measured
     after the timed rounds) and each tokenmill engine's TPOT as a multiple of it."""
     dtype = hf_dtype(args.dtype, path)
-    machine = measure_machine(dtype, hf_device(args.device))
+    bandwidth = measure_bandwidth(hf_device(args.device))
     work = model_workload(path, dtype, dtype)
-    bound = decode_bound(machine, work, args.input_len, args.output_len)
-    results["roofline"] = {"tpot_ms": round(bound * 1e3, 3), "bandwidth_gb_s": round(machine.bandwidth / 1e9, 2)}
+    bound = decode_bound(bandwidth, work, args.input_len, args.output_len)
+    results["roofline"] = {"tpot_ms": round(bound * 1e3, 6), "bandwidth_gb_s": round(bandwidth / 1e9, 2)}
     shares = {name: r["tpot_ms_median"] / (bound * 1e3) for name, r in results["engines"].items()
               if name.startswith("tokenmill")}
     results["roofline"].update({f"{name}_tpot_vs_bound": round(x, 3) for name, x in shares.items()})
     print(f"roofline: TPOT >= {bound * 1e3:.3f} ms at batch 1 ({work.weight_bytes / 1e9:.2f} GB of weights and the "
-          f"K/V read per token at {machine.bandwidth / 1e9:.1f} GB/s, measured here); "
+          f"K/V read per token at {bandwidth / 1e9:.1f} GB/s, measured here); "
           + ", ".join(f"{name} at {x:.2f}x of it" for name, x in shares.items()))
     if any(x < 1 for x in shares.values()):
         print("(under the bound: the weights stay in the last-level cache between tokens, or the streaming read "

@@ -65,11 +65,17 @@ def _timed(fn, device: torch.device, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def measure_machine(dtype: torch.dtype, device: str = "cpu", buffer_mib: int = 512, gemm: int = 2048) -> Machine:
-    """Bandwidth and compute peak at the threads torch is set to (``torch.set_num_threads``)."""
+def measure_bandwidth(device: str = "cpu", buffer_mib: int = 512) -> float:
+    """Bytes/s of a streaming read at the threads torch is set to (``torch.set_num_threads``)."""
     dev = torch.device(device)
     buffer = torch.ones(buffer_mib * 2**20 // 4, device=dev)
-    bandwidth = buffer.nbytes / _timed(buffer.sum, dev, 5)
+    return buffer.nbytes / _timed(buffer.sum, dev, 5)
+
+
+def measure_machine(dtype: torch.dtype, device: str = "cpu", gemm: int = 2048) -> Machine:
+    """Bandwidth and compute peak at the threads torch is set to (``torch.set_num_threads``)."""
+    dev = torch.device(device)
+    bandwidth = measure_bandwidth(device)
     a = torch.randn(gemm, gemm, device=dev).to(dtype)
     b = torch.randn(gemm, gemm, device=dev).to(dtype)
     peak = 2 * gemm**3 / _timed(lambda: torch.mm(a, b), dev, 5)
@@ -103,11 +109,11 @@ def model_workload(model: Path, dtype: torch.dtype, kv_dtype: torch.dtype) -> Wo
                     attention_flops_per_pair=4 * layers * heads * head_dim)
 
 
-def decode_bound(machine: Machine, work: Workload, input_len: int, output_len: int) -> float:
+def decode_bound(bandwidth: float, work: Workload, input_len: int, output_len: int) -> float:
     """The bound on one request's time per output token (batch 1: every weight and the
-    request's K/V read once per token, at the mean context of its decode)."""
+    request's K/V read once per token, at the mean context of its decode), at ``bandwidth`` bytes/s."""
     context = input_len + output_len / 2
-    return (work.weight_bytes + context * work.kv_bytes_per_token) / machine.bandwidth
+    return (work.weight_bytes + context * work.kv_bytes_per_token) / bandwidth
 
 
 def offline_bound(machine: Machine, work: Workload, num_prompts: int, input_len: int, output_len: int) -> float:

@@ -170,6 +170,18 @@ class PlatformConfig(BaseModel):
         return dict(self.model_extra or {})
 
 
+#: the fields vLLM's flags give as JSON text (``--compilation-config '{"custom_ops": ["none"]}'``)
+JSON_FIELDS = ("override_generation_config", "hf_overrides", "structured_outputs", "weight_transfer_config",
+               "profiler_config", "compilation_config")
+
+
+def json_object(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not a JSON object: {exc}") from None
+
+
 class EngineConfig(BaseSettings):
     """The whole engine, as one validated tree."""
 
@@ -222,17 +234,11 @@ class EngineConfig(BaseSettings):
     speculative: SpeculativeConfig = SpeculativeConfig()
     server: ServerConfig = ServerConfig()
 
-    @field_validator("override_generation_config", "hf_overrides", "structured_outputs", "weight_transfer_config",
-                     "profiler_config", "compilation_config", mode="before")
+    @field_validator(*JSON_FIELDS, mode="before")
     @classmethod
     def _json_text(cls, value: Any) -> Any:
         """The CLI's text, as vLLM's flag takes it: a JSON object."""
-        if isinstance(value, str):
-            try:
-                return json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"not a JSON object: {exc}") from None
-        return value
+        return json_object(value) if isinstance(value, str) else value
 
     @classmethod
     def settings_customise_sources(
@@ -274,9 +280,8 @@ def load_config(
         return validated_config(path, **overrides)
     except ValidationError as exc:
         raise config_error(exc) from None
-    except SettingsError as exc:  # a TOKENMILL_* variable pydantic-settings cannot parse (bad JSON)
-        cause = f": {exc.__cause__}" if exc.__cause__ is not None else ""
-        raise ConfigError("environment", f"{exc}{cause}") from None
+    except SettingsError as exc:
+        raise environment_error(exc) from None
 
 
 def validated_config(path: str | Path | None = None, /, **overrides: Any) -> EngineConfig:
@@ -311,7 +316,9 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
 
 
 def nest_overrides(flat: dict[str, Any]) -> dict[str, Any]:
-    """Turn vLLM's flat names (and section dicts) into the nested tree."""
+    """Turn vLLM's flat names (and section dicts, or their JSON text) into the nested tree; a
+    section and flat names inside it merge, in either order (``--compilation-config`` beside
+    ``--cudagraph-capture-sizes``)."""
     tree: dict[str, Any] = {}
     for key, value in flat.items():
         dotted = VLLM_NAMES.get(key) or SERVER_NAMES.get(key) or key
@@ -319,6 +326,11 @@ def nest_overrides(flat: dict[str, Any]) -> dict[str, Any]:
             raise ConfigError(
                 key, f"unknown engine argument; valid: {', '.join(sorted(VLLM_NAMES))}"
             )
+        if isinstance(value, str) and dotted in JSON_FIELDS:
+            try:
+                value = json_object(value)
+            except ValueError as exc:
+                raise ConfigError(dotted, str(exc)) from None
         node = tree
         *parents, leaf = dotted.split(".")
         for part in parents:
@@ -335,5 +347,15 @@ def config_error(exc: ValidationError, section: str = "") -> ConfigError:
     first = exc.errors()[0]
     key = ".".join(([section] if section else []) + [str(part) for part in first["loc"]]) or "config"
     extra = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
-    message = first["msg"].removeprefix("Value error, ")  # pydantic's prefix for a validator's ValueError
-    return ConfigError(key, f"{message}{extra}")
+    return ConfigError(key, f"{error_message(first)}{extra}")
+
+
+def error_message(error: Any) -> str:
+    """A validation error's message, less pydantic's prefix for a validator's ValueError."""
+    return error["msg"].removeprefix("Value error, ")
+
+
+def environment_error(exc: SettingsError) -> ConfigError:
+    """A TOKENMILL_* variable pydantic-settings cannot parse (bad JSON), as a ConfigError."""
+    cause = f": {exc.__cause__}" if exc.__cause__ is not None else ""
+    return ConfigError("environment", f"{exc}{cause}")

@@ -15,8 +15,15 @@ from typing import Any, Optional
 
 import yaml
 from pydantic import BaseModel, ValidationError
+from pydantic_settings import SettingsError
 
-from tokenmill.core.config.engine_config import EngineConfig, nest_overrides, validated_config
+from tokenmill.core.config.engine_config import (
+    EngineConfig,
+    environment_error,
+    error_message,
+    nest_overrides,
+    validated_config,
+)
 from tokenmill.core.config.flat_names import SERVER_NAMES, VLLM_NAMES
 from tokenmill.interfaces.errors import ConfigError
 
@@ -67,9 +74,11 @@ def _resolve(path: Optional[str | Path], overrides: dict[str, Any]) -> EngineCon
     if not problems:
         try:
             return validated_config(path, **overrides)
+        except SettingsError as exc:
+            raise environment_error(exc) from None
         except ValidationError as exc:
             known = _known_keys(EngineConfig)
-            problems = [_unknown(key, known) if error["type"] == "extra_forbidden" else f"{key}: {error['msg']}"
+            problems = [_unknown(key, known) if error["type"] == "extra_forbidden" else f"{key}: {error_message(error)}"
                         for error in exc.errors() for key in [".".join(str(part) for part in error["loc"])]]
     raise ConfigError("config", "\n  " + "\n  ".join(problems))
 

@@ -5,18 +5,22 @@ of 256, prometheus_client's ``Histogram.observe`` (a lock and a scan of the buck
 value) took about 3 µs a row, a tenth of the host's work per decoded token, all of it on the
 engine loop's thread. This one counts a step's values into its buckets with numpy, under one
 lock, and serves them to the registry as a custom collector (prometheus_client's documented
-way to expose figures kept elsewhere): the same ``_bucket``/``_count``/``_sum`` samples.
+way to expose figures kept elsewhere): the same ``_bucket``/``_count``/``_sum`` samples, and
+``_created`` unless prometheus_client's are turned off.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from typing import Iterator, Sequence
 
 import numpy as np
 from prometheus_client import CollectorRegistry
+from prometheus_client import metrics as prometheus_metrics
 from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
 
@@ -31,14 +35,17 @@ class StepHistogram(Collector):
         self._le = [floatToGoString(bound) for bound in self._bounds]
         self._counts = np.zeros(len(self._bounds), dtype=np.int64)
         self._sum = 0.0
+        self._created = time.time()
         self._lock = threading.Lock()  # observed on the engine thread, collected on the server's
         registry.register(self)
 
     def observe_many(self, values: Sequence[float]) -> None:
-        """Count each value into the first bucket whose upper bound it does not pass."""
-        if not values:
-            return
+        """Count each value into the first bucket whose upper bound it does not pass (NaNs are
+        dropped: they belong in no bucket)."""
         array = np.asarray(values, dtype=np.float64)
+        array = array[~np.isnan(array)]
+        if not array.size:
+            return
         counts = np.bincount(np.searchsorted(self._bounds, array), minlength=len(self._bounds))
         with self._lock:
             self._counts += counts
@@ -55,4 +62,7 @@ class StepHistogram(Collector):
             cumulative, total = np.cumsum(self._counts).tolist(), self._sum
         family = self._family()
         family.add_metric(self._label_values, list(zip(self._le, cumulative)), total)
+        if getattr(prometheus_metrics, "_use_created", True):  # PROMETHEUS_DISABLE_CREATED_SERIES turns it off
+            family.samples.append(Sample(f"{self._name}_created", dict(zip(self._label_names, self._label_values)),
+                                         self._created))
         yield family
