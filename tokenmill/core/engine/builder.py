@@ -151,7 +151,7 @@ def _build_engine(config: EngineConfig, pm: PluginManager, components: Component
     one_plain_rank = not (adapters or group)
     greedy_head = platform.greedy_head(model) if one_plain_rank and config.compilation_config.platform_kernels else None
     record_graphs = None
-    if config.enforce_eager and not built.backend.capabilities.cuda_graph:
+    if config.enforce_eager and not (one_plain_rank and built.backend.capabilities.cuda_graph):
         log.info("enforce_eager changes nothing here: this engine records no CUDA graphs (vLLM's meaning); "
                  "compilation_config {\"custom_ops\": [\"none\"]} turns the platform's kernels off")
     if one_plain_rank and not config.enforce_eager and built.backend.capabilities.cuda_graph:
