@@ -38,9 +38,10 @@ class CompilationConfig(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _only_custom_ops(cls, value: Any) -> Any:
-        """vLLM's other keys configure torch.compile and graph capture, which tokenmill does its own
-        way: named in the error rather than pydantic's 'extra inputs are not permitted'."""
+    def _only_known_keys(cls, value: Any) -> Any:
+        """vLLM's other keys (and its level shorthand) configure torch.compile and graph modes,
+        which tokenmill does not have: named in the error rather than pydantic's 'extra inputs
+        are not permitted'."""
         if isinstance(value, int) and not isinstance(value, bool):  # vLLM's `--compilation-config 3`
             raise ValueError(f"level {value}: a level configures torch.compile, which tokenmill does not use "
                              "(it reads {\"custom_ops\": [...]})")
