@@ -34,9 +34,10 @@ class ReferenceSequence:
     router_margins: list[float] | None = None
 
 
-def hf_greedy(model_dir: str | Path, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+def hf_greedy(model_dir: str | Path, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
               dtype: torch.dtype = torch.float32, device: str = "cpu") -> list[ReferenceSequence]:
-    """Greedy decoding of each prompt alone (no padding), EOS ignored. On a GPU the
+    """Greedy decoding of each prompt alone (no padding), EOS ignored, ``max_new_tokens`` tokens
+    (one count for all, or one per prompt, as requests of different lengths ask). On a GPU the
     reference runs there too (``device="cuda"``): bf16 and fp16 on a CPU are emulated,
     minutes for a tiny MoE model."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
@@ -44,11 +45,12 @@ def hf_greedy(model_dir: str | Path, prompts: Sequence[Sequence[int]], max_new_t
     top_k = getattr(model.config, "num_experts_per_tok", None)
     results = []
     with torch.inference_mode():
-        for prompt in prompts:
+        counts = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else max_new_tokens
+        for prompt, count in zip(prompts, counts):
             ids = torch.tensor([list(prompt)], device=device)
             past = None
             tokens, logprobs, margins, router_margins = [], [], [], []
-            for _ in range(max_new_tokens):
+            for _ in range(count):
                 out = model(input_ids=ids, past_key_values=past, use_cache=True,
                             **({"output_router_logits": True} if top_k else {}))
                 past = out.past_key_values

@@ -14,20 +14,8 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import (
-    BaseModel,
-    ByteSize,
-    ConfigDict,
-    Field,
-    ValidationError,
-    field_validator,
-)
-from pydantic_settings import (
-    BaseSettings,
-    PydanticBaseSettingsSource,
-    SettingsConfigDict,
-    SettingsError,
-)
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
 from tokenmill.core.config.compilation_config import CompilationConfig
 from tokenmill.core.config.flat_names import SERVER_NAMES, VLLM_NAMES
@@ -176,6 +164,7 @@ JSON_FIELDS = ("override_generation_config", "hf_overrides", "structured_outputs
 
 
 def json_object(text: str) -> Any:
+    """``text`` parsed as JSON, or a ValueError naming what is wrong with it."""
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:

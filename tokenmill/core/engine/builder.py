@@ -150,11 +150,12 @@ def _build_engine(config: EngineConfig, pm: PluginManager, components: Component
     # the step's fast paths (the platform's greedy head, decode graphs): one rank, no per-step adapter state
     one_plain_rank = not (adapters or group)
     greedy_head = platform.greedy_head(model) if one_plain_rank and config.compilation_config.platform_kernels else None
+    graphs_possible = one_plain_rank and built.backend.capabilities.cuda_graph
     record_graphs = None
-    if config.enforce_eager and not (one_plain_rank and built.backend.capabilities.cuda_graph):
+    if config.enforce_eager and not graphs_possible:
         log.info("enforce_eager changes nothing here: this engine records no CUDA graphs (vLLM's meaning); "
                  "compilation_config {\"custom_ops\": [\"none\"]} turns the platform's kernels off")
-    if one_plain_rank and not config.enforce_eager and built.backend.capabilities.cuda_graph:
+    if graphs_possible and not config.enforce_eager:
         def record_graphs() -> Optional[DecodeGraphs]:
             return DecodeGraphs.for_engine(model, built.backend, platform, graph_sizes, config.cache.block_size,
                                            model_config.max_model_len, scheduler.num_lookahead_slots)
