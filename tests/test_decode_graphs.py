@@ -38,21 +38,34 @@ def run(llm: LLM, prompts, max_tokens):
     return tokens, logprobs
 
 
-@pytest.mark.parametrize("max_num_seqs,sizes", [(1, [1]), (2, [1, 2]), (8, [1, 2, 4, 8]),
-                                                (12, [1, 2, 4, 8, 12]), (256, [1, 2, 4, 8, 16, 32, 64, 128, 256])])
-def test_buckets_are_powers_of_two_up_to_max_num_seqs(max_num_seqs, sizes):
+@pytest.mark.parametrize("max_num_seqs,sizes", [
+    (1, [1]), (2, [1, 2]), (8, [1, 2, 4, 8]), (12, [1, 2, 4, 8, 12]), (20, [1, 2, 4, 8, 16, 20]),
+    (256, [1, 2, 4, *range(8, 257, 8)]), (300, [1, 2, 4, *range(8, 256, 8), 256, 272, 288, 300]),
+    (1024, [1, 2, 4, *range(8, 256, 8), *range(256, 513, 16)]),
+])
+def test_buckets_are_vllms_up_to_max_num_seqs(max_num_seqs, sizes):
+    """vLLM's default buckets (1, 2, 4, steps of 8, then of 16 from 256), none above 512 unless
+    asked, and max_num_seqs itself, so a full batch replays unpadded."""
     assert CompilationConfig().capture_sizes(max_num_seqs) == sizes
 
 
+def test_a_batch_pads_by_at_most_a_buckets_step():
+    sizes = CompilationConfig().capture_sizes(512)
+    for rows in range(1, 513):
+        bucket = next(size for size in sizes if size >= rows)
+        assert bucket - rows < (8 if rows <= 256 else 16)
+
+
 @pytest.mark.parametrize("given,max_num_seqs,sizes", [
-    ({"max_cudagraph_capture_size": 48}, 256, [1, 2, 4, 8, 16, 32, 48]),
+    ({"max_cudagraph_capture_size": 48}, 256, [1, 2, 4, 8, 16, 24, 32, 40, 48]),
+    ({"max_cudagraph_capture_size": 1024}, 1024, [1, 2, 4, *range(8, 256, 8), *range(256, 1025, 16)]),
     ({"max_cudagraph_capture_size": 48}, 16, [1, 2, 4, 8, 16]),
     ({"cudagraph_capture_sizes": [8, 1, 3, 3, 512]}, 256, [1, 3, 8]),
     ({"cudagraph_capture_sizes": [1, 3], "max_cudagraph_capture_size": 3}, 256, [1, 3]),
     ({"cudagraph_capture_sizes": []}, 256, []),
 ])
 def test_vllms_capture_sizes_choose_the_buckets(given, max_num_seqs, sizes):
-    """vLLM's names: the sizes as given, or powers of two up to the largest; none above max_num_seqs."""
+    """vLLM's names: the sizes as given, or vLLM's buckets up to the largest; none above max_num_seqs."""
     assert CompilationConfig(**given).capture_sizes(max_num_seqs) == sizes
 
 

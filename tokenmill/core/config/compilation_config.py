@@ -8,8 +8,9 @@ tokenmill compiles nothing with torch.compile; its platforms bring kernels inste
 among them in vLLM's grammar, so a ``--compilation-config '{"custom_ops": ["none"]}'`` that
 asks vLLM for plain PyTorch ops asks tokenmill for the same: the reference every kernel is
 tested against. CUDA graphs are recorded for decode steps (vLLM's ``FULL_DECODE_ONLY``) at
-``cudagraph_capture_sizes``, or powers of two up to ``max_cudagraph_capture_size``; a decode
-step pads to the smallest size that holds it and runs eagerly above the largest.
+``cudagraph_capture_sizes``, or vLLM's default buckets (1, 2, 4, then steps of 8 to 248 and of 16
+from 256) up to ``max_cudagraph_capture_size``; a decode step pads to the smallest size that holds
+it and runs eagerly above the largest.
 ``enforce_eager`` records none, as in vLLM.
 """
 
@@ -22,6 +23,11 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 from tokenmill.core.config.strict import STRICT
 
 
+#: the largest decode batch recorded unless max_cudagraph_capture_size says otherwise (vLLM's
+#: 512: each recording costs startup time, and above this a step's launches are a small share)
+DEFAULT_MAX_CAPTURE_SIZE = 512
+
+
 class CompilationConfig(BaseModel):
     model_config = STRICT
 
@@ -30,10 +36,12 @@ class CompilationConfig(BaseModel):
     #: paths that are not CustomOps (prepacked GEMMs, fused decode stacks, the greedy head):
     #: plain PyTorch everywhere
     custom_ops: list[str] = []
-    #: the decode batch sizes recorded as graphs (vLLM's name); default: powers of two up to
+    #: the decode batch sizes recorded as graphs (vLLM's name); default: vLLM's buckets up to
     #: max_cudagraph_capture_size, and it. Sizes above max_num_seqs are never recorded
     cudagraph_capture_sizes: Optional[list[int]] = None
-    #: the largest batch size recorded (vLLM's name); default max_num_seqs
+    #: the largest batch size recorded (vLLM's name); default max_num_seqs up to 512. (vLLM's
+    #: default doubles max_num_seqs, as its graphs also hold speculative verify tokens; tokenmill's
+    #: hold decode steps, one row per request, so no step has more rows than max_num_seqs)
     max_cudagraph_capture_size: Optional[int] = Field(None, ge=1)
 
     @model_validator(mode="before")
@@ -84,14 +92,14 @@ class CompilationConfig(BaseModel):
     def capture_sizes(self, max_num_seqs: int) -> list[int]:
         """The decode batch sizes to record, ascending (none above ``max_num_seqs``: no step has
         more rows)."""
-        largest = min(max_num_seqs, self.max_cudagraph_capture_size or max_num_seqs)
         if self.cudagraph_capture_sizes is not None:
+            largest = min(max_num_seqs, self.max_cudagraph_capture_size or max_num_seqs)
             return sorted({size for size in self.cudagraph_capture_sizes if size <= largest})
-        sizes, size = [], 1
-        while size < largest:
-            sizes.append(size)
-            size *= 2
-        return [*sizes, largest]
+        largest = min(max_num_seqs, self.max_cudagraph_capture_size or DEFAULT_MAX_CAPTURE_SIZE)
+        # vLLM's buckets: a batch pads by at most 7 rows below 256 and 15 above (129 rows replay
+        # 136; with powers of two they would replay 256, twice the GEMM work of a large batch)
+        buckets = (1, 2, 4, *range(8, 256, 8), *range(256, largest, 16))
+        return [*(size for size in buckets if size < largest), largest]
 
     def named_ops(self) -> set[str]:
         """The ops "+op" and "-op" name."""
