@@ -3,8 +3,9 @@
 #
 # First, on a CPU machine, in the checkout:  python benchmarks/gpu_prepare.py
 # (wheels of what the GPU image lacks into .whl/, the shared quantized checkpoints into
-# .gpu-data/; both ignored). Then, on the GPU machine, from the repository root, with those
-# two folders carried along:  bash benchmarks/gpu_check.sh
+# .gpu-data/, Triton's kernels compiled for sm_90 into .triton-cache/; all ignored). Then, on the
+# GPU machine, from the repository root, with those three folders carried along:
+# bash benchmarks/gpu_check.sh
 #
 # Stages, each under a hard cap (45 + 240 + 70 + 110 + 75 + 40 s), each run whatever the one before
 # it did, so a crash of one hides none of the others' results; a stage's cap shrinks to what is
@@ -26,7 +27,8 @@
 #   batch-1 latency against HF, one tokenmill engine (async scheduling) at 0.6 of the GPU so HF's copy
 #   fits beside it (120 + 180 + 130 s: a call of its own, DEADLINE=495 and timeout_s=510; the caps and
 #   install's fill the deadline, less the summary's 20 s).
-# It prints a summary (last, on stdout) and writes at most 8 files to $OUT. Exit status: the suite's.
+# It prints a summary (last, on stdout; with the Triton kernels carried and those compiled here) and
+# writes at most 8 files to $OUT, triton.jsonl among them (the Triton specializations used). Exit status: the suite's.
 # Arguments name the stages to run after install (default: suite attention throughput latency profile), so a rerun
 # within the same lease can spend its minutes on the suite alone.
 # A stage that reaches its cap gets SIGINT first: pytest then still prints the failures so far,
@@ -73,8 +75,20 @@ print('tokenmill', tokenmill.__version__, 'torch', torch.__version__, torch.cuda
     PYTHONPATH=/tmp/site python3 -m pip check || true  # the image's versions against the wheels' needs (--no-deps)
 }
 export -f install
-stage install 45 bash -c install
-export PYTHONPATH=/tmp/site
+if stage install 45 bash -c install; then  # its lines into the summary, so that $OUT keeps 8 files for the rest
+    mapfile -t -O "${#summary[@]}" summary < <(sed 's/^/install: /' "$OUT/install.txt" | tail -4)
+    rm -f "$OUT/install.txt"
+    # benchmarks/gpu_site's sitecustomize: every process appends the Triton specializations it uses,
+    # for the next gpu_prepare.py to compile on the CPU too
+    export TOKENMILL_TRITON_RECORDS=$OUT/triton.jsonl
+fi
+# Triton's kernels as the CPU compiled them for this GPU (gpu_prepare.py: .triton-cache, carried),
+# at the absolute path their group files name
+export TRITON_CACHE_DIR=/tmp/tokenmill-triton-cache
+mkdir -p "$TRITON_CACHE_DIR"
+[[ -d .triton-cache ]] && cp -r .triton-cache/. "$TRITON_CACHE_DIR"
+carried=$(ls "$TRITON_CACHE_DIR" | sort)
+export PYTHONPATH=/tmp/site:$PWD/benchmarks/gpu_site
 stages=" ${*:-suite attention throughput latency profile} "
 
 model=/tmp/tokenmill-1b
@@ -135,9 +149,15 @@ fi
 
 [[ $stages == *" profile "* ]] && stage profile 40 python3 benchmarks/gpu_profile.py --model "$model"
 
+compiled=$(comm -13 <(echo "$carried") <(ls "$TRITON_CACHE_DIR" | sort))
+[[ -f $OUT/triton.jsonl ]] && sort -u -o "$OUT/triton.jsonl" "$OUT/triton.jsonl"
 {
     echo "$gpu"
     printf '%s\n' "${summary[@]}"
+    echo "triton cache: $(echo -n "$carried" | grep -c .) kernels carried, $(echo -n "$compiled" | grep -c .) compiled" \
+        "here, $(cat "$OUT/triton.jsonl" 2>/dev/null | wc -l) specializations used (triton.jsonl)"
+    for entry in $compiled; do basename "$TRITON_CACHE_DIR/$entry"/*.cubin .cubin; done | sort | uniq -c |
+        sed 's/^ */triton compiled here: /'
     grep -E "^(FAILED|ERROR) |(passed|failed|error|skipped|deselected)( |,|$)" "$OUT/suite.txt" 2>/dev/null | sed 's/^/suite: /' | tail -60
     grep -E "(passed|failed|error)( |,|$)" "$OUT/flex-suite.txt" 2>/dev/null | sed 's/^/flex suite: /' | tail -8
     grep -E "^(case|decode|prefill|  flex) " "$OUT/attention.txt" "$OUT/sweep.txt" "$OUT/flex.txt" 2>/dev/null

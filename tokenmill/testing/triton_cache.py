@@ -38,6 +38,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
+from tokenmill.server.logging import configure_logging
+
 #: the GPU machines' compute capability (H100 and H200)
 DEFAULT_ARCH = 90
 #: what a kernel needs at run time: the cubin, its metadata, and the group file that lists them
@@ -190,7 +192,10 @@ def record(path: str | os.PathLike) -> None:
     from triton import knobs
 
     def hook(*, fn: Any, compile: dict[str, Any], **_: Any) -> None:
-        line = json.dumps({"module": fn.module, "name": fn.name, "specialization": compile["specialization_data"]})
+        data = compile.get("specialization_data") if isinstance(compile, dict) else None
+        if data is None:  # torch inductor's kernels (TORCHINDUCTOR_RUN_JIT_POST_COMPILE_HOOK) pass other shapes
+            return
+        line = json.dumps({"module": fn.module, "name": fn.name, "specialization": data})
         with open(path, "a") as file:  # one write per line: processes append side by side
             file.write(line + "\n")
 
@@ -249,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("cache_dir must be absolute: the GPU finds a kernel's files by their absolute paths")
     os.environ.pop("TRITON_INTERPRET", None)
     os.environ["TRITON_CACHE_DIR"] = str(args.cache_dir)
+    os.environ["TQDM_DISABLE"] = "1"  # a line per engine, and the engines' warnings
+    configure_logging("warning")
     args.cache_dir.mkdir(parents=True, exist_ok=True)
     before = len(kernel_names(args.cache_dir))
     started = time.perf_counter()
