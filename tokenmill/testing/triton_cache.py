@@ -38,8 +38,6 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from tokenmill.server.logging import configure_logging
-
 #: the GPU machines' compute capability (H100 and H200)
 DEFAULT_ARCH = 90
 #: what a kernel needs at run time: the cubin, its metadata, and the group file that lists them
@@ -250,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoints", type=Path, help="the quantized checkpoints the GPU suite reads")
     parser.add_argument("--only", nargs="*", help="engines whose label starts with one of these")
     args = parser.parse_args(argv)
+    from tokenmill.server.logging import configure_logging  # here: sitecustomize imports this module everywhere
+
     if not args.cache_dir.is_absolute():
         parser.error("cache_dir must be absolute: the GPU finds a kernel's files by their absolute paths")
     os.environ.pop("TRITON_INTERPRET", None)
