@@ -155,7 +155,9 @@ compiled=$(comm -13 <(echo "$carried") <(ls "$TRITON_CACHE_DIR" | sort))
     echo "$gpu"
     printf '%s\n' "${summary[@]}"
     echo "triton cache: $(echo -n "$carried" | grep -c .) kernels carried, $(echo -n "$compiled" | grep -c .) compiled" \
-        "here, $(cat "$OUT/triton.jsonl" 2>/dev/null | wc -l) specializations used (triton.jsonl)"
+        "here, $(cat "$OUT/triton.jsonl" 2>/dev/null | wc -l) specializations used (triton.jsonl); triton_key" \
+        "$(python3 -c 'import hashlib; from triton.runtime.cache import triton_key
+print(hashlib.sha256(triton_key().encode()).hexdigest()[:12])' 2>&1 | tail -1) (gpu_prepare.py printed the carried one's)"
     for entry in $compiled; do basename "$TRITON_CACHE_DIR/$entry"/*.cubin .cubin; done | sort | uniq -c |
         sed 's/^ */triton compiled here: /'
     grep -E "^(FAILED|ERROR) |(passed|failed|error|skipped|deselected)( |,|$)" "$OUT/suite.txt" 2>/dev/null | sed 's/^/suite: /' | tail -60

@@ -24,6 +24,7 @@ It prints the total size: a device call carries at most 64 MiB with the checkout
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata as metadata
 import os
 import re
@@ -143,6 +144,8 @@ def compile_kernels() -> None:
     keyed = venv_with_triton(key_python, scratch / f"tokenmill-triton-{version}-key", version, system_site=False)
     key = subprocess.run([str(keyed), "-c", "from triton.runtime.cache import triton_key; print(triton_key())"],
                          capture_output=True, text=True, check=True).stdout.strip()
+    print(f"triton_key of Python 3.12's triton {version}: sha256 {hashlib.sha256(key.encode()).hexdigest()[:12]} "
+          "(gpu_check.sh's summary prints the GPU's)")
     compiler = venv_with_triton(sys.executable, scratch / f"tokenmill-triton-{version}", version, system_site=True)
     shutil.rmtree(GPU_CACHE, ignore_errors=True)
     command = [str(compiler), "-m", "tokenmill.testing.triton_cache", str(GPU_CACHE), "--triton-key", key]
