@@ -163,7 +163,11 @@ def size_mib(path: Path) -> float:
 
 
 def main() -> None:
-    packages = missing_packages()
+    try:
+        packages = missing_packages()
+    except metadata.PackageNotFoundError as missing:
+        sys.exit(f"{missing.name} is not installed here: the GPU gets each package at the version installed here "
+                 f"(pip install {missing.name}, then run this again)")
     print("wheels:", " ".join(f"{n}=={v}" for n, v in sorted(packages.items())))
     download(packages)
     copy_checkpoints()
