@@ -27,8 +27,8 @@
 #   batch-1 latency against HF, one tokenmill engine (async scheduling) at 0.6 of the GPU so HF's copy
 #   fits beside it (120 + 180 + 130 s: a call of its own, DEADLINE=495 and timeout_s=510; the caps and
 #   install's fill the deadline, less the summary's 20 s).
-# It prints a summary (last, on stdout; with the Triton kernels carried and those compiled here) and
-# writes at most 8 files to $OUT, triton.jsonl among them (the Triton specializations used). Exit status: the suite's.
+# It prints a summary (last, on stdout; with the Triton compiles the carried cache held and those it
+# missed) and writes at most 8 files to $OUT, triton.jsonl among them (the Triton specializations used). Exit status: the suite's.
 # Arguments name the stages to run after install (default: suite attention throughput latency profile), so a rerun
 # within the same lease can spend its minutes on the suite alone.
 # A stage that reaches its cap gets SIGINT first: pytest then still prints the failures so far,
@@ -76,7 +76,8 @@ print('tokenmill', tokenmill.__version__, 'torch', torch.__version__, torch.cuda
 }
 export -f install
 if stage install 45 bash -c install; then  # its lines into the summary, so that $OUT keeps 8 files for the rest
-    mapfile -t -O "${#summary[@]}" summary < <(sed 's/^/install: /' "$OUT/install.txt" | tail -4)
+    mapfile -t -O "${#summary[@]}" summary < <({ grep '^tokenmill ' "$OUT/install.txt"; grep -v '^tokenmill ' \
+        "$OUT/install.txt" | tail -2; } | sed 's/^/install: /')  # the versions, and pip check's last word
     rm -f "$OUT/install.txt"
     # benchmarks/gpu_site's sitecustomize: every process appends the Triton specializations it uses,
     # for the next gpu_prepare.py to compile on the CPU too
@@ -87,7 +88,6 @@ fi
 export TRITON_CACHE_DIR=/tmp/tokenmill-triton-cache
 mkdir -p "$TRITON_CACHE_DIR"
 [[ -d .triton-cache ]] && cp -r .triton-cache/. "$TRITON_CACHE_DIR"
-carried=$(ls "$TRITON_CACHE_DIR" | sort)
 export PYTHONPATH=/tmp/site:$PWD/benchmarks/gpu_site
 stages=" ${*:-suite attention throughput latency profile} "
 
@@ -149,17 +149,14 @@ fi
 
 [[ $stages == *" profile "* ]] && stage profile 40 python3 benchmarks/gpu_profile.py --model "$model"
 
-compiled=$(comm -13 <(echo "$carried") <(ls "$TRITON_CACHE_DIR" | sort))
+# the compiles' hits and misses by kernel, and what the carried cache was built from against this machine
+triton=$(TOKENMILL_TRITON_RECORDS= python3 -m tokenmill.testing.triton_cache summary "$OUT/triton.jsonl" \
+    --carried .triton-cache 2>&1 | tail -40)
 [[ -f $OUT/triton.jsonl ]] && sort -u -o "$OUT/triton.jsonl" "$OUT/triton.jsonl"
 {
     echo "$gpu"
     printf '%s\n' "${summary[@]}"
-    echo "triton cache: $(echo -n "$carried" | grep -c .) kernels carried, $(echo -n "$compiled" | grep -c .) compiled" \
-        "here, $(cat "$OUT/triton.jsonl" 2>/dev/null | wc -l) specializations used (triton.jsonl); triton_key" \
-        "$(python3 -c 'import hashlib; from triton.runtime.cache import triton_key
-print(hashlib.sha256(triton_key().encode()).hexdigest()[:12])' 2>&1 | tail -1) (gpu_prepare.py printed the carried one's)"
-    for entry in $compiled; do basename "$TRITON_CACHE_DIR/$entry"/*.cubin .cubin; done | sort | uniq -c |
-        sed 's/^ */triton compiled here: /'
+    echo "$triton"
     grep -E "^(FAILED|ERROR) |(passed|failed|error|skipped|deselected)( |,|$)" "$OUT/suite.txt" 2>/dev/null | sed 's/^/suite: /' | tail -60
     grep -E "(passed|failed|error)( |,|$)" "$OUT/flex-suite.txt" 2>/dev/null | sed 's/^/flex suite: /' | tail -8
     grep -E "^(case|decode|prefill|  flex) " "$OUT/attention.txt" "$OUT/sweep.txt" "$OUT/flex.txt" 2>/dev/null

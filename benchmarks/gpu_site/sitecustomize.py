@@ -4,11 +4,12 @@ appended to it (``tokenmill.testing.triton_cache.record``), for ``gpu_prepare.py
 on the CPU next time."""
 
 import os
+import sys
 
 if os.environ.get("TOKENMILL_TRITON_RECORDS"):
     try:
         from tokenmill.testing.triton_cache import record
 
         record(os.environ["TOKENMILL_TRITON_RECORDS"])
-    except ImportError:  # a process that runs before the install, or without triton
-        pass
+    except Exception as error:  # a process without triton or tokenmill still runs, and says so
+        print(f"benchmarks/gpu_site: no Triton records in this process: {error!r}", file=sys.stderr)
