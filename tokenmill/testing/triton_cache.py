@@ -275,7 +275,8 @@ def summary(records: Path, carried: Path) -> list[str]:
     from, against this machine's, and each compile the disk cache missed, by kernel."""
     built = json.loads((carried / PROVENANCE).read_text()) if (carried / PROVENANCE).exists() else {}
     kernels = sum(entry.is_dir() for entry in carried.iterdir()) if carried.is_dir() else 0
-    lines = [f"triton cache: {kernels} kernels carried, built from {built or 'an unknown build (no provenance.json)'}; here {provenance()}"]
+    origin = built or "an unknown build (no provenance.json)"
+    lines = [f"triton cache: {kernels} kernels carried, built from {origin}; here {provenance()}"]
     compiles = [json.loads(line) for line in records.read_text().splitlines() if line.startswith('{"compiled"')] \
         if records.exists() else []
     missed = collections.Counter(c["compiled"] for c in compiles if not c["hit"])
