@@ -125,8 +125,8 @@ def compile_only(arch: int = DEFAULT_ARCH, triton_key: str | None = None) -> Ite
 def gpu_check_engines(checkpoints: Path | None = None) -> list[tuple[str, str, dict[str, Any]]]:
     """(label, family or checkpoint path, engine arguments) of the engines the GPU check builds:
     the suite's (tests/gpu: each family in bf16 and fp16, graphed at 8 sequences, llama in
-    fp32 for the features, the quantized checkpoints) and the benchmarks' (the 1b model's
-    shapes in bf16 at 256 sequences, step by step and with async scheduling)."""
+    fp32 for the features, the quantized checkpoints) and the benchmarks' (the 1b and 8b
+    presets' shapes in bf16 at 256 sequences, the 1b step by step and with async scheduling)."""
     engines = []
     for arch in FAMILIES:
         engines += [(f"{arch} {dtype}", arch, {"dtype": dtype}) for dtype in ("bfloat16", "float16")
@@ -142,12 +142,15 @@ def gpu_check_engines(checkpoints: Path | None = None) -> list[tuple[str, str, d
             engines += [(f"{path.name} {dtype}", str(path), {"dtype": dtype}) for dtype in ("float32", "bfloat16")]
     engines += [(f"1b {mode}", "1b", {"dtype": "bfloat16", "async_scheduling": mode == "async"})
                 for mode in ("sync", "async")]
+    # Llama-3-8B's layer: the 8b stage's kernels and the attention benchmark's heads (32 / 8 of 128);
+    # 16 sequences, since its graphs at 256 take minutes here and launch the same kernels
+    engines.append(("8b", "8b", {"dtype": "bfloat16", "async_scheduling": True, "max_num_seqs": 16}))
     return engines
 
 
 def _model(arch: str, models: Path) -> str:
-    """A checkpoint path as it is, else a tiny model of the family (the 1b preset: one layer of it,
-    the kernels being the same for each layer)."""
+    """A checkpoint path as it is, else a tiny model of the family, or one layer of a preset's
+    shapes: each layer launches the same kernels, and no Triton kernel reads the vocabulary's size."""
     from tokenmill.bench.common import PRESETS
     from tokenmill.testing.tiny_models import make_tiny_model
 
@@ -156,7 +159,7 @@ def _model(arch: str, models: Path) -> str:
     path = models / arch
     if not path.exists():
         if arch in PRESETS:
-            make_tiny_model("llama", path, **{**PRESETS[arch], "num_hidden_layers": 1})
+            make_tiny_model("llama", path, **{**PRESETS[arch], "num_hidden_layers": 1, "vocab_size": 32000})
         else:
             make_tiny_model(arch, path)
     return str(path)
