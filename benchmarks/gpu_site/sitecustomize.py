@@ -1,7 +1,9 @@
 """Run by every Python process of the GPU check (gpu_check.sh puts this folder on PYTHONPATH):
-where ``TOKENMILL_TRITON_RECORDS`` names a file, each Triton specialization the process uses is
-appended to it (``tokenmill.testing.triton_cache.record``), for ``gpu_prepare.py`` to compile
-on the CPU next time."""
+where ``TOKENMILL_TRITON_RECORDS`` names a file, each Triton specialization the process uses,
+and each compile with its disk-cache hit or miss, is appended to it
+(``tokenmill.testing.triton_cache.record``): the check's summary counts the hits, and
+``gpu_prepare.py`` compiles the specializations on the CPU next time. It shadows any
+``sitecustomize`` of the image's (none is needed there)."""
 
 import os
 import sys
