@@ -3,7 +3,7 @@ where ``TOKENMILL_TRITON_RECORDS`` names a file, each Triton specialization the 
 and each compile with its disk-cache hit or miss, is appended to it
 (``tokenmill.testing.triton_cache.record``): the check's summary counts the hits, and
 ``gpu_prepare.py`` compiles the specializations on the CPU next time. It shadows any
-``sitecustomize`` of the image's (none is needed there)."""
+``sitecustomize`` of the image's Python."""
 
 import os
 import sys
