@@ -125,8 +125,8 @@ def compile_only(arch: int = DEFAULT_ARCH, triton_key: str | None = None) -> Ite
 def gpu_check_engines(checkpoints: Path | None = None) -> list[tuple[str, str, dict[str, Any]]]:
     """(label, family or checkpoint path, engine arguments) of the engines the GPU check builds:
     the suite's (tests/gpu: each family in bf16 and fp16, graphed at 8 sequences, llama in
-    fp32 for the features, the quantized checkpoints) and the benchmarks' (the 1b and 8b
-    presets' shapes in bf16 at 256 sequences, the 1b step by step and with async scheduling)."""
+    fp32 for the features, the quantized checkpoints) and the benchmarks' (the 1b preset's
+    shapes in bf16 at 256 sequences, step by step and with async scheduling; the 8b's)."""
     engines = []
     for arch in FAMILIES:
         engines += [(f"{arch} {dtype}", arch, {"dtype": dtype}) for dtype in ("bfloat16", "float16")
