@@ -153,7 +153,8 @@ def compile_kernels() -> None:
     environment = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(ROOT)}
     if subprocess.run(command, env=environment).returncode != 0:
         print("some kernels failed to compile (above): .triton-cache holds the others")
-    shutil.copytree(GPU_CACHE, KERNELS)
+    if GPU_CACHE.is_dir():
+        shutil.copytree(GPU_CACHE, KERNELS)
 
 
 def size_mib(path: Path) -> float:
