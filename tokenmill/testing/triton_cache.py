@@ -268,9 +268,13 @@ def provenance() -> dict[str, Any]:
     from triton.runtime import cache
 
     root = Path(__file__).resolve().parents[2]
-    commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=root, capture_output=True, text=True)
+    try:  # a checkout copied without its .git, or a machine without git, has no commit to tell
+        commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=root, capture_output=True,
+                                text=True).stdout.strip()
+    except OSError:
+        commit = ""
     return {"triton_key": hashlib.sha256(cache.triton_key().encode()).hexdigest()[:12],
-            "env": get_cache_invalidating_env_vars(), "commit": commit.stdout.strip() or "unknown"}
+            "env": get_cache_invalidating_env_vars(), "commit": commit or "unknown"}
 
 
 def summary(records: Path, carried: Path) -> list[str]:
