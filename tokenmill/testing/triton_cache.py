@@ -281,23 +281,21 @@ def summary(records: Path, carried: Path) -> list[str]:
     """The GPU check's lines on its Triton compiles: the cache carried and what it was built
     from, against this machine's, and each compile the disk cache missed, by kernel."""
     built = json.loads((carried / PROVENANCE).read_text()) if (carried / PROVENANCE).exists() else {}
-    kernels = sum(entry.is_dir() for entry in carried.iterdir()) if carried.is_dir() else 0
     origin = built or "an unknown build (no provenance.json)"
-    lines = [f"triton cache: {kernels} kernels carried, built from {origin}; here {provenance()}"]
+    lines = [f"triton cache: {kernel_count(carried)} kernels carried, built from {origin}; here {provenance()}"]
     compiles = [json.loads(line) for line in records.read_text().splitlines() if line.startswith('{"compiled"')] \
         if records.exists() else []
-    missed = collections.Counter(c["compiled"] for c in compiles if not c["hit"])
-    seconds = sum(c["ms"] for c in compiles if not c["hit"]) / 1000
-    lines.append(f"triton compiles: {len(compiles) - sum(missed.values())} from the cache, "
-                 f"{sum(missed.values())} compiled here ({seconds:.1f} s)")
-    lines += [f"triton compiled here: {count} {name}" for name, count in missed.most_common()]
+    misses = [c for c in compiles if not c["hit"]]
+    lines.append(f"triton compiles: {len(compiles) - len(misses)} from the cache, {len(misses)} compiled here "
+                 f"({sum(c['ms'] for c in misses) / 1000:.1f} s)")
+    lines += [f"triton compiled here: {count} {name}"
+              for name, count in collections.Counter(c["compiled"] for c in misses).most_common()]
     return lines
 
 
-def kernel_names(cache_dir: Path) -> dict[str, str]:
-    """Cache directory -> the kernel compiled in it."""
-    return {entry.name: next((f.stem for f in entry.glob("*.cubin")), "?") for entry in cache_dir.iterdir()
-            if entry.is_dir()}
+def kernel_count(cache_dir: Path) -> int:
+    """The kernels in a cache: a directory each (files beside them are not Triton's)."""
+    return sum(entry.is_dir() for entry in cache_dir.iterdir()) if cache_dir.is_dir() else 0
 
 
 def build(args: argparse.Namespace) -> int:
@@ -309,7 +307,7 @@ def build(args: argparse.Namespace) -> int:
     os.environ["TQDM_DISABLE"] = "1"  # a line per engine, and the engines' warnings
     configure_logging("warning")
     args.cache_dir.mkdir(parents=True, exist_ok=True)
-    before, failed = len(kernel_names(args.cache_dir)), 0
+    before, failed = kernel_count(args.cache_dir), 0
     started = time.perf_counter()
     with compile_only(args.arch, args.triton_key), tempfile.TemporaryDirectory() as models:
         if args.records is not None:
@@ -320,7 +318,7 @@ def build(args: argparse.Namespace) -> int:
                    if not args.only or engine[0].startswith(tuple(args.only))]
         for label, seconds, error in dry_run(engines, Path(models)):
             failed += error is not None
-            what = f"{type(error).__name__}: {error}" if error else f"{len(kernel_names(args.cache_dir))} kernels"
+            what = f"{type(error).__name__}: {error}" if error else f"{kernel_count(args.cache_dir)} kernels"
             print(f"{label}: {seconds:.1f} s, {what}", flush=True)
         built = provenance()  # under compile_only's triton_key
     kernels, size = prune(args.cache_dir)
