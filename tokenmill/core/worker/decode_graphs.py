@@ -8,9 +8,8 @@ grid and every tensor's address, so:
 - the inputs live in fixed buffers, refilled before each replay;
 - a step of ``n`` decode rows replays the smallest recorded size ``>= n`` (the buckets are
   vLLM's 1, 2, 4, 8, 16, 24, ... up to ``max_num_seqs`` or 512, or compilation_config's sizes), its
-  extra rows padded:
-  token 0 at position 0 with slot -1, so they write no KV; they read block 0 and their
-  outputs are dropped;
+  extra rows padded: token 0 at position 0 with slot -1, so they write no KV; they read block 0
+  and their outputs are dropped;
 - the attention metadata is built once per bucket, by the backend's ``graph_metadata``, and
   kept as long as the graphs (a recording holds addresses, not references);
 - the logits and sampling stay outside the graph, on the rows that are real.
