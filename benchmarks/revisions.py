@@ -52,10 +52,13 @@ def run(tree: Path, site: Path, benchmark: str, benchmark_args: list[str], metri
     script = tree / "benchmarks" / f"{benchmark}.py"
     command = [str(script)] if script.is_file() else ["-m", "tokenmill.cli", "bench", benchmark]
     # run from an empty directory: `python -m` puts the working directory first on sys.path,
-    # and from this checkout's root the base would import the head's package
+    # and from this checkout's root the base would import the head's package; third-party
+    # plugins stay out (the contrib packages installed here are the head's, written against
+    # its interfaces, which an older base may not have)
+    env = {**os.environ, "PYTHONPATH": str(site), "TOKENMILL_DISABLE_PLUGIN_AUTOLOAD": "1"}
     with tempfile.NamedTemporaryFile(suffix=".json") as out, tempfile.TemporaryDirectory() as cwd:
         subprocess.run([sys.executable, *command, *benchmark_args, "--json", out.name], cwd=cwd,
-                       check=True, env={**os.environ, "PYTHONPATH": str(site)}, stdout=subprocess.DEVNULL)
+                       check=True, env=env, stdout=subprocess.DEVNULL)
         value = json.loads(Path(out.name).read_text())
     for key in metric.split("."):
         value = value[key]

@@ -14,6 +14,7 @@ from tokenmill.interfaces.errors import (
     ComponentUnavailable,
     ConfigError,
     DuplicateComponent,
+    PluginLoadFailed,
     UnknownComponent,
 )
 
@@ -110,6 +111,29 @@ def test_allowlist_and_autoload_switches_are_read_at_call_time(monkeypatch, env,
     pm = make_plugin_manager()
     assert ("shortest_prompt" in pm.info) is expected
     assert {"fifo", "torch_attention", "llama"} <= set(pm.info)
+
+
+def test_a_plugin_that_fails_to_import_is_named_with_the_way_to_leave_it_out(monkeypatch, tmp_path, capsys):
+    """A third-party entry point whose import raises (a missing dependency, a plugin written
+    against another tokenmill) stops the engine and the CLI with its name, its distribution and
+    the switches that leave it out, not a traceback; the allowlist then starts without it."""
+    from tokenmill.cli.command import main
+
+    (tmp_path / "broken_plugin").mkdir()
+    (tmp_path / "broken_plugin" / "__init__.py").write_text("import a_module_nobody_installed\n")
+    info = tmp_path / "broken_plugin-0.3.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-plugin\nVersion: 0.3\n")
+    (info / "entry_points.txt").write_text(f"[{hookspecs.ENTRY_POINT_GROUP}]\nbroken = broken_plugin\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(PluginLoadFailed, match=r"plugin 'broken' \(distribution broken-plugin 0.3\) failed to "
+                       r"import: ModuleNotFoundError: No module named 'a_module_nobody_installed'.*"
+                       r"TOKENMILL_DISABLE_PLUGIN_AUTOLOAD=1"):
+        make_plugin_manager()
+    assert main(["plugins"]) == 2
+    assert capsys.readouterr().err.startswith("tokenmill: error: plugin 'broken'")
+    monkeypatch.setenv("TOKENMILL_PLUGINS", "tokenmill-shortest-prompt")
+    assert "shortest_prompt" in make_plugin_manager().info
 
 
 def test_bad_switch_value_is_an_error(monkeypatch):

@@ -43,6 +43,20 @@ class DuplicateComponent(TokenmillError):
         self.kind, self.name, self.plugins = kind, name, (first, second)
 
 
+class PluginLoadFailed(TokenmillError):
+    """A third-party plugin's entry point raised while importing (a missing dependency, a
+    plugin written against another tokenmill). Nothing is skipped silently: a plugin left out
+    could be the platform or policy the user chose."""
+
+    def __init__(self, name: str, distribution: str | None, version: str | None, error: BaseException) -> None:
+        source = f"distribution {distribution} {version}" if distribution else "no distribution"
+        super().__init__(
+            f"plugin {name!r} ({source}) failed to import: {type(error).__name__}: {error}. Leave it out with "
+            "TOKENMILL_PLUGINS (the distributions allowed to load) or TOKENMILL_DISABLE_PLUGIN_AUTOLOAD=1, "
+            "or uninstall it")
+        self.name, self.distribution = name, distribution
+
+
 class ComponentUnavailable(TokenmillError):
     """A registered component cannot be used here (missing dependency, no GPU, ...)."""
 

@@ -16,7 +16,7 @@ import pluggy
 import structlog
 
 from tokenmill.interfaces import hookspecs
-from tokenmill.interfaces.errors import ConfigError, DuplicateComponent
+from tokenmill.interfaces.errors import ConfigError, DuplicateComponent, PluginLoadFailed
 
 log = structlog.get_logger("tokenmill.plugins")
 
@@ -83,7 +83,14 @@ def make_plugin_manager(*, autoload: Optional[bool] = None) -> PluginManager:
             if allowlist is not None and (dist is None or _canonical(dist) not in allowlist):
                 log.debug("plugin skipped by allowlist", plugin=ep.name, distribution=dist)
                 continue
-        pm.register_plugin(ep.load(), ep.name, dist, ep.dist.version if ep.dist else None)
+        version = ep.dist.version if ep.dist else None
+        try:
+            plugin = ep.load()
+        except Exception as exc:  # tokenmill's own plugins fail as they are: a bug, not a setup
+            if first_party:
+                raise
+            raise PluginLoadFailed(ep.name, dist, version, exc) from exc
+        pm.register_plugin(plugin, ep.name, dist, version)
     pm.check_pending()
     if _env_flag("TOKENMILL_TRACE_PLUGINS"):
         pm.trace.root.setwriter(lambda message: log.info("hook", call=message.rstrip()))
