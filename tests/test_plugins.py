@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import yaml
 
@@ -113,12 +117,10 @@ def test_allowlist_and_autoload_switches_are_read_at_call_time(monkeypatch, env,
     assert {"fifo", "torch_attention", "llama"} <= set(pm.info)
 
 
-def test_a_plugin_that_fails_to_import_is_named_with_the_way_to_leave_it_out(monkeypatch, tmp_path, capsys):
+def test_a_plugin_that_fails_to_import_is_named_with_the_way_to_leave_it_out(monkeypatch, tmp_path):
     """A third-party entry point whose import raises (a missing dependency, a plugin written
     against another tokenmill) stops the engine and the CLI with its name, its distribution and
     the switches that leave it out, not a traceback; the allowlist then starts without it."""
-    from tokenmill.cli.command import main
-
     (tmp_path / "broken_plugin").mkdir()
     (tmp_path / "broken_plugin" / "__init__.py").write_text("import a_module_nobody_installed\n")
     info = tmp_path / "broken_plugin-0.3.dist-info"
@@ -130,8 +132,9 @@ def test_a_plugin_that_fails_to_import_is_named_with_the_way_to_leave_it_out(mon
                        r"import: ModuleNotFoundError: No module named 'a_module_nobody_installed'.*"
                        r"TOKENMILL_DISABLE_PLUGIN_AUTOLOAD=1"):
         make_plugin_manager()
-    assert main(["plugins"]) == 2
-    assert capsys.readouterr().err.startswith("tokenmill: error: plugin 'broken'")
+    cli = subprocess.run([sys.executable, "-m", "tokenmill.cli", "plugins"], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])})
+    assert cli.returncode == 2 and cli.stderr.startswith("tokenmill: error: plugin 'broken'"), cli.stderr
     monkeypatch.setenv("TOKENMILL_PLUGINS", "tokenmill-shortest-prompt")
     assert "shortest_prompt" in make_plugin_manager().info
 
