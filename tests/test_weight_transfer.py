@@ -131,6 +131,41 @@ def test_no_kv_of_the_old_weights_is_a_prefix_hit_after_an_update(model_dir):
             assert list(out.outputs[0].token_ids) == hf_greedy(path, weights, again, GREEDY.max_tokens)[0]
 
 
+def test_an_update_on_the_device_replays_the_recorded_graphs_and_a_moved_tensor_records_them_again(
+        model_dir, monkeypatch):
+    """On the cuda platform (the CUDA stand-in, whose graphs hold addresses, not references) an
+    update copies into the tensors the decode graphs read, so they replay as recorded: a
+    trainer's update records no bucket again, and the tokens and logprobs are transformers' on
+    the new weights. A loader that replaces a tensor instead (a new address) gets its graphs
+    recorded again; kept, they would read freed memory."""
+    from test_device_boundaries import fake_cuda_llm
+    from tokenmill.testing.fake_cuda import fake_cuda
+
+    path = model_dir("llama")
+    with fake_cuda():
+        llm = fake_cuda_llm(path, max_num_seqs=2, **TRANSFER)  # graphs of 2 and 1 rows: decode steps replay
+        platform, model = llm.llm_engine.platform, llm.llm_engine.runner.model
+        recorded = len(platform.graphs)
+        llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info={}))
+        weights = perturbed(path, 1)
+        push(llm, weights, "in-place")
+        assert len(platform.graphs) == recorded
+        assert_matches_hf(llm, path, weights)
+
+        load = model.load_weights
+        norm = model.get_parameter("model.norm.weight")
+
+        def load_into_a_new_tensor(named):
+            norm.data = norm.data.clone()  # another address, which the update then writes
+            return load(named)
+
+        monkeypatch.setattr(model, "load_weights", load_into_a_new_tensor)
+        weights = perturbed(path, 2)
+        push(llm, weights, "moved")
+        assert_matches_hf(llm, path, weights)
+        assert len(platform.graphs) == recorded + 2
+
+
 def test_sleep_at_level_2_forgets_the_update(model_dir):
     """Level 2 frees the weights and wakes with the checkpoint's: the version goes with them."""
     path = model_dir("llama")

@@ -160,6 +160,11 @@ class DeviceTensor(torch.Tensor):
         self.held()  # this tensor's hold on its old storage, ended now
         self.elem, self.held = value.elem, DEVICE_MEMORY.hold(self, value.elem)
 
+    def data_ptr(self) -> int:
+        """The address of its values, each tensor's own as on a device (a wrapper's is 0 for every
+        tensor, so code telling tensors apart by address, as a recorded graph does, would see none move)."""
+        return self.elem.data_ptr()
+
     def __repr__(self) -> str:
         synced("printing a device tensor")  # its values are read back
         return f"DeviceTensor({self.elem!r})"

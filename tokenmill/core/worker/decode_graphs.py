@@ -64,6 +64,8 @@ class DecodeGraphs:
         #: replay: a recorded graph holds its tensors' addresses, not references, so they
         #: live as long as the graphs do (freed, the replay reads whatever reuses the memory)
         self.metadata: dict[int, AttentionMetadata] = {}
+        #: where the model's tensors were when the graphs were recorded
+        self.addresses: list[tuple[int, tuple[int, ...], torch.dtype]] = []
 
     @classmethod
     def for_engine(cls, model: CausalLM, backend: AttentionBackend, platform: Platform, sizes: list[int],
@@ -99,8 +101,15 @@ class DecodeGraphs:
                     self.hidden = None
                     return False
                 self.graphs[size] = graph
+        self.addresses = tensor_addresses(self.model)
         log.info("decode graphs captured", sizes=self.sizes, seconds=round(time.perf_counter() - started, 2))
         return True
+
+    def addresses_unchanged(self) -> bool:
+        """Whether every tensor of the model is where it was at recording, so the graphs replay
+        over its current values (a weight update that copied in place); else they must be recorded
+        again."""
+        return tensor_addresses(self.model) == self.addresses
 
     def _forward(self, size: int, metadata: Optional[AttentionMetadata] = None) -> torch.Tensor:
         metadata = metadata or self._metadata(size)
@@ -154,3 +163,11 @@ class DecodeGraphs:
         self.block_table[:size, :width].copy_(put(padded(block_table, 0), "block_table"), non_blocking=True)
         self.graphs[size].replay()
         return self.hidden[:rows]
+
+
+def tensor_addresses(model: torch.nn.Module) -> list[tuple[int, tuple[int, ...], torch.dtype]]:
+    """Where each tensor of ``model`` lives (parameters, buffers and plain tensor attributes,
+    which a platform's optimisation may add): what a recorded graph reads from."""
+    return [(t.data_ptr(), tuple(t.shape), t.dtype) for module in model.modules()
+            for t in (*module._parameters.values(), *module._buffers.values(), *vars(module).values())
+            if isinstance(t, torch.Tensor)]

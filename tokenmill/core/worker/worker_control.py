@@ -142,7 +142,12 @@ class WorkerControl:
         if self._has_greedy_head:
             asleep = self._released is not None or self._offloaded is not None
             parts.step.greedy_head = None if asleep else parts.platform.greedy_head(self.model)
-        if parts.record_graphs is not None and parts.step.graphs is not None:
+        # a recorded graph holds addresses: where the update copied into the same tensors (the
+        # loaders do; the cuda platform derives nothing from the weights) it replays as it is, and
+        # a trainer's every update skips recording each bucket again. Where a tensor moved, the old
+        # graphs go first, so that the new ones reuse their memory instead of holding it twice.
+        if parts.step.graphs is not None and not parts.step.graphs.addresses_unchanged():
+            parts.step.graphs = None
             parts.step.graphs = parts.record_graphs()
 
     # --- sleep ----------------------------------------------------------------
