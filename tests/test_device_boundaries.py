@@ -404,7 +404,9 @@ def test_sleep_frees_the_device_memory_and_waking_gives_the_same_tokens(model_di
     level 1 moves the weights to the host and frees the KV cache, level 2 frees the weights
     too, reloaded from the checkpoint through each parameter's loader (level 2 after level 1
     as well). The device memory of both goes, cycle after cycle, and comes back with the same
-    tokens (the graphs recorded again over the new addresses)."""
+    tokens (the graphs recorded again over the new addresses). Level 1's copies go through
+    pinned memory: one wait for them all at sleep, none at wake (a pageable copy waited per
+    parameter each way)."""
     def held() -> int:
         gc.collect()
         return DEVICE_MEMORY.allocated
@@ -417,9 +419,13 @@ def test_sleep_frees_the_device_memory_and_waking_gives_the_same_tokens(model_di
         awake = held()
         for levels in ((1,), (2,), (1, 2)):  # level 2 after level 1: the weights on the host go
             for level in levels:
-                llm.sleep(level=level)
+                with host_syncs() as waits:
+                    llm.sleep(level=level)
+                assert len(waits) <= 1, waits
                 assert held() <= awake - weights - 2**23  # the KV cache: kv_cache_memory_bytes
-            llm.wake_up()
+            with host_syncs() as waits:
+                llm.wake_up()
+            assert levels != (1,) or waits == [], waits
             assert greedy(llm, PROMPTS[:2], [6, 6]) == before
             engine.platform.graphs.clear()  # the stand-in keeps every graph it recorded, for tests
             assert held() <= awake

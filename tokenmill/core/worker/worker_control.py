@@ -164,9 +164,13 @@ class WorkerControl:
             self.parts.step.graphs = None
         if level == 1 and self.parts.platform.device_type != "cpu" and self._offloaded is None \
                 and self._released is None:
-            self._offloaded = {}
-            for name, param in self.model.named_parameters():
-                self._offloaded[name] = param.data.to("cpu")
+            # a device tensor's non-blocking copy to the host lands in pinned memory (torch's rule),
+            # at the link's speed, where a pageable one is staged and waited for tensor by tensor;
+            # one wait after them all, before the device memory is let go
+            self._offloaded = {name: param.data.to("cpu", non_blocking=True)
+                               for name, param in self.model.named_parameters()}
+            self.parts.platform.record_event().synchronize()
+            for param in self.model.parameters():
                 param.data = torch.empty(0, dtype=param.dtype, device=param.device)
         if level >= 2 and self._released is None:
             self._released = {}
@@ -182,8 +186,8 @@ class WorkerControl:
         parts = self.parts
         if "weights" in tags and self._offloaded is not None:
             device = parts.platform.device_type
-            for name, param in self.model.named_parameters():
-                param.data = self._offloaded[name].to(device)
+            for name, param in self.model.named_parameters():  # from pinned memory: queued, no wait each
+                param.data = self._offloaded[name].to(device, non_blocking=True)
             self._offloaded = None
             self._refresh()
         if "weights" in tags and self._released is not None:
