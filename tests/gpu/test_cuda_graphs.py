@@ -40,3 +40,25 @@ def test_cuda_graphs_on_and_off_give_identical_tokens(arch, model_dir):
     eager = cuda_llm(model_dir(arch), dtype=dtype, max_num_seqs=8, enforce_eager=True)
     assert eager.llm_engine.runner.model_step.graphs is None
     assert decode(graphed, prompts, max_tokens) == decode(eager, prompts, max_tokens)
+
+
+def test_a_weight_update_replays_the_recorded_graphs_over_the_new_weights(model_dir):
+    """A trainer's update (vLLM's weight-transfer cycle) copies into the tensors the graphs read:
+    no bucket is recorded again, and the graphed engine decodes the new weights exactly as the
+    same engine under enforce_eager updated alike."""
+    from test_weight_transfer import TRANSFER, perturbed, push
+    from tokenmill.interfaces.weight_transfer import WeightTransferInitRequest
+
+    path, prompts, max_tokens = model_dir("llama"), PROMPTS[:7], [12, 10, 8, 6, 4, 4, 4]
+    graphed, eager = (cuda_llm(path, dtype="bfloat16", max_num_seqs=8, enforce_eager=e, **TRANSFER)
+                      for e in (False, True))
+    step = graphed.llm_engine.runner.model_step
+    graphs, recorded = step.graphs, dict(step.graphs.graphs)
+    before = decode(graphed, prompts, max_tokens)
+    weights = perturbed(path, 1)
+    for llm in (graphed, eager):
+        llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info={}))
+        push(llm, weights, "v1")
+    assert step.graphs is graphs and graphs.graphs == recorded
+    after = decode(graphed, prompts, max_tokens)
+    assert after == decode(eager, prompts, max_tokens) and after != before
