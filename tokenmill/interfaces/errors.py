@@ -49,7 +49,8 @@ class PluginLoadFailed(TokenmillError):
     could be the platform or policy the user chose."""
 
     def __init__(self, name: str, distribution: str | None, version: str | None, error: BaseException) -> None:
-        source = f"distribution {distribution} {version}" if distribution else "no distribution"
+        source = " ".join(["distribution", distribution] + ([version] if version else [])) if distribution \
+            else "no distribution"
         super().__init__(
             f"plugin {name!r} ({source}) failed to import: {type(error).__name__}: {error}. Leave it out with "
             "TOKENMILL_PLUGINS (the distributions allowed to load) or TOKENMILL_DISABLE_PLUGIN_AUTOLOAD=1, "
