@@ -37,7 +37,8 @@ def _kv_bytes(model) -> int:
 
 def test_sleep_frees_the_gpu_memory_and_waking_gives_the_same_tokens(model_dir):
     """Sleep mode (a trainer takes the GPU between rollouts): level 1 moves the weights to the
-    host and frees the KV cache, level 2 frees the weights too (reloaded from the checkpoint);
+    host (pinned memory: the copies run at the link's speed) and frees the KV cache, level 2 frees
+    the weights too (reloaded from the checkpoint);
     this process's allocations drop by both, the allocator hands the memory back, and the engine
     wakes to the same tokens, its graphs recorded again over the new addresses."""
     llm = cuda_llm(model_dir("llama"), dtype="bfloat16", enable_sleep_mode=True)
@@ -50,6 +51,8 @@ def test_sleep_frees_the_gpu_memory_and_waking_gives_the_same_tokens(model_dir):
     awake, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     for level in (1, 2):
         llm.sleep(level=level)
+        offloaded = llm.llm_engine.control.plane.local._offloaded
+        assert level == 2 or (offloaded and all(t.is_pinned() for t in offloaded.values()))
         assert torch.cuda.memory_allocated() <= awake - 0.9 * freed
         assert torch.cuda.memory_reserved() <= reserved - 0.9 * freed  # back to the driver (empty_cache)
         llm.wake_up()
