@@ -148,14 +148,17 @@ def test_an_update_on_the_device_replays_the_recorded_graphs_and_a_moved_tensor_
         recorded = len(platform.graphs)
         llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info={}))
         weights = perturbed(path, 1)
+        graphs = llm.llm_engine.runner.model_step.graphs
         push(llm, weights, "in-place")
-        assert len(platform.graphs) == recorded
+        assert len(platform.graphs) == recorded and llm.llm_engine.runner.model_step.graphs is graphs
         assert_matches_hf(llm, path, weights)
 
         load = model.load_weights
         norm = model.get_parameter("model.norm.weight")
+        old = []  # kept alive: no later tensor can take their addresses
 
         def load_into_a_new_tensor(named):
+            old.append(norm.data)
             norm.data = norm.data.clone()  # another address, which the update then writes
             return load(named)
 

@@ -155,7 +155,9 @@ class Platform:
         ``optimize_model`` derived from them. It is only called on a model built with
         ``keeps_plain_weights`` set, which ``optimize_model`` must honour: each layer keeps
         its parameters (the same objects, dtypes and shapes) as the loader wrote them, for
-        updates to write into again."""
+        updates to write into again. Recorded decode graphs are kept across a refresh where
+        no tensor reachable from the model's modules (parameters, buffers, tensor attributes)
+        moved: a copy derived here that a graph reads must be one of those."""
 
     def greedy_head(self, model: torch.nn.Module) -> Optional[GreedyArgmax]:
         """An argmax head for steps whose rows are all greedy without logprobs, or None."""

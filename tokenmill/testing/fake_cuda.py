@@ -36,6 +36,7 @@ could not sample), and on a CPU-only build their ``.to("cuda")``, cross-device
 
 from __future__ import annotations
 
+import copy
 import threading
 import weakref
 from contextlib import ExitStack, contextmanager
@@ -164,6 +165,15 @@ class DeviceTensor(torch.Tensor):
         """The address of its values, each tensor's own as on a device (a wrapper's is 0 for every
         tensor, so code telling tensors apart by address, as a recorded graph does, would see none move)."""
         return self.elem.data_ptr()
+
+    def __deepcopy__(self, memo: dict) -> "DeviceTensor":
+        """A device tensor with a copy of the values (torch's own deepcopy takes a tensor with an
+        address for a real CUDA one, which the stand-in cannot make); a parameter stays one."""
+        if id(self) not in memo:
+            copied = DeviceTensor(copy.deepcopy(self.elem, memo))
+            memo[id(self)] = (torch.nn.Parameter(copied, self.requires_grad)
+                              if isinstance(self, torch.nn.Parameter) else copied)
+        return memo[id(self)]
 
     def __repr__(self) -> str:
         synced("printing a device tensor")  # its values are read back

@@ -65,7 +65,7 @@ class DecodeGraphs:
         #: live as long as the graphs do (freed, the replay reads whatever reuses the memory)
         self.metadata: dict[int, AttentionMetadata] = {}
         #: where the model's tensors were when the graphs were recorded
-        self.addresses: list[tuple[int, tuple[int, ...], torch.dtype]] = []
+        self.addresses: list[tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype]] = []
 
     @classmethod
     def for_engine(cls, model: CausalLM, backend: AttentionBackend, platform: Platform, sizes: list[int],
@@ -165,9 +165,10 @@ class DecodeGraphs:
         return self.hidden[:rows]
 
 
-def tensor_addresses(model: torch.nn.Module) -> list[tuple[int, tuple[int, ...], torch.dtype]]:
-    """Where each tensor of ``model`` lives (parameters, buffers and plain tensor attributes,
-    which a platform's optimisation may add): what a recorded graph reads from."""
-    return [(t.data_ptr(), tuple(t.shape), t.dtype) for module in model.modules()
+def tensor_addresses(model: torch.nn.Module) -> list[tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype]]:
+    """Where each tensor of ``model`` lives and its geometry (parameters, buffers and plain
+    tensor attributes, which a platform's optimisation may add): what a recorded graph reads
+    from. Opaque layouts (oneDNN's packed weights) have no address to record and are left out."""
+    return [(t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype) for module in model.modules()
             for t in (*module._parameters.values(), *module._buffers.values(), *vars(module).values())
-            if isinstance(t, torch.Tensor)]
+            if isinstance(t, torch.Tensor) and t.layout is torch.strided]

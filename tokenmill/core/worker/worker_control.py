@@ -146,7 +146,8 @@ class WorkerControl:
         # loaders do; the cuda platform derives nothing from the weights) it replays as it is, and
         # a trainer's every update skips recording each bucket again. Where a tensor moved, the old
         # graphs go first, so that the new ones reuse their memory instead of holding it twice.
-        if parts.step.graphs is not None and not parts.step.graphs.addresses_unchanged():
+        if parts.record_graphs is not None and parts.step.graphs is not None \
+                and not parts.step.graphs.addresses_unchanged():
             parts.step.graphs = None
             parts.step.graphs = parts.record_graphs()
 
@@ -154,6 +155,16 @@ class WorkerControl:
     def sleep(self, level: int) -> None:
         """Level 1 frees the KV cache and moves a device's weights to host memory (on the
         cpu platform they are there already); level 2 frees the weights too."""
+        offloaded = None
+        if level == 1 and self.parts.platform.device_type != "cpu" and self._offloaded is None \
+                and self._released is None:
+            # first, so that a failure (host memory) leaves the engine as it was. A device
+            # tensor's non-blocking copy to the host lands in pinned memory (torch's rule), at the
+            # link's speed, where a pageable one is staged and waited for tensor by tensor; one
+            # wait after them all, before the device memory is let go
+            offloaded = {name: param.data.to("cpu", non_blocking=True)
+                         for name, param in self.model.named_parameters()}
+            self.parts.platform.record_event().synchronize()
         for module in self.model.modules():
             if getattr(module, "kv_cache", None) is not None:
                 module.kv_cache = None
@@ -162,14 +173,8 @@ class WorkerControl:
         self._kv_released = True
         if self.parts.step.graphs is not None:  # they hold the caches' addresses
             self.parts.step.graphs = None
-        if level == 1 and self.parts.platform.device_type != "cpu" and self._offloaded is None \
-                and self._released is None:
-            # a device tensor's non-blocking copy to the host lands in pinned memory (torch's rule),
-            # at the link's speed, where a pageable one is staged and waited for tensor by tensor;
-            # one wait after them all, before the device memory is let go
-            self._offloaded = {name: param.data.to("cpu", non_blocking=True)
-                               for name, param in self.model.named_parameters()}
-            self.parts.platform.record_event().synchronize()
+        if offloaded is not None:
+            self._offloaded = offloaded
             for param in self.model.parameters():
                 param.data = torch.empty(0, dtype=param.dtype, device=param.device)
         if level >= 2 and self._released is None:
@@ -189,6 +194,10 @@ class WorkerControl:
             for name, param in self.model.named_parameters():  # from pinned memory: queued, no wait each
                 param.data = self._offloaded[name].to(device, non_blocking=True)
             self._offloaded = None
+            # one wait for the copies, then the pinned blocks go back to the OS (torch's host
+            # allocator would keep them page-locked, a copy of the weights, while the engine runs)
+            parts.platform.record_event().synchronize()
+            parts.platform.release_memory()
             self._refresh()
         if "weights" in tags and self._released is not None:
             device = parts.platform.device_type

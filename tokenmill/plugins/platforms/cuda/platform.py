@@ -151,6 +151,8 @@ class CudaPlatform(Platform):
 
     def release_memory(self) -> None:
         torch.cuda.empty_cache()  # the caching allocator keeps freed blocks from other users
+        if torch.cuda.is_initialized():  # its host allocator keeps freed pinned blocks (sleep's copies) page-locked
+            (getattr(torch.accelerator, "empty_host_cache", None) or torch._C._host_emptyCache)()
 
     def host_buffer(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(tuple(shape), dtype=dtype, pin_memory=True)
