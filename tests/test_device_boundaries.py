@@ -34,7 +34,8 @@ from tokenmill.plugins.quantization import fp8
 from tokenmill.plugins.quantization.group_quant import TritonGroupQuantizedLinear
 from tokenmill.testing.device_graphs import FreedTensorError, HostSyncError
 from tokenmill.testing.device_memory import DEVICE_MEMORY
-from tokenmill.testing.fake_cuda import DeviceMismatchError, DeviceTensor, fake_cuda, host_syncs, host_value
+from tokenmill.testing.device_queue import host_syncs
+from tokenmill.testing.fake_cuda import DeviceMismatchError, DeviceTensor, fake_cuda, host_value
 from tokenmill.testing.fake_cuda_platform import FakeCudaPlatform
 from tokenmill.testing.hf_reference import assert_matches_reference, hf_greedy
 from tokenmill.testing.logits import prompt_logits
@@ -635,7 +636,7 @@ def test_a_penalised_request_sends_its_prompt_once_and_its_output_as_it_grows(mo
     to the device once per request and the output's one step's worth at a time, not the whole
     history every step (a 2k-token prompt at 64 rows is 128k ids of Python and a copy, a step;
     1024 rows of 1k outputs 140 ms), and the tokens are the CPU engine's."""
-    from tokenmill.testing.fake_cuda import host_to_device_copies
+    from tokenmill.testing.device_queue import host_to_device_copies
 
     prompt = (PROMPTS[0] * 2)[:37]  # prefilled in chunks of 32 and 5
     params = SamplingParams(temperature=0, repetition_penalty=1.5, frequency_penalty=0.5, max_tokens=24,
@@ -656,7 +657,7 @@ def test_random_sampling_draws_its_noise_on_the_device(model_dir):
     32k vocabulary), nor a seeded row's vocabulary-long draw (a host loop of 5-13 ms at a
     152k vocabulary). A seeded request samples alike in another batch. Mutation: drawn on the
     host and copied over, the first check fails."""
-    from tokenmill.testing.fake_cuda import host_to_device_copies
+    from tokenmill.testing.device_queue import host_to_device_copies
 
     params = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True)
     with fake_cuda():

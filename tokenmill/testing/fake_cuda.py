@@ -26,9 +26,9 @@ Values are real, so an engine on ``FakeCudaPlatform`` can be compared with Huggi
 What it does not model: kernels running late (every kernel completes at once), memory
 limits (it counts what device tensors hold: ``device_memory``), and the address-level faults
 of recorded graphs (``device_graphs`` has those).
-What it records instead (``host_syncs()``): each point where a GPU's host would wait for the
+What it records instead (``device_queue.host_syncs()``): each point where a GPU's host would wait for the
 device, so that code meant to run ahead of the device (async scheduling) can be held to it;
-and (``host_to_device_copies()``) the shape of each host tensor copied to the device.
+and (``device_queue.host_to_device_copies()``) the shape of each host tensor copied to the device.
 Why a tensor subclass and not ``FakeTensorMode``: fake tensors have no values (the engine
 could not sample), and on a CPU-only build their ``.to("cuda")``, cross-device
 ``copy_``, host-index indexing and pinning all raise although each is legal on a GPU.
@@ -37,7 +37,6 @@ could not sample), and on a CPU-only build their ``.to("cuda")``, cross-device
 from __future__ import annotations
 
 import copy
-import threading
 import weakref
 from contextlib import ExitStack, contextmanager
 from typing import Any, Callable, Iterator, Optional
@@ -47,9 +46,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from tokenmill.testing.device_memory import DEVICE_MEMORY
+from tokenmill.testing.device_queue import copied_to_device, queue, reset_queue, synced
 from tokenmill.testing.device_waits import INDEXING, waits
 from tokenmill.testing.kernel_launches import intercept_launches
-from tokenmill.testing.pinned_copies import CopyQueue
 
 CUDA = torch.device("cuda", 0)
 aten = torch.ops.aten
@@ -61,74 +60,6 @@ _COPIES = frozenset({aten.copy_.default, aten._to_copy.default, aten._foreach_co
 
 class DeviceMismatchError(RuntimeError):
     """A host tensor met a device tensor in an operation CUDA refuses."""
-
-
-_syncs = threading.local()
-
-
-_queue = CopyQueue()
-
-
-def queue_mark() -> int:
-    """A position in the device's queue after every copy queued so far (an event's)."""
-    return _queue.mark()
-
-
-def wait_for_mark(mark: int) -> None:
-    """The host waits until the device reached ``mark``: a wait in ``host_syncs`` where it
-    had not passed it already."""
-    if _queue.reach(mark):
-        _record("events", "waited for a recorded event")
-
-
-@contextmanager
-def host_syncs() -> Iterator[list[str]]:
-    """The host's waits for the device inside the block, one line each: a read back
-    (``.tolist()``, ``.item()``, ``bool()``, ``int()``), a copy to the host, and a blocking copy
-    to the device, which on a GPU waits for every kernel queued before it (``.to("cuda")``
-    or ``copy_`` without ``non_blocking``, ``torch.tensor(..., device="cuda")``, a host index
-    or a list indexing a device tensor)."""
-    with _recording("events") as events:
-        yield events
-
-
-def synced(what: str) -> None:
-    """Note a wait of the host for the device (in ``host_syncs``' list, where one is open),
-    after which every copy queued before it has run."""
-    _queue.drain()
-    _record("events", what)
-
-
-@contextmanager
-def host_to_device_copies() -> Iterator[list[tuple[int, ...]]]:
-    """The shape of every host tensor copied to the device inside the block (``.to("cuda")``,
-    ``copy_`` into a device tensor, a host value set into one): on a GPU each crosses PCIe,
-    so the per-step ones say what a step costs the bus."""
-    with _recording("copies") as copies:
-        yield copies
-
-
-def _copied_to_device(tensor: torch.Tensor) -> None:
-    _record("copies", tuple(tensor.shape))
-
-
-@contextmanager
-def _recording(name: str) -> Iterator[list]:
-    """A list this thread's ``_record(name, ...)`` calls append to inside the block (nested
-    blocks: the innermost)."""
-    outer = getattr(_syncs, name, None)
-    items: list = []
-    setattr(_syncs, name, items)
-    try:
-        yield items
-    finally:
-        setattr(_syncs, name, outer)
-
-
-def _record(name: str, item: Any) -> None:
-    items = getattr(_syncs, name, None)
-    if items is not None:
-        items.append(item)
 
 
 class DeviceTensor(torch.Tensor):
@@ -255,16 +186,16 @@ def _to(func: Any, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Ten
             moved = tensor.elem.to(**options, copy=bool(kwargs.get("copy")))
             return tensor if moved is tensor.elem else DeviceTensor(moved)
         if non_blocking:
-            _queue.copied(tensor)
+            queue().copied(tensor)
         else:
             synced(f"blocking copy of a host tensor {tuple(tensor.shape)} to the device")
-        _copied_to_device(tensor)
+        copied_to_device(tensor)
         return DeviceTensor(tensor.to(**options, copy=True))
     if isinstance(tensor, DeviceTensor):
         values = tensor.elem.to(device, **options, copy=True)
         if non_blocking:  # CUDA's result is pinned memory the copy lands in later
-            landing = _queue.pin(torch.empty_like(values))
-            _queue.copied_to_host(landing, values)
+            landing = queue().pin(torch.empty_like(values))
+            queue().copied_to_host(landing, values)
             return landing
         synced(f"copy of a device tensor {tuple(tensor.shape)} to the host")
         return values
@@ -304,23 +235,23 @@ class _Placement(TorchFunctionMode):
         if name == "cpu" and args and isinstance(args[0], DeviceTensor):
             return _to(func, args[0], torch.device("cpu"))
         if name == "pin_memory":
-            return _queue.pin(args[0].clone())
+            return queue().pin(args[0].clone())
         if name == "is_pinned":
             return False
         if name in ("copy_", "__setitem__") and not any(isinstance(x, DeviceTensor) for x in args[:3]):
-            _queue.check_write(args[0])
+            queue().check_write(args[0])
         if name == "copy_" and any(isinstance(x, DeviceTensor) for x in args[:2]):
             crossing = isinstance(args[0], DeviceTensor) != isinstance(args[1], DeviceTensor)
             if crossing and not kwargs.get("non_blocking"):
                 synced("blocking copy_ between the host and the device")
             elif crossing and isinstance(args[1], DeviceTensor):  # to the host
-                if _queue.copied_to_host(args[0], args[1].elem):
+                if queue().copied_to_host(args[0], args[1].elem):
                     return args[0]  # the values land when the host waits past the copy
                 synced("non-blocking copy_ into pageable host memory (CUDA returns once it landed)")
             elif crossing:
-                _queue.copied(args[1])
+                queue().copied(args[1])
             if crossing and isinstance(args[0], DeviceTensor):
-                _copied_to_device(args[1])
+                copied_to_device(args[1])
             return aten.copy_.default(args[0], args[1])  # the binding's device guard needs CUDA
         if name in ("nonzero", "argwhere") and isinstance(args[0], DeviceTensor):  # so does theirs
             synced(f"{name} of a device tensor (its output sized by its values)")
@@ -345,7 +276,7 @@ class _Placement(TorchFunctionMode):
                 synced(f"torch.{name}(..., device=cuda): a blocking copy of host data")
             return _wrap(func(*tree_map(host_value, args), **{**kwargs, "device": torch.device("cpu")}))
         result = func(*args, **kwargs)
-        return _queue.pin(result) if pinned and isinstance(result, torch.Tensor) else result
+        return queue().pin(result) if pinned and isinstance(result, torch.Tensor) else result
 
     @staticmethod
     def _getitem(tensor: DeviceTensor, index: Any) -> torch.Tensor:
@@ -364,7 +295,7 @@ class _Placement(TorchFunctionMode):
                 # basic indexing is a view and a copy_, which crosses devices (blocking)
                 synced(f"a host tensor {tuple(value.shape)} set into a device tensor (a blocking copy)")
             if not isinstance(value, DeviceTensor) and value.dim() > 0:
-                _copied_to_device(value)
+                copied_to_device(value)
         _host_index(index)
         tensor.elem[tree_map(host_value, index)] = host_value(value)
 
@@ -400,8 +331,7 @@ def fake_cuda() -> Iterator[None]:
     # Module.to("cuda") then wraps each parameter anew, rather than setting a host
     # parameter's ``.data`` to a device tensor (a shallow copy that loses the subclass)
     torch.__future__.set_overwrite_module_params_on_conversion(True)
-    global _queue
-    _queue = CopyQueue()
+    reset_queue()
     try:
         with ExitStack() as stack:
             stack.enter_context(_Placement())

@@ -21,7 +21,8 @@ from tokenmill.interfaces.platform import Detection, Platform
 from tokenmill.plugins.platforms.cuda.platform import CudaPlatform
 from tokenmill.testing.device_graphs import RecordsGraphs
 from tokenmill.testing.device_memory import DEVICE_MEMORY
-from tokenmill.testing.fake_cuda import device_generator, queue_mark, synced, wait_for_mark
+from tokenmill.testing.device_queue import queue_mark, synced, wait_for_mark
+from tokenmill.testing.fake_cuda import device_generator
 
 
 class FakeCudaPlatform(RecordsGraphs, CudaPlatform):
