@@ -4,6 +4,7 @@ against a real uvicorn server on 127.0.0.1."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -13,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import PROMPTS, make_llm
 from server_harness import running_server
+from tokenmill.server.generation import sse
 
 MODEL = "tiny"
 
@@ -76,6 +78,15 @@ def test_streamed_text_equals_non_streamed(client):
                                                    stream=True))
     assert streamed[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in streamed) == chat.choices[0].message.content
+
+
+@pytest.mark.parametrize("text", ["plain", "h\u00e9llo \u4e16\u754c \U0001f600", "a\ud800b"])
+def test_a_streamed_event_carries_any_text_as_json(text):
+    """Events are written by msgspec; a lone surrogate, which UTF-8 cannot carry (a client may
+    send one escaped in a stop string), goes out as JSON's escape instead of failing the stream."""
+    event = sse({"choices": [{"text": text, "logprobs": None}], "created": 1})
+    assert event.startswith("data: {") and event.endswith("\n\n")
+    assert json.loads(event[len("data: "):]) == {"choices": [{"text": text, "logprobs": None}], "created": 1}
 
 
 def test_stream_usage_chunk(client):
