@@ -80,12 +80,36 @@ def test_streamed_text_equals_non_streamed(client):
     assert "".join(c.choices[0].delta.content or "" for c in streamed) == chat.choices[0].message.content
 
 
-@pytest.mark.parametrize("text", ["plain", "h\u00e9llo \u4e16\u754c \U0001f600", "a\ud800b"])
-def test_a_streamed_event_carries_any_text_as_json(text):
+def test_a_stream_of_n_choices_adds_up_to_the_response_with_each_choice_opened_by_the_prompt(server):
+    """A stream's chunks carry what is new; each of n choices adds up to the non-streamed choice
+    (text, token ids, logprobs), and each one's first chunk has the prompt's logprobs and ids."""
+    url = server[0]
+    body = {"model": MODEL, "prompt": "The cat sat on the mat", "max_tokens": 12, "n": 2, "temperature": 1.0,
+            "seed": 7, "logprobs": 1, "prompt_logprobs": 1, "return_token_ids": True, "ignore_eos": True}
+    full = httpx.post(url + "/v1/completions", json=body, headers=auth(), timeout=60).json()["choices"]
+    events = httpx.post(url + "/v1/completions", json={**body, "stream": True}, headers=auth(), timeout=60).text
+    chunks = [json.loads(line[len("data: "):]) for line in events.splitlines()
+              if line.startswith("data: {")]
+    for expected in full:
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == expected["index"]]
+        assert "".join(c["text"] for c in mine) == expected["text"]
+        assert sum((c["token_ids"] for c in mine), []) == expected["token_ids"]
+        assert sum((c["logprobs"]["token_logprobs"] for c in mine), []) == expected["logprobs"]["token_logprobs"]
+        assert mine[0]["prompt_logprobs"] == expected["prompt_logprobs"] is not None
+        assert mine[0]["prompt_token_ids"] == expected["prompt_token_ids"]
+        assert all("prompt_logprobs" not in c for c in mine[1:])
+        assert mine[-1]["finish_reason"] == expected["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("text", ["plain", "h\u00e9llo \u4e16\u754c \U0001f600", "a\ud800b",
+                                  "".join(map(chr, [10, 13, 11, 12, 0x1c, 0x1d, 0x1e, 0x85, 0x2028, 0x2029]))])
+def test_a_streamed_event_carries_any_text_as_json_on_one_line(text):
     """Events are written by msgspec; a lone surrogate, which UTF-8 cannot carry (a client may
-    send one escaped in a stop string), goes out as JSON's escape instead of failing the stream."""
+    send one escaped in a stop string), goes out as JSON's escape instead of failing the stream,
+    and every character ``str.splitlines`` breaks at is escaped (a random model writes them)."""
     event = sse({"choices": [{"text": text, "logprobs": None}], "created": 1})
     assert event.startswith("data: {") and event.endswith("\n\n")
+    assert event[:-2].splitlines() == [event[:-2]]
     assert json.loads(event[len("data: "):]) == {"choices": [{"text": text, "logprobs": None}], "created": 1}
 
 

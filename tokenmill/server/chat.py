@@ -176,8 +176,8 @@ async def _stream(body: ChatCompletionRequest, request_id: str, model: str, crea
         return sse({"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
                     "choices": choices, **extra})
 
-    sent_text: dict[int, int] = {}
-    sent_tokens: dict[int, int] = {}
+    texts: dict[int, str] = {}  # each choice's text so far, which the tool and reasoning readers read
+    first: Optional[RequestOutput] = None  # the one output with the prompt's logprobs
     prompt_tokens = completion_tokens = 0
     cached_tokens = None
     top = body.top_logprobs or 0
@@ -190,21 +190,21 @@ async def _stream(body: ChatCompletionRequest, request_id: str, model: str, crea
         # the first chunk opens each choice, with the echoed text; its usage counts no tokens yet
         yield chunk([{"index": i, "delta": {"role": role, "content": echo}, "logprobs": None,
                       "finish_reason": None} for i in range(params.n)])
-        async for output in stream:
+        async for output in stream:  # each output holds what is new (DELTA)
+            first = first or output
             prompt_tokens, cached_tokens = len(output.prompt_token_ids), ctx.cached_tokens([output])
             for completion in output.outputs:
                 i = completion.index
-                text_from, token_from = sent_text.get(i, 0), sent_tokens.get(i, 0)
-                delta, new_tokens = completion.text[text_from:], completion.token_ids[token_from:]
+                delta, new_tokens = completion.text, completion.token_ids
                 if not delta and not new_tokens and completion.finish_reason is None:
                     continue
-                sent_text[i], sent_tokens[i] = len(completion.text), len(completion.token_ids)
+                text_from = len(texts.get(i, ""))
+                text = texts[i] = texts.get(i, "") + delta
                 completion_tokens += len(new_tokens)
                 if splits is None:
-                    message, finish_reason = replies[i].delta(completion.text, text_from, delta,
-                                                              completion.finish_reason)
+                    message, finish_reason = replies[i].delta(text, text_from, delta, completion.finish_reason)
                 else:  # tool calls are read from the answer alone; the thinking streams beside it
-                    thinking, answer = splits[i].feed(completion.text, completion.finish_reason is not None)
+                    thinking, answer = splits[i].feed(text, completion.finish_reason is not None)
                     content = splits[i].content
                     message, finish_reason = replies[i].delta(content, len(content) - len(answer), answer,
                                                               completion.finish_reason)
@@ -214,8 +214,8 @@ async def _stream(body: ChatCompletionRequest, request_id: str, model: str, crea
                     continue
                 logprobs = None
                 if body.logprobs:
-                    logprobs = {"content": _logprobs_content(new_tokens, (completion.logprobs or [])[token_from:],
-                                                             top, body.return_tokens_as_token_ids)}
+                    logprobs = {"content": _logprobs_content(new_tokens, completion.logprobs or [], top,
+                                                             body.return_tokens_as_token_ids)}
                 choice = {"index": i, "delta": message, "logprobs": logprobs,
                           "finish_reason": finish_reason, "stop_reason": completion.stop_reason}
                 if body.return_token_ids:
@@ -223,7 +223,7 @@ async def _stream(body: ChatCompletionRequest, request_id: str, model: str, crea
                 extra = {"usage": usage(prompt_tokens, completion_tokens, cached_tokens)} if continuous else {}
                 if not sent_prompt:  # the prompt's figures come once, with the first tokens
                     sent_prompt = True
-                    extra.update(prompt_extras(body, output))
+                    extra.update(prompt_extras(body, first))
                 yield chunk([choice], **extra)
         if options and options.include_usage:
             yield chunk([], usage=usage(prompt_tokens, completion_tokens, cached_tokens))

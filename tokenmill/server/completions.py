@@ -150,40 +150,37 @@ def _token_ids(body: Any, token_ids: list[int]) -> dict[str, Any]:
 
 
 async def _stream(body, ctx, request_id, model, created, prompts, streams) -> AsyncIterator[str]:
-    sent_text: dict[tuple[int, int], int] = {}
-    sent_tokens: dict[tuple[int, int], int] = {}
-    counted_prompts: set[int] = set()
+    opened: set[tuple[int, int]] = set()  # (prompt, sequence) pairs that sent a chunk
+    firsts: dict[int, RequestOutput] = {}  # each prompt's first output: the one with its prompt logprobs
     latest: dict[int, RequestOutput] = {}  # each prompt's last output, for its cached tokens
     prompt_tokens = completion_tokens = 0
     options = body.stream_options
     continuous = bool(options and options.include_usage and options.continuous_usage_stats)
     try:
-        async for p_index, output in merge_streams(streams):
-            first = p_index not in counted_prompts
-            if first:
-                counted_prompts.add(p_index)
+        async for p_index, output in merge_streams(streams):  # each output holds what is new (DELTA)
+            if p_index not in firsts:
+                firsts[p_index] = output
                 prompt_tokens += len(output.prompt_token_ids)
             latest[p_index] = output
             for completion in output.outputs:
                 key = (p_index, completion.index)
-                text_from, token_from = sent_text.get(key, 0), sent_tokens.get(key, 0)
-                delta = completion.text[text_from:]
-                new_tokens = completion.token_ids[token_from:]
-                opening = key not in sent_text
+                delta, new_tokens = completion.text, completion.token_ids
+                opening = key not in opened
                 if body.echo and opening:
                     delta = _prompt_text(prompts[p_index], ctx) + delta
                 if not delta and not new_tokens and completion.finish_reason is None:
                     continue
-                sent_text[key], sent_tokens[key] = len(completion.text), len(completion.token_ids)
+                opened.add(key)
                 completion_tokens += len(new_tokens)
                 logprobs = None
                 if body.logprobs is not None:
                     builder = _LogprobsBuilder(body.return_tokens_as_token_ids)
-                    builder.add(new_tokens, (completion.logprobs or [])[token_from:], ctx.tokenizer, body.logprobs)
+                    builder.add(new_tokens, completion.logprobs or [], ctx.tokenizer, body.logprobs)
                     logprobs = builder.as_dict()
                 choice = {"index": p_index * body.n + completion.index, "text": delta, "logprobs": logprobs,
                           "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,
-                          **(prompt_extras(body, output) if opening else {}), **_token_ids(body, new_tokens)}
+                          **(prompt_extras(body, firsts[p_index]) if opening else {}),
+                          **_token_ids(body, new_tokens)}
                 yield sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
                            "choices": [choice],
                            **({"usage": usage(prompt_tokens, completion_tokens, ctx.cached_tokens(list(latest.values())))}

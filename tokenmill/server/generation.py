@@ -68,13 +68,14 @@ class ServingContext:
 
         Their engine ids are ``{internal_id}-{i}``: made by the server, so no id a client
         chooses can collide with another request's. ``final_only``: a response that is not
-        streamed needs only each request's last output, and no other is built or delivered.
+        streamed needs only each request's last output, and no other is built or delivered. A
+        stream gets what is new at each step (DELTA, as vLLM's server asks): a cumulative output
+        copies every token so far, each step, which grows with the length of the reply.
         """
         streams: list[AsyncIterator[RequestOutput]] = []
         ids = [f"{internal_id}-{i}" for i in range(len(requests))]
-        if final_only:
-            requests = [(prompt, replace(params, output_kind=RequestOutputKind.FINAL_ONLY))
-                        for prompt, params in requests]
+        kind = RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.DELTA
+        requests = [(prompt, replace(params, output_kind=kind)) for prompt, params in requests]
         try:
             for request_id, (prompt, params) in zip(ids, requests):
                 streams.append(self.llm.generate(request_id, prompt, params, priority=priority, user=user,
@@ -249,12 +250,16 @@ def safe_logprob(value: float) -> float:
 #: one encoder for every streamed event: msgspec writes a chunk in about a seventh of
 #: ``json.dumps``'s time, and a stream sends one per token
 _SSE_ENCODER = msgspec.json.Encoder()
+#: the characters besides CR and LF that ``str.splitlines`` breaks lines at and msgspec leaves
+#: unescaped (it escapes those under U+0020): a client that reads the stream's lines with it
+#: (httpx's ``aiter_lines`` does, which ``tokenmill bench serve`` reads) would cut an event in two
+_LINE_BREAKS = {0x85: "\\u0085", 0x2028: "\\u2028", 0x2029: "\\u2029"}
 
 
 def sse(data: Any) -> str:
-    """One server-sent event. Text goes out as UTF-8, not ``\\u`` escapes (JSON either way)."""
+    """One server-sent event, on one line: text goes out as UTF-8, except a few line breaks."""
     try:
-        body = _SSE_ENCODER.encode(data).decode()
+        body = _SSE_ENCODER.encode(data).decode().translate(_LINE_BREAKS)
     except UnicodeEncodeError:  # a lone surrogate (a client's "\\ud800" in a stop string): escaped
         body = json.dumps(data, separators=(",", ":"))
     return f"data: {body}\n\n"
