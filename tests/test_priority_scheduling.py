@@ -140,6 +140,7 @@ def test_random_traces_lose_nothing_and_do_not_starve_with_aging(trace, max_seqs
         if not pending and not scheduler.has_unfinished_requests():
             break
         step(scheduler)
+        assert scheduler.num_swapped == sum(r.status is RequestStatus.SWAPPED for r in scheduler.waiting)
     assert not pending and not scheduler.has_unfinished_requests()
     assert all(r.num_output_tokens == trace[int(r.request_id[1:])][2] for r in requests)
     assert scheduler.kv_cache.pool.num_free_blocks == num_blocks

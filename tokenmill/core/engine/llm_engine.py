@@ -210,8 +210,9 @@ class LLMEngine:
             for request in self.scheduler.finish_requests(children, FinishReason.ABORT):
                 self.outputs.finish(request)
             if children:
-                self.last_step_progress.append(self.outputs.progress(request_id))
-                outputs.append(self._emit(request_id))
+                progress, emitted = self.outputs.collect([request_id])
+                self.last_step_progress += progress
+                outputs += self._announce(emitted)
         progress = self.last_step_progress
         while self._in_flight and not self.scheduler.has_unfinished_requests():
             self._finish_oldest()  # steps of aborted requests only: the engine is idle once they land
@@ -333,9 +334,8 @@ class LLMEngine:
         touched.update(failed)
         if self.speculator is not None:
             self.speculator.propose(self.scheduler)
-        self.last_step_progress = [self.outputs.progress(request_id) for request_id in touched]
-        outputs = [self._emit(request_id) for request_id in touched]
-        return [output for output in outputs if output is not None]
+        self.last_step_progress, outputs = self.outputs.collect(touched)
+        return self._announce(outputs)
 
     def _add_tokens(self, request: Request, num_tokens: int, result: ModelRunnerOutput) -> Optional[str]:
         """Hand a request's new tokens to its output one at a time; the first stop string
@@ -364,11 +364,12 @@ class LLMEngine:
         self.scheduler.finish_requests(self.outputs.child_ids(parent), FinishReason.ERROR)
         failed[parent] = None
 
-    def _emit(self, request_id: str) -> Optional[RequestOutput]:
-        output = self.outputs.output(request_id)
-        if output is not None and output.finished:
-            try:
-                self.plugin_manager.hook.request_finished(output=output, metrics=output.metrics)
-            except Exception:  # a plugin's bookkeeping must not take the engine down
-                log.exception("a request_finished hook failed", request_id=request_id)
-        return output
+    def _announce(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Tell the plugins of the requests among ``outputs`` that finished; returns ``outputs``."""
+        for output in outputs:
+            if output.finished:
+                try:
+                    self.plugin_manager.hook.request_finished(output=output, metrics=output.metrics)
+                except Exception:  # a plugin's bookkeeping must not take the engine down
+                    log.exception("a request_finished hook failed", request_id=output.request_id)
+        return outputs

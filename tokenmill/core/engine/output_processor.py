@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 from tokenmill.core.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.core.engine.request import Request
@@ -125,9 +125,8 @@ class OutputProcessor:
         state = self.states[self._parent_of[request.request_id]]
         seq = state.sequences[request.request_id]
         seq.token_ids.append(token)
-        now = time.monotonic()
         if state.metrics.first_token_time is None:
-            state.metrics.first_token_time = now
+            state.metrics.first_token_time = time.monotonic()
             state.metrics.first_scheduled_time = request.metrics.first_scheduled_time
             state.num_cached_tokens = request.num_cached_tokens
         state.metrics.num_generation_tokens += 1
@@ -158,6 +157,20 @@ class OutputProcessor:
         state = self.states[request_id]
         reasons = tuple(seq.finish_reason for seq in state.sequences.values()) if state.finished else None
         return RequestProgress(request_id, state.metrics, state.num_cached_tokens, reasons)
+
+    def collect(self, request_ids: Iterable[str]) -> tuple[list[RequestProgress], list[RequestOutput]]:
+        """Each request's progress in a step, and the outputs their ``output_kind`` give now
+        (forgetting the requests that finished). One pass, asked per request per step: a
+        FINAL_ONLY request still running costs its progress and nothing more."""
+        progress, outputs = [], []
+        for request_id in request_ids:
+            progress.append(self.progress(request_id))
+            state = self.states[request_id]
+            if state.finished or state.params.output_kind is not RequestOutputKind.FINAL_ONLY:
+                output = self.output(request_id)
+                if output is not None:
+                    outputs.append(output)
+        return progress, outputs
 
     def output(self, request_id: str) -> Optional[RequestOutput]:
         """The request's output as its ``output_kind`` shapes it, or None where that kind has

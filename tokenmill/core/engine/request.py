@@ -107,8 +107,10 @@ class Request:
     def check_stop(self) -> bool:
         """Token-level stop conditions after a token was appended; sets finish_reason."""
         params = self.sampling_params
-        last = self.all_token_ids[-1]
-        if self.num_output_tokens >= params.min_tokens:
+        tokens = self.all_token_ids
+        last = tokens[-1]
+        num_output = len(tokens) - len(self.prompt_token_ids)  # asked per request per step: counted once
+        if num_output >= params.min_tokens:
             if not params.ignore_eos and last in self.eos_token_ids:
                 self.finish_reason = FinishReason.STOP
                 self.stop_reason = None
@@ -117,9 +119,7 @@ class Request:
                 self.finish_reason = FinishReason.STOP
                 self.stop_reason = last
                 return True
-        if (params.max_tokens is not None and self.num_output_tokens >= params.max_tokens) or (
-            self.num_tokens >= self.max_model_len
-        ):
+        if (params.max_tokens is not None and num_output >= params.max_tokens) or len(tokens) >= self.max_model_len:
             self.finish_reason = FinishReason.LENGTH
             return True
         return False

@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Optional, Protocol, Sequence
 
 from tokenmill.interfaces.logits_processor import AddedRow, BatchUpdate
 from tokenmill.interfaces.types import SamplingParams
+
+
+class _Row(Protocol):
+    """A sampling row as the logits processors are told it (the sampler's ``SamplingRow``)."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+
+
+def _added(index: int, row: _Row) -> AddedRow:
+    return AddedRow(index, row.params, row.prompt_token_ids, row.output_token_ids)
 
 
 class PersistentBatch:
@@ -17,24 +29,22 @@ class PersistentBatch:
         #: after a processor failed mid-update its state is unknown: the next update rebuilds it
         self._indices_in_doubt = 0
 
-    def update(self, rows: Sequence[tuple[str, SamplingParams, Sequence[int], Sequence[int]]]
-               ) -> Optional[BatchUpdate]:
-        """``rows``: (request id, params, prompt ids, live output ids) in this step's order.
-        None when nothing changed."""
-        ids = [row[0] for row in rows]
+    def update(self, ids: list[str], rows: Sequence[_Row]) -> Optional[BatchUpdate]:
+        """``ids`` and ``rows`` (params, prompt ids, live output ids) in this step's order.
+        None when nothing changed: most steps, which then read nothing of ``rows``."""
         if ids == self._ids and not self._indices_in_doubt:
             return None
         if self._indices_in_doubt:
             removed = tuple(range(self._indices_in_doubt))
             moved: tuple[tuple[int, int], ...] = ()
-            added = tuple(AddedRow(j, *row[1:]) for j, row in enumerate(rows))
+            added = tuple(_added(j, row) for j, row in enumerate(rows))
         else:
             old = {request_id: i for i, request_id in enumerate(self._ids) if request_id is not None}
             kept = set(ids)
             removed = tuple(i for i, request_id in enumerate(self._ids) if request_id is None or request_id not in kept)
             moved = tuple((old[request_id], j) for j, request_id in enumerate(ids)
                           if request_id in old and old[request_id] != j)
-            added = tuple(AddedRow(j, *row[1:]) for j, row in enumerate(rows) if row[0] not in old)
+            added = tuple(_added(j, row) for j, (request_id, row) in enumerate(zip(ids, rows)) if request_id not in old)
         # until the processors confirm (``committed``), any index either batch used may hold state
         self._indices_in_doubt = max(len(self._ids), len(ids), self._indices_in_doubt)
         self._ids = ids

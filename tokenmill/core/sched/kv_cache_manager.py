@@ -31,15 +31,16 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self._blocks: dict[str, list[KVBlock]] = {}
-        #: the same tables as block ids: every scheduled request's table goes out each step
-        self._block_ids: dict[str, list[int]] = {}
+        #: the same tables as block ids, a tuple made when a table changes (every scheduled
+        #: request's table goes out each step; most steps add no block)
+        self._block_ids: dict[str, tuple[int, ...]] = {}
         self._num_cached_blocks: dict[str, int] = {}
         #: prompt tokens looked up in / served by the prefix cache (vLLM's metrics)
         self.prefix_queries = 0
         self.prefix_hits = 0
 
     def block_ids(self, request_id: str) -> tuple[int, ...]:
-        return tuple(self._block_ids.get(request_id, ()))
+        return self._block_ids.get(request_id, ())
 
     def num_blocks_of(self, request_id: str) -> int:
         return len(self._blocks.get(request_id, ()))
@@ -82,7 +83,7 @@ class KVCacheManager:
         self.pool.touch(computed)
         blocks.extend(computed)
         blocks.extend(self.pool.allocate(num_new_blocks))
-        self._block_ids[request.request_id] = [block.block_id for block in blocks]
+        self._block_ids[request.request_id] = tuple(block.block_id for block in blocks)
         if computed:
             self._num_cached_blocks[request.request_id] = len(blocks) - num_new_blocks
         return True
@@ -118,7 +119,7 @@ class KVCacheManager:
         if len(blocks) > keep:
             tail = blocks[keep:]
             del blocks[keep:]
-            del self._block_ids[request.request_id][keep:]
+            self._block_ids[request.request_id] = self._block_ids[request.request_id][:keep]
             self.pool.free(reversed(tail))
 
     def free(self, request: Request) -> None:

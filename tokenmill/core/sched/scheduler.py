@@ -106,7 +106,8 @@ class Scheduler:
 
     @property
     def num_swapped(self) -> int:
-        return sum(1 for r in self.waiting if r.status is RequestStatus.SWAPPED)
+        """Asked twice a step (stats, metrics): counted by the swap space, not over the queue."""
+        return self.swap_space.num_requests if self.swap_space is not None else 0
 
     def finish_requests(
         self, request_ids: Iterable[str], reason: FinishReason, stop_reason: int | str | None = None
@@ -159,16 +160,26 @@ class Scheduler:
         if not self.waiting:
             return
         seats = self.config.max_num_seqs - len(self.running)
-        # blocks left once the running requests have grown by this step's tokens
-        free_blocks = self.kv_cache.pool.num_free_blocks - sum(map(self._blocks_to_grow, self.running))
-        for candidate in list(self.waiting):
+        # blocks left once the running requests have grown by this step's tokens, counted (over
+        # every running request) only once a seat is free: a full batch rarely has a victim
+        free_blocks: Optional[int] = None
+        for index in range(len(self.waiting)):  # not a copy: victims join after the candidates
+            candidate = self.waiting[index]
             need = self._blocks_to_admit(candidate, step.budget)
-            while seats < 1 or free_blocks < need:
+            while True:
+                if seats >= 1:
+                    if free_blocks is None:
+                        free_blocks = self.kv_cache.pool.num_free_blocks - sum(map(self._blocks_to_grow,
+                                                                                   self.running))
+                    if free_blocks >= need:
+                        break
                 victims = [r for r in self.running if self._preemptible(r) and self.policy.may_preempt(candidate, r)]
                 if not victims:
                     return  # the best waiting request cannot get in; nor can later ones
                 victim = self.policy.choose_victim(victims)
-                free_blocks += self._blocks_to_grow(victim) + self._preempt(victim, step)
+                freed = self._blocks_to_grow(victim) + self._preempt(victim, step)
+                if free_blocks is not None:
+                    free_blocks += freed
                 seats += 1
             seats -= 1
             free_blocks -= need
@@ -207,10 +218,12 @@ class Scheduler:
 
     def _schedule_waiting(self, step: "_Step") -> None:
         block_size = self.kv_cache.block_size
-        self.waiting.sort(key=self.policy.sort_key)  # victims of this step joined the queue
+        if step.preempted:  # victims of this step joined the queue
+            self.waiting.sort(key=self.policy.sort_key)
+        if self._full(step):
+            return  # before the queue is copied: a full batch takes nobody
         for request in list(self.waiting):
-            if step.budget <= 0 or len(self.running) >= self.config.max_num_seqs \
-                    or len(step.scheduled) >= step.max_requests:
+            if self._full(step):
                 return
             if request.request_id in step.preempted:
                 continue  # never re-admit a victim in the step that preempted it
@@ -241,6 +254,11 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             self._emit(request, num_new, step)
+
+    def _full(self, step: "_Step") -> bool:
+        """Whether the step can take no more requests."""
+        return step.budget <= 0 or len(self.running) >= self.config.max_num_seqs \
+            or len(step.scheduled) >= step.max_requests
 
     def _chunk(self, num_new: int, budget: int) -> int:
         """The tokens of ``num_new`` a request computes this step: what the budget leaves, and

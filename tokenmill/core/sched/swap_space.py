@@ -18,6 +18,11 @@ class SwapSpace:
     def num_free_blocks(self) -> int:
         return len(self._free)
 
+    @property
+    def num_requests(self) -> int:
+        """Requests whose KV is here: the swapped ones (released at swap-in or when they end)."""
+        return len(self._held)
+
     def allocate(self, request_id: str, count: int) -> list[int] | None:
         """Host blocks for a request's KV, or None when the space cannot hold them."""
         if count > len(self._free) or request_id in self._held:

@@ -349,8 +349,7 @@ class ModelRunner:
         for item in items:
             ids.append(item.request_id)
             ids.extend(f"{item.request_id}\x00draft{next(self._draft_rows)}" for _ in item.spec_token_ids)
-        update = self._batch.update([(request_id, row.params, row.prompt_token_ids, row.output_token_ids)
-                                     for request_id, row in zip(ids, rows)])
+        update = self._batch.update(ids, rows)
         if update is not None:
             self.sampler.update_batch(update)
             self._batch.committed()
