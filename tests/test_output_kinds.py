@@ -71,6 +71,30 @@ def test_the_three_kinds_report_the_same_request(llama):
     assert got[RequestOutputKind.CUMULATIVE]["0"][-1].outputs[0].finish_reason == "stop"
 
 
+@pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE])
+def test_a_stream_interval_reports_the_first_token_then_every_k_and_the_end(llama, kind):
+    """stream_interval=4 over 10 tokens: outputs after tokens 1, 5, 9 and 10, reporting the same
+    request as an interval of 1 (n=2, seeded, logprobs, a stop string that holds text back)."""
+    engine = llama.llm_engine
+    params = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=10, ignore_eos=True, logprobs=1,
+                            stop=("\u00a7\u00a7",))
+    every = run(engine, params, kind)
+    spaced = run(engine, replace(params, stream_interval=4), kind)
+    for request, outputs in spaced.items():
+        counts = [max(len(c.token_ids) for c in o.outputs) for o in outputs]
+        if kind is RequestOutputKind.DELTA:
+            assert counts == [1, 4, 4, 1] and joined(outputs) == joined(every[request])
+        else:
+            assert counts == [1, 5, 9, 10] and reported(outputs[-1]) == reported(every[request][-1])
+        assert outputs[-1].finished and not any(o.finished for o in outputs[:-1])
+
+
+@pytest.mark.parametrize("interval", [0, -2, 1.5, "4", None])
+def test_a_stream_interval_below_one_or_not_an_integer_is_refused(interval):
+    with pytest.raises(InvalidRequest, match="stream_interval"):
+        SamplingParams(stream_interval=interval)
+
+
 def test_an_aborted_delta_request_reports_its_finish_without_new_tokens(llama):
     engine = llama.llm_engine
     engine.add_request("aborted", {"prompt_token_ids": PROMPTS[0]},

@@ -68,6 +68,7 @@ _SHARED_TESTS = {
     "stop": "test_engine.py::test_stop_strings_cut_text_and_report_the_reason",
     "stream": "test_server.py::test_streamed_text_equals_non_streamed",
     "stream_options": "test_server.py::test_stream_usage_chunk",
+    "stream_interval": "test_server.py::test_stream_interval_sends_the_first_token_then_chunks_of_that_many",
     "user": "test_user_and_priority_reach_the_scheduler",
     "logit_bias": "test_sampler.py::test_logit_bias_is_added_before_sampling_and_logprobs_stay_raw",
     "top_k": "test_sampler.py::test_top_k_samples_stay_in_the_top_k",

@@ -101,6 +101,37 @@ def test_a_stream_of_n_choices_adds_up_to_the_response_with_each_choice_opened_b
         assert mine[-1]["finish_reason"] == expected["finish_reason"] == "length"
 
 
+def stream_chunks(url: str, path: str, body: dict) -> list[dict]:
+    events = httpx.post(url + path, json={**body, "stream": True}, headers=auth(), timeout=60).text
+    return [json.loads(line[len("data: "):]) for line in events.splitlines() if line.startswith("data: {")]
+
+
+def test_stream_interval_sends_the_first_token_then_chunks_of_that_many(server, model_dir):
+    """A request's stream_interval (vLLM's): the first token at once, then 4 at a time, the rest
+    at the end, adding up to the non-streamed reply; a server's --stream-interval is the default
+    of requests that set none; 0 is a 400 naming the field."""
+    url = server[0]
+    body = {"model": MODEL, "prompt": "The cat sat on", "max_tokens": 10, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    full = httpx.post(url + "/v1/completions", json=body, headers=auth(), timeout=60).json()["choices"][0]
+    chunks = stream_chunks(url, "/v1/completions", {**body, "stream_interval": 4})
+    assert [len(c["choices"][0]["token_ids"]) for c in chunks] == [1, 4, 4, 1]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == full["text"]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 7, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True, "stream_interval": 3}
+    chunks = stream_chunks(url, "/v1/chat/completions", chat)
+    assert [len(c["choices"][0].get("token_ids", [])) for c in chunks] == [0, 1, 3, 3]  # the role opens
+    refused = httpx.post(url + "/v1/completions", json={**body, "stream_interval": 0}, headers=auth())
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "stream_interval"
+
+    engine = make_llm(model_dir("llama"), max_num_seqs=4).llm_engine
+    with running_server(engine, served_model_name=[MODEL], stream_interval=5) as (spaced_url, _):
+        spaced = stream_chunks(spaced_url, "/v1/completions", body)
+        assert [len(c["choices"][0]["token_ids"]) for c in spaced] == [1, 5, 4]
+        own = stream_chunks(spaced_url, "/v1/completions", {**body, "stream_interval": 1})
+        assert len(own) == 10
+
+
 @pytest.mark.parametrize("text", ["plain", "h\u00e9llo \u4e16\u754c \U0001f600", "a\ud800b",
                                   "".join(map(chr, [10, 13, 11, 12, 0x1c, 0x1d, 0x1e, 0x85, 0x2028, 0x2029]))])
 def test_a_streamed_event_carries_any_text_as_json_on_one_line(text):

@@ -77,6 +77,9 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
                        help="how tool calls are read from replies: hermes, llama3_json, or a plugin's")
     group.add_argument("--max-logprobs", type=int, default=None,
                        help="the most logprobs a request may ask for per token (0-20; default 20)")
+    group.add_argument("--stream-interval", type=int, default=None,
+                       help="a stream's tokens per chunk after its first, unless a request sets stream_interval "
+                            "(default 1: every step's)")
     group.add_argument("--return-tokens-as-token-ids", action="store_true", default=None,
                        help="name tokens in logprobs 'token_id:{id}' for every request (as a request can ask)")
     group.add_argument("--reasoning-parser", default=None,

@@ -120,6 +120,7 @@ def create_app(llm: AsyncLLM | EmbeddingEngine, config: Optional[ServerConfig] =
                          reasoning_parser=reasoning_parser(config, engine) if generating else None,
                          return_tokens_as_token_ids=config.return_tokens_as_token_ids,
                          max_logprobs=config.max_logprobs,
+                         stream_interval=config.stream_interval,
                          sampling_defaults=engine.model_config.sampling_defaults if generating else {},
                          response_role=config.response_role,
                          content_parts=config.chat_template_content_format == "openai",

@@ -84,7 +84,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     max_tokens = ctx.max_tokens_for(len(prompt["prompt_token_ids"]), requested)
     top = body.top_logprobs or 0
     params = body.sampling_params(max_tokens, top if body.logprobs else None, body.prompt_logprobs,
-                                  ctx.sampling_defaults)
+                                  ctx.sampling_defaults, ctx.stream_interval)
     ctx.check_logprobs(params, "top_logprobs")
     constraint = tool_constraint or params.structured_outputs
     if constraint is not None and ctx.reasoning_parser is not None and not ctx.constrain_reasoning:

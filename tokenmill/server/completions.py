@@ -91,7 +91,7 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
         max_tokens = ctx.max_tokens_for(len(prompt["prompt_token_ids"]), body.max_tokens)
         echoed = body.logprobs if body.echo and body.logprobs is not None else None
         params.append(body.sampling_params(max_tokens, body.logprobs, body.prompt_logprobs_wanted(echoed),
-                                           ctx.sampling_defaults))
+                                           ctx.sampling_defaults, ctx.stream_interval))
         ctx.check_logprobs(params[-1], "logprobs")
     created = now()
     if body.use_beam_search:

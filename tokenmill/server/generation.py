@@ -45,6 +45,8 @@ class ServingContext:
     return_tokens_as_token_ids: bool = False
     #: the most logprobs a request may ask for per token (--max-logprobs)
     max_logprobs: int = SamplingParams.MAX_LOGPROBS
+    #: a stream's tokens per chunk after its first, for requests that set none (--stream-interval)
+    stream_interval: int = 1
     #: the model's sampling defaults for fields a request leaves unset (--generation-config)
     sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
     #: the role of chat replies to a generation prompt (--response-role)

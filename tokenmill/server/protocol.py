@@ -105,6 +105,9 @@ class SamplingFields(GenerationModel):
     logit_bias: Optional[dict[str, float]] = Field(
         None, description="Token id (as a string) -> bias in [-100, 100], added to its logit before sampling.")
     # vLLM extras
+    stream_interval: Optional[int] = Field(
+        None, ge=1, description="vLLM: a stream's first token goes out at once, the next ones once this many have "
+                                "come, and the rest at the end (default: the server's --stream-interval, 1).")
     top_k: Optional[int] = Field(None, description="vLLM: sample among the k most likely tokens; -1 = all.")
     min_p: Optional[float] = Field(None, description="vLLM: drop tokens below min_p x the top probability, "
                                                      "in [0, 1].")
@@ -152,9 +155,11 @@ class SamplingFields(GenerationModel):
                                                    "length ** length_penalty.")
 
     def sampling_params(self, max_tokens: int, logprobs: Optional[int], prompt_logprobs: Optional[int] = None,
-                        defaults: Mapping[str, Any] = MappingProxyType({})) -> SamplingParams:
+                        defaults: Mapping[str, Any] = MappingProxyType({}), stream_interval: int = 1
+                        ) -> SamplingParams:
         """The engine's parameters; a sampling field the request leaves unset takes the model's
-        default (``defaults``, from --generation-config), then OpenAI's."""
+        default (``defaults``, from --generation-config), then OpenAI's. ``stream_interval``: the
+        server's, for a request that sets none."""
 
         def pick(name: str, fallback: Any) -> Any:
             value = getattr(self, name)
@@ -187,6 +192,7 @@ class SamplingFields(GenerationModel):
             truncation_side=self.truncation_side,
             extra_args=self.vllm_xargs,
             structured_outputs=self.constraint(),
+            stream_interval=self.stream_interval or stream_interval,
         )
 
     def constraint(self) -> Optional[StructuredOutputsParams]:

@@ -45,7 +45,6 @@ _COMMON: dict[str, Refused] = {
     "repetition_detection": Refused("repetition detection is not supported"),
     "routed_experts_prompt_start": Refused("reporting MoE routing is not supported"),
     "session_id": Refused("sessions (streaming input) are not supported"),
-    "stream_interval": Refused("streams send every step's tokens; a stream interval is not supported", (None, 1)),
     "thinking_token_budget": Refused(_REASONING),
     "watermarking": Refused("watermarking is not supported"),
 }

@@ -142,7 +142,6 @@ REFUSED: dict[str, str] = {
         "--prefix-match-unit", "--kv-sharing-fast-prefill", "--disable-cascade-attn", "--kv-cache-dtype-skip-layers")},
     "--max-num-queued-reqs": "use --max-queued-requests (requests beyond it get 503)",
     "--scheduler-cls": "scheduling policies are plugins: --scheduling-policy NAME (see `tokenmill plugins`)",
-    "--stream-interval": "streams send every step's tokens",
     "--disable-sliding-window": "sliding-window models attend within their window, as trained",
     **{flag: _KERNELS for flag in (
         "--attention-config", "--kernel-config", "--linear-backend", "--ir-op-priority",
@@ -215,7 +214,6 @@ HONOURED_NOTES: dict[str, str] = {
 INERT: dict[str, tuple[str, ...]] = {
     "--load-format": ("auto", "safetensors"),
     "--tokenizer-mode": ("auto", "hf"),
-    "--stream-interval": ("1",),
     "--data-parallel-size": ("1",),
     "--decode-context-parallel-size": ("1",),
     "--prefill-context-parallel-size": ("1",),

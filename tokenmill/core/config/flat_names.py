@@ -87,6 +87,7 @@ SERVER_NAMES: dict[str, str] = {
     "reasoning_parser": "server.reasoning_parser",
     "return_tokens_as_token_ids": "server.return_tokens_as_token_ids",
     "max_logprobs": "server.max_logprobs",
+    "stream_interval": "server.stream_interval",
     "response_role": "server.response_role",
     "chat_template_content_format": "server.chat_template_content_format",
     "enable_prompt_tokens_details": "server.enable_prompt_tokens_details",

@@ -35,6 +35,9 @@ class ServerConfig(BaseModel):
     #: the most logprobs a request may ask for per token, sampled or prompt (vLLM: --max-logprobs);
     #: OpenAI's and the engine's limit is 20
     max_logprobs: int = Field(20, ge=0, le=20)
+    #: a stream's tokens per chunk after its first, for requests that set none (vLLM: --stream-interval):
+    #: fewer, larger chunks cost the server less per token, and clients see tokens later
+    stream_interval: int = Field(1, ge=1)
     #: name tokens in logprobs as 'token_id:{id}' for every request (vLLM: --return-tokens-as-token-ids)
     return_tokens_as_token_ids: bool = False
     #: how a reasoning model's thinking is told from its answer: a registered ReasoningParser

@@ -34,6 +34,8 @@ class _Sequence:
     cumulative_logprob: Optional[float] = None
     finish_reason: Optional[str] = None
     stop_reason: int | str | None = None
+    #: tokens added since the request's last output (``stream_interval``)
+    unsent: int = 0
     #: what earlier DELTA outputs held: tokens, characters of text, and the finish
     sent_tokens: int = 0
     sent_text: int = 0
@@ -125,6 +127,7 @@ class OutputProcessor:
         state = self.states[self._parent_of[request.request_id]]
         seq = state.sequences[request.request_id]
         seq.token_ids.append(token)
+        seq.unsent += 1
         if state.metrics.first_token_time is None:
             state.metrics.first_token_time = time.monotonic()
             state.metrics.first_scheduled_time = request.metrics.first_scheduled_time
@@ -180,6 +183,12 @@ class OutputProcessor:
         kind = state.params.output_kind
         if kind is RequestOutputKind.FINAL_ONLY and not finished:
             return None
+        interval = state.params.stream_interval
+        if interval > 1 and not finished and state.sent and all(seq.unsent < interval
+                                                                   for seq in state.sequences.values()):
+            return None  # the first token went out; the next output waits for `interval` new ones
+        for seq in state.sequences.values():
+            seq.unsent = 0
         delta = kind is RequestOutputKind.DELTA
         outputs = [output for seq in state.sequences.values()
                    if (output := self._completion(seq, delta)) is not None]
