@@ -198,8 +198,9 @@ async def _stream(body: ChatCompletionRequest, request_id: str, model: str, crea
                 delta, new_tokens = completion.text, completion.token_ids
                 if not delta and not new_tokens and completion.finish_reason is None:
                     continue
-                text_from = len(texts.get(i, ""))
-                text = texts[i] = texts.get(i, "") + delta
+                before = texts.get(i, "")
+                text_from, text = len(before), before + delta
+                texts[i] = text
                 completion_tokens += len(new_tokens)
                 if splits is None:
                     message, finish_reason = replies[i].delta(text, text_from, delta, completion.finish_reason)

@@ -156,19 +156,15 @@ class OutputProcessor:
         state.metrics.num_draft_tokens += request.metrics.num_draft_tokens
         state.metrics.num_accepted_tokens += request.metrics.num_accepted_tokens
 
-    def progress(self, request_id: str) -> RequestProgress:
-        state = self.states[request_id]
-        reasons = tuple(seq.finish_reason for seq in state.sequences.values()) if state.finished else None
-        return RequestProgress(request_id, state.metrics, state.num_cached_tokens, reasons)
-
     def collect(self, request_ids: Iterable[str]) -> tuple[list[RequestProgress], list[RequestOutput]]:
         """Each request's progress in a step, and the outputs their ``output_kind`` give now
         (forgetting the requests that finished). One pass, asked per request per step: a
         FINAL_ONLY request still running costs its progress and nothing more."""
         progress, outputs = [], []
         for request_id in request_ids:
-            progress.append(self.progress(request_id))
             state = self.states[request_id]
+            reasons = tuple(seq.finish_reason for seq in state.sequences.values()) if state.finished else None
+            progress.append(RequestProgress(request_id, state.metrics, state.num_cached_tokens, reasons))
             if state.finished or state.params.output_kind is not RequestOutputKind.FINAL_ONLY:
                 output = self.output(request_id)
                 if output is not None:

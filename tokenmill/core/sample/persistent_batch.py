@@ -2,21 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Iterable, Optional, Protocol, Sequence
+from typing import Iterable, Optional, Sequence
 
+from tokenmill.core.sample.sampler import SamplingRow
 from tokenmill.interfaces.logits_processor import AddedRow, BatchUpdate
-from tokenmill.interfaces.types import SamplingParams
 
 
-class _Row(Protocol):
-    """A sampling row as the logits processors are told it (the sampler's ``SamplingRow``)."""
-
-    params: SamplingParams
-    prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]
-
-
-def _added(index: int, row: _Row) -> AddedRow:
+def _added(index: int, row: SamplingRow) -> AddedRow:
     return AddedRow(index, row.params, row.prompt_token_ids, row.output_token_ids)
 
 
@@ -29,7 +21,7 @@ class PersistentBatch:
         #: after a processor failed mid-update its state is unknown: the next update rebuilds it
         self._indices_in_doubt = 0
 
-    def update(self, ids: list[str], rows: Sequence[_Row]) -> Optional[BatchUpdate]:
+    def update(self, ids: list[str], rows: Sequence[SamplingRow]) -> Optional[BatchUpdate]:
         """``ids`` and ``rows`` (params, prompt ids, live output ids) in this step's order.
         None when nothing changed: most steps, which then read nothing of ``rows``."""
         if ids == self._ids and not self._indices_in_doubt:
