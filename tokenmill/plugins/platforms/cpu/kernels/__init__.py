@@ -101,7 +101,7 @@ def cpu_kernels() -> Optional[ModuleType]:
             (build_dir / "lock").unlink(missing_ok=True)
             building = not any(build_dir.glob("*.so"))
             if building:
-                log.info("compiling the C++ CPU kernels (first use on this CPU; about 30 s on 2 cores)",
+                log.info("compiling the C++ CPU kernels (first use on this CPU; 30-45 s on 2 cores)",
                          build_directory=str(build_dir))
             with build_progress(build_dir, len(_SOURCES)) if building else contextlib.nullcontext():
                 return load(name="tokenmill_cpu_kernels", sources=[str(_CSRC / name) for name in _SOURCES],

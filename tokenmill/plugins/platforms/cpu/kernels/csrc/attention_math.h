@@ -63,9 +63,9 @@ inline float softmax_unnormalized(float* s, int64_t n, double soft_cap) {
 
 // Whether the caches hold bf16 under float32 queries (cache.kv_cache_dtype); checks that
 // otherwise the caches share the query's dtype, and out always does.
-inline bool bf16_cache_under_fp32(const char* kernel, const torch::Tensor& out, const torch::Tensor& query,
-                                  const torch::Tensor& key_cache, const torch::Tensor& value_cache) {
-  const bool mixed = query.scalar_type() == torch::kFloat && key_cache.scalar_type() == torch::kBFloat16;
+inline bool bf16_cache_under_fp32(const char* kernel, const at::Tensor& out, const at::Tensor& query,
+                                  const at::Tensor& key_cache, const at::Tensor& value_cache) {
+  const bool mixed = query.scalar_type() == at::kFloat && key_cache.scalar_type() == at::kBFloat16;
   TORCH_CHECK((key_cache.scalar_type() == query.scalar_type() || mixed) && out.scalar_type() == query.scalar_type() &&
                   value_cache.scalar_type() == key_cache.scalar_type(),
               kernel, ": out and query of one dtype, the caches of the same or (under float32) bfloat16");

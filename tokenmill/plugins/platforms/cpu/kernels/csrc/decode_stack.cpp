@@ -25,10 +25,10 @@ namespace {
 
 // cache[slots[r]] = row r of src (rows strided, each kv_heads * head_dim contiguous values), rounded
 // to the cache's dtype (a bf16 cache.kv_cache_dtype); a slot < 0 is not written
-void write_cache(torch::Tensor& cache, const torch::Tensor& src, const int64_t* slots, int64_t rows) {
+void write_cache(at::Tensor& cache, const at::Tensor& src, const int64_t* slots, int64_t rows) {
   if (cache.scalar_type() != src.scalar_type()) {
     const int64_t row_size = cache.size(2) * cache.size(3);
-    torch::Tensor flat = cache.view({-1, row_size}), from = src.reshape({rows, row_size});
+    at::Tensor flat = cache.view({-1, row_size}), from = src.reshape({rows, row_size});
     for (int64_t r = 0; r < rows; ++r)
       if (slots[r] >= 0) flat[slots[r]].copy_(from[r]);
     return;
@@ -43,11 +43,11 @@ void write_cache(torch::Tensor& cache, const torch::Tensor& src, const int64_t* 
 
 }  // namespace
 
-void DecodeStack::add_layer(torch::Tensor input_norm, double norm_eps, torch::Tensor qkv,
-                            c10::optional<torch::Tensor> qkv_bias, torch::Tensor o, c10::optional<torch::Tensor> o_bias,
-                            torch::Tensor post_norm, double post_norm_eps, torch::Tensor gate_up,
-                            c10::optional<torch::Tensor> gate_up_bias, torch::Tensor down,
-                            c10::optional<torch::Tensor> down_bias, torch::Tensor key_cache, torch::Tensor value_cache,
+void DecodeStack::add_layer(at::Tensor input_norm, double norm_eps, at::Tensor qkv,
+                            c10::optional<at::Tensor> qkv_bias, at::Tensor o, c10::optional<at::Tensor> o_bias,
+                            at::Tensor post_norm, double post_norm_eps, at::Tensor gate_up,
+                            c10::optional<at::Tensor> gate_up_bias, at::Tensor down,
+                            c10::optional<at::Tensor> down_bias, at::Tensor key_cache, at::Tensor value_cache,
                             double scale, int64_t window) {
   const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
   TORCH_CHECK(weight_rows(qkv) == q_size + 2 * kv_size && weight_cols(o) == q_size, "decode stack: q/k/v sizes");
@@ -59,31 +59,31 @@ void DecodeStack::add_layer(torch::Tensor input_norm, double norm_eps, torch::Te
                           down_bias, key_cache, value_cache, norm_eps, post_norm_eps, scale, window});
 }
 
-torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
-                                  torch::Tensor block_table, torch::Tensor seq_lens,
-                                  c10::optional<torch::Tensor> query_start) {
+at::Tensor DecodeStack::forward(at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor slots,
+                                  at::Tensor block_table, at::Tensor seq_lens,
+                                  c10::optional<at::Tensor> query_start) {
   const int64_t rows = x.size(0);
   TORCH_CHECK(x.dim() == 2 && rows >= 1 && rows <= 8, "decode stack: 1 to 8 rows");
-  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.numel() == rows, "decode stack: one int64 slot per row");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == rows, "decode stack: one int64 slot per row");
   const bool by_request = query_start.has_value();
   const int64_t seqs = by_request ? query_start->numel() - 1 : rows;
   TORCH_CHECK(seq_lens.numel() == seqs && block_table.size(0) == seqs,
               "decode stack: one sequence per row, or per request with query_start");
-  TORCH_CHECK(!by_request || (query_start->scalar_type() == torch::kInt32 &&
+  TORCH_CHECK(!by_request || (query_start->scalar_type() == at::kInt &&
                               query_start->data_ptr<int32_t>()[seqs] == rows),
               "decode stack: query_start int32, ending at the rows");
   const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
   const int64_t* slot = slots.data_ptr<int64_t>();
   // the decode kernel's row of each sequence, or the prompt-chunk kernel's list of sequences
-  const torch::Tensor query_rows = torch::arange(seqs, slots.options());
-  torch::Tensor residual = x.clone();
-  torch::Tensor normed = torch::empty_like(x);
-  torch::Tensor attn = torch::empty({rows, num_heads_, head_dim_}, x.options());
+  const at::Tensor query_rows = at::arange(seqs, slots.options());
+  at::Tensor residual = x.clone();
+  at::Tensor normed = at::empty_like(x);
+  at::Tensor attn = at::empty({rows, num_heads_, head_dim_}, x.options());
   for (Layer& layer : layers_) {
     rms_norm(normed, residual, layer.input_norm, layer.norm_eps);
-    torch::Tensor qkv = gemv(normed, layer.qkv, layer.qkv_bias);
-    torch::Tensor q = qkv.narrow(1, 0, q_size).view({rows, num_heads_, head_dim_});
-    torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({rows, num_kv_heads_, head_dim_});
+    at::Tensor qkv = gemv(normed, layer.qkv, layer.qkv_bias);
+    at::Tensor q = qkv.narrow(1, 0, q_size).view({rows, num_heads_, head_dim_});
+    at::Tensor k = qkv.narrow(1, q_size, kv_size).view({rows, num_kv_heads_, head_dim_});
     rotary_embedding(q, k, cos, sin);
     write_cache(layer.key_cache, k, slot, rows);
     write_cache(layer.value_cache, qkv.narrow(1, q_size + kv_size, kv_size), slot, rows);
@@ -95,8 +95,8 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor cos, torch::Te
                              query_rows, layer.scale, layer.window, 0.0);
     residual.add_(gemv(attn.view({rows, q_size}), layer.o, layer.o_bias));
     rms_norm(normed, residual, layer.post_norm, layer.post_norm_eps);
-    torch::Tensor gate_up = gemv(normed, layer.gate_up, layer.gate_up_bias);
-    torch::Tensor act = torch::empty({rows, gate_up.size(1) / 2}, x.options());
+    at::Tensor gate_up = gemv(normed, layer.gate_up, layer.gate_up_bias);
+    at::Tensor act = at::empty({rows, gate_up.size(1) / 2}, x.options());
     silu_and_mul(act, gate_up);
     residual.add_(gemv(act, layer.down, layer.down_bias));
   }

@@ -2,7 +2,7 @@
 // so that only bindings.cpp parses pybind11's headers.
 #pragma once
 
-#include <torch/types.h>
+#include "aten.h"
 
 #include <vector>
 
@@ -13,10 +13,10 @@ class DecodeStack {
   DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim)
       : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim) {}
 
-  void add_layer(torch::Tensor input_norm, double norm_eps, torch::Tensor qkv, c10::optional<torch::Tensor> qkv_bias,
-                 torch::Tensor o, c10::optional<torch::Tensor> o_bias, torch::Tensor post_norm, double post_norm_eps,
-                 torch::Tensor gate_up, c10::optional<torch::Tensor> gate_up_bias, torch::Tensor down,
-                 c10::optional<torch::Tensor> down_bias, torch::Tensor key_cache, torch::Tensor value_cache,
+  void add_layer(at::Tensor input_norm, double norm_eps, at::Tensor qkv, c10::optional<at::Tensor> qkv_bias,
+                 at::Tensor o, c10::optional<at::Tensor> o_bias, at::Tensor post_norm, double post_norm_eps,
+                 at::Tensor gate_up, c10::optional<at::Tensor> gate_up_bias, at::Tensor down,
+                 c10::optional<at::Tensor> down_bias, at::Tensor key_cache, at::Tensor value_cache,
                  double scale, int64_t window);
 
   // x: [rows, hidden], the embeddings; returns the residual stream after the last layer
@@ -26,14 +26,14 @@ class DecodeStack {
   // the row's own token). With query_start ([requests + 1] int32: a verify step's rows, several
   // per request), they have one per request, and the prompt-chunk kernel (paged_prefill.cpp)
   // attends, reading each request's keys and values once for all its rows.
-  torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
-                        torch::Tensor block_table, torch::Tensor seq_lens, c10::optional<torch::Tensor> query_start);
+  at::Tensor forward(at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor slots,
+                        at::Tensor block_table, at::Tensor seq_lens, c10::optional<at::Tensor> query_start);
 
  private:
   struct Layer {
-    torch::Tensor input_norm, post_norm, qkv, o, gate_up, down;
-    c10::optional<torch::Tensor> qkv_bias, o_bias, gate_up_bias, down_bias;
-    torch::Tensor key_cache, value_cache;  // [num_blocks, block_size, num_kv_heads, head_dim]
+    at::Tensor input_norm, post_norm, qkv, o, gate_up, down;
+    c10::optional<at::Tensor> qkv_bias, o_bias, gate_up_bias, down_bias;
+    at::Tensor key_cache, value_cache;  // [num_blocks, block_size, num_kv_heads, head_dim]
     double norm_eps, post_norm_eps, scale;
     int64_t window;
   };

@@ -163,10 +163,10 @@ void gemv_typed(const T* x, const W* w, const T* bias, T* out, int64_t rows, int
 // values are bf16, kept at half the bytes: batch-1 decode streams them, and widening bf16 is
 // exact, so the result is the fp32 GEMV's). A 3-D or 4-D weight is oneDNN's packed layout
 // (onednn_gemv.cpp).
-torch::Tensor gemv(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
+at::Tensor gemv(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias) {
   if (weight.dim() != 2) return onednn_gemv(x, weight, bias);
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "gemv: contiguous x and weight");
-  const bool widened = x.scalar_type() == torch::kFloat && weight.scalar_type() == torch::kBFloat16;
+  const bool widened = x.scalar_type() == at::kFloat && weight.scalar_type() == at::kBFloat16;
   TORCH_CHECK(x.scalar_type() == weight.scalar_type() || widened,
               "gemv: the weight in x's dtype (or bfloat16 under float32 x)");
   const int64_t K = weight.size(1), N = weight.size(0), rows = x.numel() / K;
@@ -175,7 +175,7 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor weight, c10::optional<torch::T
   TORCH_CHECK(!has_bias || (bias->scalar_type() == x.scalar_type() && bias->is_contiguous()), "gemv: bias");
   auto sizes = x.sizes().vec();
   sizes.back() = N;
-  torch::Tensor out = torch::empty(sizes, x.options());
+  at::Tensor out = at::empty(sizes, x.options());
   auto run = [&](auto* x_tag, auto* w_tag) {
     using T = std::remove_pointer_t<decltype(x_tag)>;
     using W = std::remove_pointer_t<decltype(w_tag)>;
@@ -187,8 +187,8 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor weight, c10::optional<torch::T
     return out;
   }
   switch (x.scalar_type()) {
-    case torch::kFloat: run(static_cast<float*>(nullptr), static_cast<float*>(nullptr)); break;
-    case torch::kBFloat16: run(static_cast<c10::BFloat16*>(nullptr), static_cast<c10::BFloat16*>(nullptr)); break;
+    case at::kFloat: run(static_cast<float*>(nullptr), static_cast<float*>(nullptr)); break;
+    case at::kBFloat16: run(static_cast<c10::BFloat16*>(nullptr), static_cast<c10::BFloat16*>(nullptr)); break;
     default: TORCH_CHECK(false, "gemv: float32 or bfloat16 only");
   }
   return out;

@@ -120,17 +120,17 @@ void rotary_kernel(T* x, int64_t tokens, int64_t heads, int64_t token_stride, in
 }
 
 template <typename F>
-void dispatch(const torch::Tensor& t, const char* name, F&& run) {
+void dispatch(const at::Tensor& t, const char* name, F&& run) {
   switch (t.scalar_type()) {
-    case torch::kFloat: run(static_cast<float*>(nullptr)); break;
-    case torch::kBFloat16: run(static_cast<c10::BFloat16*>(nullptr)); break;
+    case at::kFloat: run(static_cast<float*>(nullptr)); break;
+    case at::kBFloat16: run(static_cast<c10::BFloat16*>(nullptr)); break;
     default: TORCH_CHECK(false, name, ": float32 or bfloat16 only");
   }
 }
 
 }  // namespace
 
-void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps) {
+void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps) {
   TORCH_CHECK(x.is_contiguous() && out.is_contiguous() && weight.is_contiguous(), "rms_norm: contiguous tensors");
   TORCH_CHECK(x.scalar_type() == weight.scalar_type() && out.scalar_type() == x.scalar_type(), "rms_norm: one dtype");
   const int64_t hidden = x.size(-1);
@@ -140,7 +140,7 @@ void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double e
   });
 }
 
-void silu_and_mul(torch::Tensor out, torch::Tensor x) {
+void silu_and_mul(at::Tensor out, at::Tensor x) {
   TORCH_CHECK(x.is_contiguous() && out.is_contiguous(), "silu_and_mul: contiguous tensors");
   TORCH_CHECK(out.scalar_type() == x.scalar_type(), "silu_and_mul: one dtype");
   const int64_t d = x.size(-1) / 2;
@@ -150,10 +150,10 @@ void silu_and_mul(torch::Tensor out, torch::Tensor x) {
   });
 }
 
-void rotary_embedding(torch::Tensor query, torch::Tensor key, torch::Tensor cos, torch::Tensor sin) {
+void rotary_embedding(at::Tensor query, at::Tensor key, at::Tensor cos, at::Tensor sin) {
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes(), "rotary: cos/sin [tokens, rot]");
   const int64_t rot = cos.size(1);
-  for (const torch::Tensor& x : {query, key}) {
+  for (const at::Tensor& x : {query, key}) {
     TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(0) == cos.size(0) && x.size(2) >= rot,
                 "rotary: [tokens, heads, head_dim] with contiguous heads");
     TORCH_CHECK(x.scalar_type() == cos.scalar_type(), "rotary: one dtype");

@@ -102,10 +102,10 @@ std::vector<std::string> onednn_gemv_dtypes() {
   return dtypes;
 }
 
-torch::Tensor onednn_gemv(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
-  const bool bf16 = weight.scalar_type() == torch::kBFloat16;
+at::Tensor onednn_gemv(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias) {
+  const bool bf16 = weight.scalar_type() == at::kBFloat16;
   TORCH_CHECK(weight.is_contiguous() && ((bf16 && weight.dim() == 4 && weight.size(3) == 2) ||
-                                         (weight.scalar_type() == torch::kFloat && weight.dim() == 3)),
+                                         (weight.scalar_type() == at::kFloat && weight.dim() == 3)),
               "onednn_gemv: a contiguous bf16 weight [N / NB, K / 2, NB, 2] or fp32 [N / NB, K, NB]");
   const int64_t NB = weight.size(2), N = weight.size(0) * NB, K = weight_cols(weight);
   TORCH_CHECK(NB == 16 || NB == 32 || NB == 64, "onednn_gemv: blocks of 16, 32 or 64 output rows");
@@ -121,7 +121,7 @@ torch::Tensor onednn_gemv(torch::Tensor x, torch::Tensor weight, c10::optional<t
               "onednn_gemv: bias [N] in x's dtype");
   auto sizes = x.sizes().vec();
   sizes.back() = N;
-  torch::Tensor out = torch::empty(sizes, x.options());
+  at::Tensor out = at::empty(sizes, x.options());
 #if defined(__AVX512F__)
   if (bf16)
     onednn_gemv_typed<c10::BFloat16>(x.data_ptr<c10::BFloat16>(), weight.data_ptr<c10::BFloat16>(),

@@ -86,34 +86,34 @@ constexpr int64_t kPanel = 16;
 
 }  // namespace
 
-torch::Tensor pack_gemm_weight(torch::Tensor weight) {
+at::Tensor pack_gemm_weight(at::Tensor weight) {
   TORCH_CHECK(weight.dim() == 2, "pack_gemm_weight: weight [N, K]");
   const int64_t N = weight.size(0), K = weight.size(1), panels = (N + kPanel - 1) / kPanel;
-  torch::Tensor padded = torch::zeros({panels * kPanel, K}, weight.options().dtype(torch::kFloat));
+  at::Tensor padded = at::zeros({panels * kPanel, K}, weight.options().dtype(at::kFloat));
   padded.narrow(0, 0, N).copy_(weight);
   return padded.view({panels, kPanel, K}).transpose(1, 2).contiguous();
 }
 
-torch::Tensor packed_gemm(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.is_contiguous(), "packed_gemm: contiguous float32 x");
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kFloat && packed.is_contiguous() &&
+at::Tensor packed_gemm(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<at::Tensor> bias) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "packed_gemm: contiguous float32 x");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kFloat && packed.is_contiguous() &&
                   packed.size(2) == kPanel && packed.size(1) > 0 && packed.size(0) * kPanel >= N && N > packed.size(0) * kPanel - kPanel,
               "packed_gemm: weight from pack_gemm_weight, [ceil(N / ", kPanel, "), K, ", kPanel, "]");
   const int64_t K = packed.size(1);
   TORCH_CHECK(x.size(-1) == K, "packed_gemm: x has ", x.size(-1), " features, the weight ", K);
   const bool has_bias = bias.has_value() && bias->defined();
-  TORCH_CHECK(!has_bias || (bias->scalar_type() == torch::kFloat && bias->is_contiguous() && bias->numel() == N),
+  TORCH_CHECK(!has_bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N),
               "packed_gemm: float32 bias [N]");
   const int64_t M = x.numel() / K;
   auto sizes = x.sizes().vec();
   sizes.back() = N;
-  torch::Tensor out = torch::empty(sizes, x.options());
+  at::Tensor out = at::empty(sizes, x.options());
   if (M == 0 || N == 0) return out;
   const float* w = packed.data_ptr<float>();
   const float* b = has_bias ? bias->data_ptr<float>() : nullptr;
   float* y = out.data_ptr<float>();
 #if defined(TOKENMILL_SIMD)
-  torch::Tensor rows = torch::empty({M * K}, x.options());
+  at::Tensor rows = at::empty({M * K}, x.options());
   float* a = rows.data_ptr<float>();
   pack_rows(x.data_ptr<float>(), a, M, K);
   at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {

@@ -310,14 +310,14 @@ void decode_kernel(const Q* query, const T* key_cache, const T* value_cache, con
 }  // namespace
 
 // query/out: [num_tokens, num_heads, head_dim]; rows of out not in query_rows are left untouched.
-void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
-                            torch::Tensor value_cache, torch::Tensor block_table, torch::Tensor seq_lens,
-                            torch::Tensor query_rows, double scale, int64_t window, double soft_cap) {
+void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor key_cache,
+                            at::Tensor value_cache, at::Tensor block_table, at::Tensor seq_lens,
+                            at::Tensor query_rows, double scale, int64_t window, double soft_cap) {
   TORCH_CHECK(query.is_contiguous() && out.is_contiguous(), "query and out must be contiguous");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
-  TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && block_table.is_contiguous(), "block_table: int32");
-  TORCH_CHECK(seq_lens.scalar_type() == torch::kInt32, "seq_lens: int32");
-  TORCH_CHECK(query_rows.scalar_type() == torch::kInt64, "query_rows: int64");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.is_contiguous(), "block_table: int32");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt, "seq_lens: int32");
+  TORCH_CHECK(query_rows.scalar_type() == at::kLong, "query_rows: int64");
   const bool mixed = bf16_cache_under_fp32("paged_decode_attention", out, query, key_cache, value_cache);
   const int64_t num_heads = query.size(1), head_dim = query.size(2);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
@@ -333,9 +333,9 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
   auto same = [&](auto* tag) { run(tag, tag); };
   if (mixed) return run(static_cast<float*>(nullptr), static_cast<c10::BFloat16*>(nullptr));
   switch (query.scalar_type()) {
-    case torch::kFloat: same(static_cast<float*>(nullptr)); break;
-    case torch::kBFloat16: same(static_cast<c10::BFloat16*>(nullptr)); break;
-    case torch::kHalf: same(static_cast<c10::Half*>(nullptr)); break;
+    case at::kFloat: same(static_cast<float*>(nullptr)); break;
+    case at::kBFloat16: same(static_cast<c10::BFloat16*>(nullptr)); break;
+    case at::kHalf: same(static_cast<c10::Half*>(nullptr)); break;
     default: TORCH_CHECK(false, "paged_decode_attention: float32, bfloat16 or float16 only");
   }
 }

@@ -152,15 +152,15 @@ std::vector<std::string> prefill_dtypes() {
 // query/out: [num_tokens, num_heads, head_dim]. For each sequence s in `seqs`, its query rows
 // query_start[s]..query_start[s + 1] are its last tokens (of seq_lens[s]), already in the
 // cache. Rows of out outside those sequences are left untouched.
-void paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
-                             torch::Tensor value_cache, torch::Tensor block_table, torch::Tensor seq_lens,
-                             torch::Tensor query_start, torch::Tensor seqs, double scale, int64_t window) {
+void paged_prefill_attention(at::Tensor out, at::Tensor query, at::Tensor key_cache,
+                             at::Tensor value_cache, at::Tensor block_table, at::Tensor seq_lens,
+                             at::Tensor query_start, at::Tensor seqs, double scale, int64_t window) {
   TORCH_CHECK(query.is_contiguous() && out.is_contiguous() && key_cache.is_contiguous() &&
                   value_cache.is_contiguous() && block_table.is_contiguous(),
               "paged_prefill_attention: contiguous tensors");
   const bool mixed = bf16_cache_under_fp32("paged_prefill_attention", out, query, key_cache, value_cache);
-  TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32 &&
-                  query_start.scalar_type() == torch::kInt32 && seqs.scalar_type() == torch::kInt64,
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  query_start.scalar_type() == at::kInt && seqs.scalar_type() == at::kLong,
               "paged_prefill_attention: int32 tables, int64 sequence list");
   const int64_t num_heads = query.size(1), head_dim = query.size(2);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
@@ -180,8 +180,8 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tens
     done = true;
   };
   if (mixed) run(static_cast<float*>(nullptr), static_cast<c10::BFloat16*>(nullptr));
-  else if (query.scalar_type() == torch::kFloat) run(static_cast<float*>(nullptr), static_cast<float*>(nullptr));
-  else if (query.scalar_type() == torch::kBFloat16)
+  else if (query.scalar_type() == at::kFloat) run(static_cast<float*>(nullptr), static_cast<float*>(nullptr));
+  else if (query.scalar_type() == at::kBFloat16)
     run(static_cast<c10::BFloat16*>(nullptr), static_cast<c10::BFloat16*>(nullptr));
 #endif
   TORCH_CHECK(done, "paged_prefill_attention: ", query.scalar_type(), " is not built on this CPU (see prefill_dtypes)");

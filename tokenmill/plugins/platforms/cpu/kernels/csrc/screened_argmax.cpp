@@ -210,28 +210,28 @@ std::pair<int64_t, int64_t> screen_row(const float* x, const float* w, const Scr
 
 }  // namespace
 
-std::tuple<torch::Tensor, torch::Tensor> screened_argmax(torch::Tensor x, torch::Tensor weight, torch::Tensor packed,
-                                                         torch::Tensor scales, torch::Tensor norms,
-                                                         torch::Tensor residuals, torch::Tensor sums) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "screened_argmax: x [M, K] fp32");
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat && weight.is_contiguous() &&
+std::tuple<at::Tensor, at::Tensor> screened_argmax(at::Tensor x, at::Tensor weight, at::Tensor packed,
+                                                         at::Tensor scales, at::Tensor norms,
+                                                         at::Tensor residuals, at::Tensor sums) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "screened_argmax: x [M, K] fp32");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.is_contiguous() &&
                   weight.size(1) == x.size(1), "screened_argmax: weight [N, K] fp32");
   const int64_t M = x.size(0), N = weight.size(0), K = x.size(1);
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kChar && packed.is_contiguous() &&
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kChar && packed.is_contiguous() &&
                   packed.size(2) == 64 && packed.size(0) * 16 >= N && packed.size(1) * 4 >= K,
               "screened_argmax: packed [ceil(N/16), ceil(K/4), 64] int8");
   const int64_t Np = packed.size(0) * 16, Kp = packed.size(1) * 4;
-  for (const torch::Tensor& t : {scales, norms, residuals})
-    TORCH_CHECK(t.scalar_type() == torch::kFloat && t.is_contiguous() && t.numel() == N,
+  for (const at::Tensor& t : {scales, norms, residuals})
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == N,
                 "screened_argmax: per-row scales and norms [N] fp32");
-  TORCH_CHECK(sums.scalar_type() == torch::kInt && sums.is_contiguous() && sums.numel() == N,
+  TORCH_CHECK(sums.scalar_type() == at::kInt && sums.is_contiguous() && sums.numel() == N,
               "screened_argmax: weight row sums [N] int32");
-  torch::Tensor offsets = sums * kXOffset;
+  at::Tensor offsets = sums * kXOffset;
 
   std::vector<uint8_t> u(M * Kp);
   std::vector<QuantizedRow> rows(M);
   for (int64_t m = 0; m < M; ++m) rows[m] = quantize_row(x.data_ptr<float>() + m * K, u.data() + m * Kp, K, Kp);
-  torch::Tensor products = torch::empty({M, Np}, x.options().dtype(torch::kInt));
+  at::Tensor products = at::empty({M, Np}, x.options().dtype(at::kInt));
   int32_t* acc = products.data_ptr<int32_t>();
   const int8_t* p = packed.data_ptr<int8_t>();
   const int64_t groups = Np / 16;
@@ -243,8 +243,8 @@ std::tuple<torch::Tensor, torch::Tensor> screened_argmax(torch::Tensor x, torch:
     }
   });
 
-  torch::Tensor tokens = torch::empty({M}, x.options().dtype(torch::kLong));
-  torch::Tensor candidates = torch::empty({M}, x.options().dtype(torch::kLong));
+  at::Tensor tokens = at::empty({M}, x.options().dtype(at::kLong));
+  at::Tensor candidates = at::empty({M}, x.options().dtype(at::kLong));
   const double u32 = std::ldexp(1.0, -24), g = K * u32 / (1.0 - K * u32);
   at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
@@ -271,8 +271,8 @@ bool screened_argmax_available() { return true; }
 }  // namespace tokenmill
 #else
 namespace tokenmill {
-std::tuple<torch::Tensor, torch::Tensor> screened_argmax(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
-                                                         torch::Tensor, torch::Tensor, torch::Tensor) {
+std::tuple<at::Tensor, at::Tensor> screened_argmax(at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                                                         at::Tensor, at::Tensor, at::Tensor) {
   TORCH_CHECK(false, "screened_argmax: built without AVX512-VNNI or AVX2");
 }
 bool screened_argmax_available() { return false; }

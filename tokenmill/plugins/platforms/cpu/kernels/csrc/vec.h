@@ -5,7 +5,7 @@
 // a scalar path for CPUs with neither (TOKENMILL_SIMD undefined).
 #pragma once
 
-#include <torch/types.h>
+#include "aten.h"
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #define TOKENMILL_SIMD 1
