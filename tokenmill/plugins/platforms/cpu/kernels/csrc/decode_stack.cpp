@@ -75,10 +75,11 @@ at::Tensor DecodeStack::forward(at::Tensor x, at::Tensor cos, at::Tensor sin, at
   const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
   const int64_t* slot = slots.data_ptr<int64_t>();
   // the decode kernel's row of each sequence, or the prompt-chunk kernel's list of sequences
-  const at::Tensor query_rows = at::arange(seqs, slots.options());
+  at::Tensor query_rows = empty({seqs}, slots.options());
+  for (int64_t i = 0; i < seqs; ++i) query_rows.data_ptr<int64_t>()[i] = i;
   at::Tensor residual = x.clone();
-  at::Tensor normed = at::empty_like(x);
-  at::Tensor attn = at::empty({rows, num_heads_, head_dim_}, x.options());
+  at::Tensor normed = empty(x.sizes(), x.options());
+  at::Tensor attn = empty({rows, num_heads_, head_dim_}, x.options());
   for (Layer& layer : layers_) {
     rms_norm(normed, residual, layer.input_norm, layer.norm_eps);
     at::Tensor qkv = gemv(normed, layer.qkv, layer.qkv_bias);
@@ -96,7 +97,7 @@ at::Tensor DecodeStack::forward(at::Tensor x, at::Tensor cos, at::Tensor sin, at
     residual.add_(gemv(attn.view({rows, q_size}), layer.o, layer.o_bias));
     rms_norm(normed, residual, layer.post_norm, layer.post_norm_eps);
     at::Tensor gate_up = gemv(normed, layer.gate_up, layer.gate_up_bias);
-    at::Tensor act = at::empty({rows, gate_up.size(1) / 2}, x.options());
+    at::Tensor act = empty({rows, gate_up.size(1) / 2}, x.options());
     silu_and_mul(act, gate_up);
     residual.add_(gemv(act, layer.down, layer.down_bias));
   }

@@ -175,7 +175,7 @@ at::Tensor gemv(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias)
   TORCH_CHECK(!has_bias || (bias->scalar_type() == x.scalar_type() && bias->is_contiguous()), "gemv: bias");
   auto sizes = x.sizes().vec();
   sizes.back() = N;
-  at::Tensor out = at::empty(sizes, x.options());
+  at::Tensor out = empty(sizes, x.options());
   auto run = [&](auto* x_tag, auto* w_tag) {
     using T = std::remove_pointer_t<decltype(x_tag)>;
     using W = std::remove_pointer_t<decltype(w_tag)>;

@@ -121,7 +121,7 @@ at::Tensor onednn_gemv(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor
               "onednn_gemv: bias [N] in x's dtype");
   auto sizes = x.sizes().vec();
   sizes.back() = N;
-  at::Tensor out = at::empty(sizes, x.options());
+  at::Tensor out = empty(sizes, x.options());
 #if defined(__AVX512F__)
   if (bf16)
     onednn_gemv_typed<c10::BFloat16>(x.data_ptr<c10::BFloat16>(), weight.data_ptr<c10::BFloat16>(),

@@ -89,7 +89,7 @@ constexpr int64_t kPanel = 16;
 at::Tensor pack_gemm_weight(at::Tensor weight) {
   TORCH_CHECK(weight.dim() == 2, "pack_gemm_weight: weight [N, K]");
   const int64_t N = weight.size(0), K = weight.size(1), panels = (N + kPanel - 1) / kPanel;
-  at::Tensor padded = at::zeros({panels * kPanel, K}, weight.options().dtype(at::kFloat));
+  at::Tensor padded = empty({panels * kPanel, K}, weight.options().dtype(at::kFloat)).zero_();
   padded.narrow(0, 0, N).copy_(weight);
   return padded.view({panels, kPanel, K}).transpose(1, 2).contiguous();
 }
@@ -107,13 +107,13 @@ at::Tensor packed_gemm(at::Tensor x, at::Tensor packed, int64_t N, c10::optional
   const int64_t M = x.numel() / K;
   auto sizes = x.sizes().vec();
   sizes.back() = N;
-  at::Tensor out = at::empty(sizes, x.options());
+  at::Tensor out = empty(sizes, x.options());
   if (M == 0 || N == 0) return out;
   const float* w = packed.data_ptr<float>();
   const float* b = has_bias ? bias->data_ptr<float>() : nullptr;
   float* y = out.data_ptr<float>();
 #if defined(TOKENMILL_SIMD)
-  at::Tensor rows = at::empty({M * K}, x.options());
+  at::Tensor rows = empty({M * K}, x.options());
   float* a = rows.data_ptr<float>();
   pack_rows(x.data_ptr<float>(), a, M, K);
   at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {

@@ -226,12 +226,12 @@ std::tuple<at::Tensor, at::Tensor> screened_argmax(at::Tensor x, at::Tensor weig
                 "screened_argmax: per-row scales and norms [N] fp32");
   TORCH_CHECK(sums.scalar_type() == at::kInt && sums.is_contiguous() && sums.numel() == N,
               "screened_argmax: weight row sums [N] int32");
-  at::Tensor offsets = sums * kXOffset;
+  at::Tensor offsets = sums.mul(kXOffset);
 
   std::vector<uint8_t> u(M * Kp);
   std::vector<QuantizedRow> rows(M);
   for (int64_t m = 0; m < M; ++m) rows[m] = quantize_row(x.data_ptr<float>() + m * K, u.data() + m * Kp, K, Kp);
-  at::Tensor products = at::empty({M, Np}, x.options().dtype(at::kInt));
+  at::Tensor products = empty({M, Np}, x.options().dtype(at::kInt));
   int32_t* acc = products.data_ptr<int32_t>();
   const int8_t* p = packed.data_ptr<int8_t>();
   const int64_t groups = Np / 16;
@@ -243,8 +243,8 @@ std::tuple<at::Tensor, at::Tensor> screened_argmax(at::Tensor x, at::Tensor weig
     }
   });
 
-  at::Tensor tokens = at::empty({M}, x.options().dtype(at::kLong));
-  at::Tensor candidates = at::empty({M}, x.options().dtype(at::kLong));
+  at::Tensor tokens = empty({M}, x.options().dtype(at::kLong));
+  at::Tensor candidates = empty({M}, x.options().dtype(at::kLong));
   const double u32 = std::ldexp(1.0, -24), g = K * u32 / (1.0 - K * u32);
   at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
