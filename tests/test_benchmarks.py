@@ -16,8 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tokenmill.bench.common import engine_memory, interleaved_rounds
-from tokenmill.bench.roofline import Machine, Workload, decode_bound, model_workload, offline_bound
+from tokenmill.bench.common import engine_memory, engine_platform, interleaved_rounds
+from tokenmill.bench.roofline import (Machine, Workload, decode_bound, engine_linear, model_workload,
+                                     offline_bound)
+from tokenmill.core.layers.linear import UnquantizedLinearMethod
 from tokenmill.demo_models import DEMO_MODEL
 
 
@@ -51,6 +53,17 @@ def test_roofline_takes_each_step_at_its_slower_limit():
     decode = sum(max((1000 + 2 * (3 + s) * 10) / 1e4, 2 * (300 + 3 + s) / 1e5) for s in range(1, 4))
     assert offline_bound(machine, work, num_prompts=2, input_len=3, output_len=4) == pytest.approx(
         2 * 4 / (prefill + decode))
+
+
+def test_roofline_times_the_engines_own_linear_layer():
+    """The compute peak is also timed on the layer the platform prepares (on AVX2-only CPUs the
+    cpu platform's own GEMM outruns oneDNN's): a prepared layer, computing x W^T."""
+    weight = torch.randn(96, 64)
+    layer = engine_linear(engine_platform(DEMO_MODEL), weight)
+    assert type(layer[0].method) is not UnquantizedLinearMethod
+    x = torch.randn(16, 64)
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), x @ weight.T, rtol=1e-4, atol=1e-4)
 
 
 def test_rounds_take_turns_and_rotate_the_first_engine():

@@ -20,6 +20,7 @@ from tokenmill.core.config.model_config import load_model_config
 from tokenmill.core.plugin_host.components import collect_components
 from tokenmill.core.plugin_host.platform_selection import select_platform
 from tokenmill.core.plugin_host.plugin_manager import make_plugin_manager
+from tokenmill.interfaces.platform import Platform
 from tokenmill.testing.tiny_models import make_tiny_model
 
 #: shapes of the issue tracker's reference workloads (random weights, Llama family)
@@ -152,9 +153,13 @@ def hf_dtype(name: str, model: Path) -> torch.dtype:
     """``--dtype`` for transformers' ``from_pretrained``: "auto" is what tokenmill's "auto"
     computes in (the checkpoint's dtype, or fp32 for bf16 where the CPU has no bf16
     arithmetic), so that both run the same arithmetic at the speed this CPU gives it."""
-    config = load_config(model=str(model), dtype=name)
-    platform = select_platform(collect_components(make_plugin_manager()).platforms, config)  # the engine's
-    return load_model_config(model, name, resolve_dtype=platform.resolve_dtype).dtype
+    return load_model_config(model, name, resolve_dtype=engine_platform(model, name).resolve_dtype).dtype
+
+
+def engine_platform(model: Path, dtype: str = "auto") -> Platform:
+    """The platform a tokenmill engine of ``model`` selects here (``--device auto``)."""
+    config = load_config(model=str(model), dtype=dtype)
+    return select_platform(collect_components(make_plugin_manager()).platforms, config)
 
 
 def random_prompts(count: int, length: int, model: Path, seed: int) -> list[list[int]]:

@@ -5,8 +5,10 @@ here is what the workload would take if every step ran at this machine's limits,
 the same process at the benchmark's thread count (not read off a data sheet):
 
 - memory bandwidth: a streaming read of a buffer far larger than the last-level cache;
-- compute peak: a large square GEMM in the compute dtype (oneDNN's best kernel for this CPU:
-  AMX tiles where the CPU has them, AVX512-BF16 or FMA otherwise; cuBLAS on a GPU).
+- compute peak: a large square GEMM in the compute dtype, the faster of torch's (oneDNN's best
+  kernel for this CPU: AMX tiles where the CPU has them, AVX512-BF16 or FMA otherwise; cuBLAS
+  on a GPU) and the engine's own linear layer as its platform prepares it (on AVX2-only CPUs
+  the cpu platform's packed-panel GEMM outruns oneDNN's, so torch's alone is no bound there).
 
 Each prompt is prefilled once (compute-bound: 2 FLOPs per weight per token, plus causal
 attention); then every request decodes together, one step per output token, each step
@@ -20,11 +22,15 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from tokenmill.core.config.model_config import load_model_config
+from tokenmill.core.layers.linear import Linear
+from tokenmill.interfaces.platform import Platform
 
 
 @dataclass(frozen=True)
@@ -72,14 +78,31 @@ def measure_bandwidth(device: str = "cpu", buffer_mib: int = 512) -> float:
     return buffer.nbytes / _timed(buffer.sum, dev, 5)
 
 
-def measure_machine(dtype: torch.dtype, device: str = "cpu", gemm: int = 2048) -> Machine:
-    """Bandwidth and compute peak at the threads torch is set to (``torch.set_num_threads``)."""
+def engine_linear(platform: Platform, weight: torch.Tensor) -> nn.Module:
+    """A linear layer of ``weight`` [out, in], prepared by ``platform`` as it prepares a
+    model's (prepacked, its own GEMM kernel where it has one)."""
+    model = nn.Sequential(Linear(weight.shape[1], [weight.shape[0]], bias=False, dtype=weight.dtype))
+    with torch.no_grad():
+        model[0].weight.copy_(weight)
+    platform.optimize_model(model)
+    return model
+
+
+def measure_machine(dtype: torch.dtype, device: str = "cpu", gemm: int = 2048,
+                    platform: Optional[Platform] = None) -> Machine:
+    """Bandwidth and compute peak at the threads torch is set to (``torch.set_num_threads``);
+    with ``platform`` (one whose layers run where ``device`` is), the peak is the faster of
+    ``torch.mm`` and the platform's own linear layer."""
     dev = torch.device(device)
     bandwidth = measure_bandwidth(device)
     a = torch.randn(gemm, gemm, device=dev).to(dtype)
     b = torch.randn(gemm, gemm, device=dev).to(dtype)
-    peak = 2 * gemm**3 / _timed(lambda: torch.mm(a, b), dev, 5)
-    return Machine(bandwidth, peak)
+    seconds = _timed(lambda: torch.mm(a, b), dev, 5)
+    if platform is not None:
+        layer = engine_linear(platform, b)
+        with torch.inference_mode():
+            seconds = min(seconds, _timed(lambda: layer(a), dev, 5))
+    return Machine(bandwidth, 2 * gemm**3 / seconds)
 
 
 def model_workload(model: Path, dtype: torch.dtype, kv_dtype: torch.dtype) -> Workload:

@@ -30,6 +30,7 @@ import re
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
@@ -37,8 +38,8 @@ from transformers import AutoModelForCausalLM
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.bench.common import (add_async_scheduling_arg, add_common_args, add_gpu_memory_arg, add_kernel_args,
-                                    engine_memory, hf_device, hf_dtype, interleaved_rounds, kernel_args, prepare,
-                                    random_prompts, tokenmill_engines, write_json)
+                                    engine_memory, engine_platform, hf_device, hf_dtype, interleaved_rounds,
+                                    kernel_args, prepare, random_prompts, tokenmill_engines, write_json)
 from tokenmill.bench.llama_cpp import add_llama_cpp_args, batched_bench
 from tokenmill.bench.roofline import Workload, measure_machine, model_workload, offline_bound
 from tokenmill.bench.vllm_peer import add_vllm_args, throughput_seconds
@@ -131,10 +132,11 @@ def vllm_pass(path, prompt_sets, output_len, args) -> Callable[[], float]:
                                       output_len, args.threads, args.seed + next(rounds), args.kv_cache_memory_bytes)
 
 
-def print_roofline(results: dict, work: Workload, dtype: torch.dtype, args) -> None:
+def print_roofline(results: dict, path: Path, work: Workload, dtype: torch.dtype, args) -> None:
     """The workload's bound on this machine (see roofline.py), measured after the timed rounds,
     and tokenmill's share of it."""
-    machine = measure_machine(dtype, hf_device(args.device))
+    device = hf_device(args.device)  # on a GPU the engine's linear layers are torch's (cuBLAS)
+    machine = measure_machine(dtype, device, platform=engine_platform(path, args.dtype) if device == "cpu" else None)
     bound = offline_bound(machine, work, args.num_prompts, args.input_len, args.output_len)
     share = results["engines"]["tokenmill"]["output_tokens_per_s"] / bound
     results["roofline"] = {"output_tokens_per_s": round(bound, 1), "bandwidth_gb_s": round(machine.bandwidth / 1e9, 2),
@@ -224,7 +226,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             results[f"ratio_{name}_vs_tokenmill"] = round(ratio, 3)
             print(f"{name} / tokenmill (output tok/s): {ratio:.2f}x")
     if "tokenmill" in results["engines"]:
-        print_roofline(results, work, dtype, args)
+        print_roofline(results, path, work, dtype, args)
     for peer, key, label in PEERS:
         if peer in seconds and "tokenmill" in seconds:
             # output tok/s ratio = inverse ratio of seconds
