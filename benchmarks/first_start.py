@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from tokenmill.bench.common import hf_dtype, interleaved_rounds, write_json
+from tokenmill.bench.common import hf_dtype, interleaved_rounds, stop_server, write_json
 from tokenmill.bench.vllm_peer import vllm_dtype, vllm_env
 from tokenmill.demo_models import DEMO_MODEL
 
@@ -76,12 +76,7 @@ def first_start(engine: str, model: Path, port: int, threads: int, vllm: str, lo
                         pass
                     time.sleep(0.25)
             finally:
-                process.terminate()
-                try:
-                    process.wait(30)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait(30)
+                stop_server(process)
     print(f"  {engine}: ready {healthy:.1f} s, first answer {answered:.1f} s (log: {log_path})", flush=True)
     return {"ready_s": healthy, "first_answer_s": answered}
 

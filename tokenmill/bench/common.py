@@ -177,6 +177,16 @@ def write_json(path: str | None, results: dict[str, Any]) -> None:
         Path(path).write_text(json.dumps(results, indent=2, default=str))
 
 
+def stop_server(process: subprocess.Popen) -> None:
+    """SIGTERM (the server drains and exits), then SIGKILL after 30 s."""
+    process.terminate()
+    try:
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(30)
+
+
 def wait_ready(url: str, process: subprocess.Popen, timeout: float = 300) -> None:
     """Until ``url``/health answers 200; a server that exits first ends the benchmark."""
     deadline = time.monotonic() + timeout

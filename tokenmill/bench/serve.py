@@ -35,7 +35,8 @@ import httpx
 import numpy as np
 import torch
 
-from tokenmill.bench.common import add_common_args, hf_device, hf_dtype, prepare, wait_ready, write_json
+from tokenmill.bench.common import (add_common_args, hf_device, hf_dtype, prepare, stop_server, wait_ready,
+                                    write_json)
 from tokenmill.bench.llama_cpp import add_llama_cpp_args, server_command
 from tokenmill.bench.roofline import model_workload
 from tokenmill.bench.vllm_peer import vllm_dtype, vllm_env
@@ -231,12 +232,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             report["engines"][name] = summarize(results, duration)
         finally:
             if process is not None:
-                process.terminate()
-                try:
-                    process.wait(30)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait(30)
+                stop_server(process)
         r = report["engines"][name]
         print(f"{name:<13} done {r['completed']}/{args.num_prompts}  req/s {r['request_throughput']:.2f}  "
               f"out tok/s {r['output_throughput']:.1f}  TTFT p50 {r['ttft']['median_ms']} ms  "
