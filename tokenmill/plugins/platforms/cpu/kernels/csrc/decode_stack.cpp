@@ -15,6 +15,7 @@
 #include "decode_stack.h"
 
 #include <cstring>
+#include <numeric>
 
 #include "kernels.h"
 #include "vec.h"
@@ -76,7 +77,7 @@ at::Tensor DecodeStack::forward(at::Tensor x, at::Tensor cos, at::Tensor sin, at
   const int64_t* slot = slots.data_ptr<int64_t>();
   // the decode kernel's row of each sequence, or the prompt-chunk kernel's list of sequences
   at::Tensor query_rows = empty({seqs}, slots.options());
-  for (int64_t i = 0; i < seqs; ++i) query_rows.data_ptr<int64_t>()[i] = i;
+  std::iota(query_rows.data_ptr<int64_t>(), query_rows.data_ptr<int64_t>() + seqs, int64_t{0});
   at::Tensor residual = x.clone();
   at::Tensor normed = empty(x.sizes(), x.options());
   at::Tensor attn = empty({rows, num_heads_, head_dim_}, x.options());
