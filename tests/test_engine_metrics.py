@@ -45,19 +45,27 @@ def test_an_embedding_model_has_none(model_dir):
 
 @settings(max_examples=50, deadline=None)
 @given(steps=st.lists(st.lists(st.one_of(st.sampled_from(_LATENCY_BUCKETS), st.floats(0, 100)), max_size=40),
-                      max_size=5))
-def test_a_step_histogram_exposes_what_prometheus_histogram_does(steps):
-    """The inter-token latency histogram takes a step's values at once; /metrics shows the same
-    samples (a value on a bound counts in that bucket; `_created` too) as prometheus_client's,
-    the sum up to its order of additions."""
+                      max_size=5),
+       pending_limit=st.sampled_from([1, 7, 4096]), reads=st.integers(0, 2))
+def test_a_step_histogram_exposes_what_prometheus_histogram_does(steps, pending_limit, reads):
+    """The inter-token latency histogram takes a step's values at once and buckets them when read
+    or when ``pending_limit`` are waiting; /metrics shows the same samples (a value on a bound
+    counts in that bucket; `_created` too) as prometheus_client's, the sum up to its order of
+    additions, however often it was read between steps."""
     plain, batched = CollectorRegistry(), CollectorRegistry()
     histogram = PrometheusHistogram("tokenmill:itl_seconds", "doc", ["model_name"], buckets=_LATENCY_BUCKETS,
                                     registry=plain).labels("m")
-    step_histogram = StepHistogram("tokenmill:itl_seconds", "doc", {"model_name": "m"}, _LATENCY_BUCKETS, batched)
-    for values in steps:
+    step_histogram = StepHistogram("tokenmill:itl_seconds", "doc", {"model_name": "m"}, _LATENCY_BUCKETS, batched,
+                                   pending_limit=pending_limit)
+    for step, values in enumerate(steps):
         for value in values:
             histogram.observe(value)
-        step_histogram.observe_many(values)
+        if len(values) == 1 and step % 2:
+            step_histogram.observe(values[0])
+        else:
+            step_histogram.observe_many(values)
+        if step < reads:
+            read_metrics(batched)
     expected, got = read_metrics(plain)[0], read_metrics(batched)[0]
     assert got.sum == pytest.approx(expected.sum)
 
