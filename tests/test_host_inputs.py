@@ -1,9 +1,13 @@
 """A step's flat host inputs (``HostInputs.of``) against their definition row by row: each
 row's block ids in the leading columns of its table row and zeros after them, positions
-that continue each row's computed tokens, and each new token's KV slot in its block."""
+that continue each row's computed tokens, and each new token's KV slot in its block. Both
+ways of working them out (Python for a few rows, numpy for many) are held to it, with the
+dtypes the attention backends and the graphs' buffers take."""
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -25,10 +29,13 @@ def rows(draw) -> list[Row]:
     return made
 
 
+@pytest.mark.parametrize("make", [HostInputs.of_few, HostInputs.of_many], ids=["few", "many"])
 @settings(max_examples=200, deadline=None)
-@given(rows())
-def test_host_inputs_follow_each_row(step_rows):
-    host = HostInputs.of(step_rows, BLOCK_SIZE)
+@given(step_rows=rows())
+def test_host_inputs_follow_each_row(make, step_rows):
+    host = make(step_rows, BLOCK_SIZE)
+    assert [a.dtype for a in (host.token_ids, host.positions, host.query_lens, host.query_start, host.seq_lens,
+                              host.block_table, host.slots)] == [np.int64] * 5 + [np.int32, np.int64]
     width = max(len(row.block_ids) for row in step_rows)
     assert host.block_table.shape == (len(step_rows), width)
     flat = 0

@@ -118,14 +118,19 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("long_inv_freq", long[0] if long else None, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin), [num_tokens, rotary_dim] each, in ``dtype`` (the eager code's rounding)."""
-        freqs = positions[:, None].float() * self.inv_freq  # [num_tokens, rotary_dim // 2]
+        """(cos, sin), [num_tokens, rotary_dim] each, in ``dtype`` (the eager code's rounding).
+
+        Run once a step, so its ops are host work per step: a scale of 1 is skipped (the
+        product would be the same bits) and the positions are widened without indexing."""
+        column = positions.to(torch.float32).unsqueeze(1)
+        freqs = column * self.inv_freq  # [num_tokens, rotary_dim // 2]
         if self.long_from is not None:
-            long = positions[:, None].float() * self.long_inv_freq
-            freqs = torch.where(positions[:, None] >= self.long_from, long, freqs)
+            freqs = torch.where(positions.unsqueeze(1) >= self.long_from, column * self.long_inv_freq, freqs)
         emb = torch.cat((freqs, freqs), dim=-1)
-        return ((emb.cos() * self.scaling).to(dtype).contiguous(),
-                (emb.sin() * self.scaling).to(dtype).contiguous())
+        cos, sin = emb.cos(), emb.sin()
+        if self.scaling != 1.0:
+            cos, sin = cos * self.scaling, sin * self.scaling
+        return cos.to(dtype), sin.to(dtype)
 
 
 class ApplyRotary(CustomOp):
