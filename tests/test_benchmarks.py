@@ -205,13 +205,22 @@ def test_bench_throughput_compares_parallel_layouts(tmp_path):
 
 @pytest.mark.slow
 def test_bench_serve_launches_tokenmill_and_reports_latencies(tmp_path):
+    """Two rounds, a server started for each: each round's figures kept, the engine's figures
+    their medians, the requests summed."""
     results = _run("serve", tmp_path, "--launch", "tokenmill", "--num-prompts", "4", "--random-input-len", "8",
-                   "--random-output-len", "4", "--max-concurrency", "2")
+                   "--random-output-len", "4", "--max-concurrency", "2", "--rounds", "2")
     served = results["engines"]["tokenmill"]
-    assert served["completed"] == 4 and served["failed"] == 0
+    rounds = served["rounds"]
+    assert [(r["completed"], r["failed"]) for r in rounds] == [(4, 0), (4, 0)]
+    assert served["completed"] == 8 and served["failed"] == 0
     assert results["config"]["kv_cache_memory_bytes"] > 0  # launched servers share one KV size on a CPU
     for metric in ("ttft", "tpot", "itl", "e2el"):
-        assert 0 < served[metric]["median_ms"] <= served[metric]["p99_ms"]
+        for figures in (served[metric], *(r[metric] for r in rounds)):
+            assert 0 < figures["median_ms"] <= figures["p99_ms"]
+        assert served[metric]["median_ms"] == pytest.approx(statistics.median(r[metric]["median_ms"] for r in rounds),
+                                                            abs=1e-3)
+    assert served["output_throughput"] == pytest.approx(statistics.median(r["output_throughput"] for r in rounds),
+                                                        abs=1e-3)
 
 
 @pytest.mark.slow

@@ -10,7 +10,9 @@ engine in turn on the same model: ``--launch tokenmill,transformers,vllm,llama.c
 (vllm: ``vllm serve``, where vLLM is installed; llama.cpp: ``llama-server`` with one
 slot per concurrent request on the same weights as GGUF; needs ``--llama-cpp``, see
 llama_cpp.py). ``--device cuda`` serves tokenmill on its cuda platform; transformers and
-vLLM take the GPU wherever there is one.
+vLLM take the GPU wherever there is one. With ``--rounds N`` the engines take turns N times,
+each pass with a server started afresh (common.interleaved_rounds); the figures are medians
+over rounds, and each round's are kept under ``rounds``.
 
     tokenmill bench serve --launch tokenmill,transformers --preset 52m --num-prompts 64 \\
         --input-len 256 --output-len 128 --max-concurrency 32
@@ -28,6 +30,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -35,8 +38,8 @@ import httpx
 import numpy as np
 import torch
 
-from tokenmill.bench.common import (add_common_args, hf_device, hf_dtype, prepare, stop_server, wait_ready,
-                                    write_json)
+from tokenmill.bench.common import (add_common_args, hf_device, hf_dtype, interleaved_rounds, prepare, stop_server,
+                                    wait_ready, write_json)
 from tokenmill.bench.llama_cpp import add_llama_cpp_args, server_command
 from tokenmill.bench.roofline import model_workload
 from tokenmill.bench.vllm_peer import vllm_dtype, vllm_env
@@ -172,6 +175,56 @@ def launch(engine: str, model_path: str, port: int, threads: int, max_num_seqs: 
     return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
+def serve_pass(name: str, url: Optional[str], path: Path, prompts: list[str], args: argparse.Namespace) -> dict:
+    """One timed pass of ``name``: its server launched (unless ``url`` is one already running),
+    a warm-up, the load, the server stopped; the pass's summary."""
+    process = None
+    model = args.served_model
+    if url is None:
+        url = f"http://127.0.0.1:{args.port}"
+        process = launch(name, str(path), args.port, args.threads, args.max_num_seqs, args)
+        model = str(path) if name == "transformers" else "bench"
+    try:
+        if process is not None:
+            wait_ready(url, process)
+        extra = EXTRA_FIELDS.get(name, {})
+        asyncio.run(run_load(url, model, prompts[:2], 4, float("inf"), 2, args.seed, extra))  # warm-up
+        results, duration = asyncio.run(run_load(url, model, prompts, args.output_len, args.request_rate,
+                                                 args.max_concurrency, args.seed, extra))
+    finally:
+        if process is not None:
+            stop_server(process)
+    summary = summarize(results, duration)
+    print(f"{name:<13} " + summary_line(summary, args.num_prompts))
+    return summary
+
+
+def over_rounds(rounds: list[dict]) -> dict:
+    """One engine's passes as one summary: each figure the median over rounds, the requests
+    completed and failed summed, the errors of all of them."""
+    def median(values: list) -> Optional[float]:
+        values = [v for v in values if v is not None]
+        return round(statistics.median(values), 3) if values else None
+
+    merged: dict = {"completed": sum(r["completed"] for r in rounds), "failed": sum(r["failed"] for r in rounds),
+                    "errors": sorted({e for r in rounds for e in r["errors"]})[:3]}
+    for key, value in rounds[0].items():
+        if key in merged:
+            continue
+        if isinstance(value, dict):
+            merged[key] = {k: median([r[key][k] for r in rounds]) for k in value}
+        else:
+            merged[key] = median([r[key] for r in rounds])
+    return merged
+
+
+def summary_line(r: dict, requests: int) -> str:
+    return (f"done {r['completed']}/{requests}  req/s {r['request_throughput']:.2f}  "
+            f"out tok/s {r['output_throughput']:.1f}  TTFT p50 {r['ttft']['median_ms']} ms  "
+            f"TPOT p50 {r['tpot']['median_ms']} ms  ITL p50 {r['itl']['median_ms']} ms  "
+            f"E2EL p50 {r['e2el']['median_ms']} ms" + (f"  errors: {r['errors']}" if r["errors"] else ""))
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="tokenmill bench serve", description=__doc__.splitlines()[0])
     add_common_args(parser)
@@ -215,35 +268,23 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     targets = [("external", args.base_url)] if args.base_url else [(e, None) for e in args.launch.split(",")]
     report = {"config": {k: v for k, v in vars(args).items() if k != "json"}, "engines": {}}
-    for name, url in targets:
-        process = None
-        model = args.served_model
-        if url is None:
-            url = f"http://127.0.0.1:{args.port}"
-            process = launch(name, str(path), args.port, args.threads, args.max_num_seqs, args)
-            model = str(path) if name == "transformers" else "bench"
-        try:
-            if process is not None:
-                wait_ready(url, process)
-            extra = EXTRA_FIELDS.get(name, {})
-            asyncio.run(run_load(url, model, prompts[:2], 4, float("inf"), 2, args.seed, extra))  # warm-up
-            results, duration = asyncio.run(run_load(url, model, prompts, args.output_len, args.request_rate,
-                                                     args.max_concurrency, args.seed, extra))
-            report["engines"][name] = summarize(results, duration)
-        finally:
-            if process is not None:
-                stop_server(process)
-        r = report["engines"][name]
-        print(f"{name:<13} done {r['completed']}/{args.num_prompts}  req/s {r['request_throughput']:.2f}  "
-              f"out tok/s {r['output_throughput']:.1f}  TTFT p50 {r['ttft']['median_ms']} ms  "
-              f"TPOT p50 {r['tpot']['median_ms']} ms  ITL p50 {r['itl']['median_ms']} ms  "
-              f"E2EL p50 {r['e2el']['median_ms']} ms" + (f"  errors: {r['errors']}" if r["errors"] else ""))
+    passes = {name: partial(serve_pass, name, url, path, prompts, args) for name, url in targets}
+    by_engine = interleaved_rounds(passes, args.rounds)
     engines = report["engines"]
+    for name, rounds in by_engine.items():
+        engines[name] = {**over_rounds(rounds), "rounds": rounds}
+        if args.rounds > 1:
+            print(f"{name:<13} median of {args.rounds} rounds: "
+                  + summary_line(engines[name], args.rounds * args.num_prompts))
     for peer, key in (("transformers", "transformers"), ("vllm", "vllm"), ("llama.cpp", "llama_cpp")):
         if "tokenmill" in engines and peer in engines and engines[peer]["output_throughput"]:
             ratio = engines["tokenmill"]["output_throughput"] / engines[peer]["output_throughput"]
+            by_round = [t["output_throughput"] / p["output_throughput"] if p["output_throughput"] else None
+                        for t, p in zip(by_engine["tokenmill"], by_engine[peer])]
             report[f"ratio_tokenmill_vs_{key}"] = round(ratio, 3)
-            print(f"tokenmill / {peer} serve (output tok/s): {ratio:.2f}x")
+            report[f"ratio_tokenmill_vs_{key}_by_round"] = [None if r is None else round(r, 3) for r in by_round]
+            print(f"tokenmill / {peer} serve (output tok/s): {ratio:.2f}x; by round: "
+                  + ", ".join("-" if r is None else f"{r:.2f}x" for r in by_round))
     write_json(args.json, report)
 
 
