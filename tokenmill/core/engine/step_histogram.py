@@ -46,10 +46,7 @@ class StepHistogram(Collector):
         registry.register(self)
 
     def observe(self, value: float) -> None:
-        with self._lock:
-            self._pending.append(value)
-            if len(self._pending) >= self._pending_limit:
-                self._count_pending()
+        self.observe_many((value,))
 
     def observe_many(self, values: Sequence[float]) -> None:
         if not values:
