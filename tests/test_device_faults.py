@@ -129,12 +129,14 @@ def assert_an_oom_fails_its_request_alone(base: str, model: str) -> None:
 SERVE = ("--served-model-name", "demo", "--kv-cache-memory-bytes", "16MiB", "--logits-processors", FAULTS)
 
 
-def test_serve_exits_on_a_poisoned_device_after_failing_its_requests():
-    with serve_process(*SERVE) as (process, base):
+@pytest.mark.parametrize("mode", [(), ("--engine-process",)], ids=["one-process", "engine-process"])
+def test_serve_exits_on_a_poisoned_device_after_failing_its_requests(mode):
+    with serve_process(*SERVE, *mode) as (process, base):
         assert_a_device_fault_ends_the_server(process, base, "demo")
     assert "the server exits so that a supervisor can restart it" in process.stderr_text
 
 
-def test_an_oom_fails_its_request_and_the_server_goes_on():
-    with serve_process(*SERVE) as (_, base):
+@pytest.mark.parametrize("mode", [(), ("--engine-process",)], ids=["one-process", "engine-process"])
+def test_an_oom_fails_its_request_and_the_server_goes_on(mode):
+    with serve_process(*SERVE, *mode) as (_, base):
         assert_an_oom_fails_its_request_alone(base, "demo")

@@ -7,6 +7,7 @@ TTFT / TPOT / ITL / E2EL (mean, median, p99; TPOT = (e2e - ttft) / (n - 1)).
 
 Point it at a running server (``--base-url``), or let it launch one per
 engine in turn on the same model: ``--launch tokenmill,transformers,vllm,llama.cpp``
+(``tokenmill-engine-process``: tokenmill with ``--engine-process``)
 (vllm: ``vllm serve``, where vLLM is installed; llama.cpp: ``llama-server`` with one
 slot per concurrent request on the same weights as GGUF; needs ``--llama-cpp``, see
 llama_cpp.py). ``--device cuda`` serves tokenmill on its cuda platform; transformers and
@@ -148,12 +149,14 @@ def summarize(results: list[Result], duration: float) -> dict:
 def launch(engine: str, model_path: str, port: int, threads: int, max_num_seqs: int,
            args: argparse.Namespace) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-    if engine == "tokenmill":
+    if engine in ("tokenmill", "tokenmill-engine-process"):
         command = [sys.executable, "-m", "tokenmill.cli", "serve", model_path, "--port", str(port),
                    "--served-model-name", "bench", "--max-num-seqs", str(max_num_seqs), "--device", args.device,
                    "--dtype", args.dtype, "--kv-cache-dtype", args.kv_cache_dtype, "--log-level", "warning"]
         if args.device != "cuda":
             command += ["--num-threads", str(threads)]
+        if engine == "tokenmill-engine-process":
+            command.append("--engine-process")
         if args.kv_cache_memory_bytes is not None:
             command += ["--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes)]
     elif engine == "vllm":  # in the dtype tokenmill computes in (vLLM's CPU "auto" takes fp32 to bf16)
@@ -231,7 +234,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--base-url", help="an already running server (skips --launch)")
     parser.add_argument("--served-model", default="bench", help="the 'model' field to send")
     parser.add_argument("--launch", default="tokenmill",
-                        help="comma-separated: tokenmill,transformers,vllm,llama.cpp")
+                        help="comma-separated: tokenmill,tokenmill-engine-process,transformers,vllm,llama.cpp")
     parser.add_argument("--vllm", default="vllm", help="the vllm executable, or a wrapper such as benchmarks/vllm_cpu.sh")
     parser.add_argument("--device", default="auto", help="tokenmill's platform when launched (cpu, cuda)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -276,14 +279,16 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         if args.rounds > 1:
             print(f"{name:<13} median of {args.rounds} rounds: "
                   + summary_line(engines[name], args.rounds * args.num_prompts))
-    for peer, key in (("transformers", "transformers"), ("vllm", "vllm"), ("llama.cpp", "llama_cpp")):
-        if "tokenmill" in engines and peer in engines and engines[peer]["output_throughput"]:
-            ratio = engines["tokenmill"]["output_throughput"] / engines[peer]["output_throughput"]
+    for subject, peer in (("tokenmill", "transformers"), ("tokenmill", "vllm"), ("tokenmill", "llama.cpp"),
+                          ("tokenmill-engine-process", "tokenmill"), ("tokenmill-engine-process", "vllm")):
+        if subject in engines and peer in engines and engines[peer]["output_throughput"]:
+            ratio = engines[subject]["output_throughput"] / engines[peer]["output_throughput"]
             by_round = [t["output_throughput"] / p["output_throughput"] if p["output_throughput"] else None
-                        for t, p in zip(by_engine["tokenmill"], by_engine[peer])]
-            report[f"ratio_tokenmill_vs_{key}"] = round(ratio, 3)
-            report[f"ratio_tokenmill_vs_{key}_by_round"] = [None if r is None else round(r, 3) for r in by_round]
-            print(f"tokenmill / {peer} serve (output tok/s): {ratio:.2f}x; by round: "
+                        for t, p in zip(by_engine[subject], by_engine[peer])]
+            key = f"ratio_{subject}_vs_{peer}".replace("-", "_").replace(".", "_")
+            report[key] = round(ratio, 3)
+            report[f"{key}_by_round"] = [None if r is None else round(r, 3) for r in by_round]
+            print(f"{subject} / {peer} serve (output tok/s): {ratio:.2f}x; by round: "
                   + ", ".join("-" if r is None else f"{r:.2f}x" for r in by_round))
     write_json(args.json, report)
 

@@ -140,13 +140,19 @@ def serve(args: argparse.Namespace) -> int:
     from tokenmill.core.engine.async_llm import AsyncLLM
     from tokenmill.core.engine.builder import build_engine
     from tokenmill.core.engine.llm_engine import LLMEngine
-    from tokenmill.server.app import create_app, server_chat_template, user_middleware
+    from tokenmill.server.app import create_app, default_model_names, server_chat_template, user_middleware
 
     server_chat_template(config.server.chat_template)  # a missing file fails before the model loads
     for path in config.server.middleware:
         user_middleware(path)
-    engine = build_engine(config)
-    served = AsyncLLM(engine, config.server.max_queued_requests) if isinstance(engine, LLMEngine) else engine
+    if config.server.engine_process:
+        from tokenmill.server.engine_core.client import EngineCoreClient
+
+        model_name = (config.server.served_model_name or default_model_names(str(config.model)))[0]
+        served = EngineCoreClient(config, model_name, config.server.max_queued_requests)
+    else:
+        engine = build_engine(config)
+        served = AsyncLLM(engine, config.server.max_queued_requests) if isinstance(engine, LLMEngine) else engine
     server: Optional[uvicorn.Server] = None
 
     def exit_server() -> None:  # the engine stopped on an error: a supervisor starts a fresh process

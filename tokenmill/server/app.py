@@ -31,6 +31,7 @@ from tokenmill.server.chat import chat_prompt_ids, create_chat_completion
 from tokenmill.server.tool_parsers import tool_parser_factory
 from tokenmill.server.completions import create_completion
 from tokenmill.server.embeddings import EmbeddingService
+from tokenmill.server.engine_core.client import EngineCoreClient
 from tokenmill.server.errors import APIError, install_error_handlers
 from tokenmill.server.generation import ServingContext
 from tokenmill.server.logging import log_finished_requests
@@ -128,7 +129,9 @@ def create_app(llm: AsyncLLM | EmbeddingEngine, config: Optional[ServerConfig] =
                          constrain_reasoning=engine.config.structured_outputs.enable_in_reasoning)
     metrics = EngineMetrics(names[0])
     embeddings = None if generating else EmbeddingService(engine, names[0])
-    if generating:
+    #: an engine in its own process observes its steps there, and is asked for the text
+    remote_metrics = isinstance(llm, EngineCoreClient)
+    if generating and not remote_metrics:
         llm.observers += [metrics.observe_step] + ([log_finished_requests] if config.log_requests else [])
 
     def require(kind: str) -> None:
@@ -252,7 +255,8 @@ def create_app(llm: AsyncLLM | EmbeddingEngine, config: Optional[ServerConfig] =
     @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus():
         """Prometheus text format, vLLM's metric names with the ``tokenmill:`` prefix."""
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        text = await llm.metrics_text() if remote_metrics else generate_latest(metrics.registry)
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     if generating and engine.config.adapters.allow_runtime_lora_updating:
         add_adapter_routes(app, llm, engine.config.adapters.allowed_lora_dirs, names)

@@ -93,6 +93,7 @@ SERVER_NAMES: dict[str, str] = {
     "enable_prompt_tokens_details": "server.enable_prompt_tokens_details",
     "middleware": "server.middleware",
     "enable_training_endpoints": "server.enable_training_endpoints",
+    "engine_process": "server.engine_process",
     "ssl_keyfile": "server.ssl_keyfile",
     "ssl_certfile": "server.ssl_certfile",
     "ssl_ca_certs": "server.ssl_ca_certs",

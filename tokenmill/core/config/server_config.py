@@ -56,6 +56,9 @@ class ServerConfig(BaseModel):
     #: the training-loop endpoints (/pause, /resume, the weight-transfer cycle, /sleep,
     #: /wake_up, /reset_prefix_cache, /collective_rpc): they change what every client is served
     enable_training_endpoints: bool = False
+    #: run the engine in a process of its own beside the HTTP server's, as vLLM runs its engine
+    #: core: each has a GIL of its own, so streaming to many clients does not slow the steps
+    engine_process: bool = False
     #: ASGI middleware to add to the app, as import paths (vLLM: --middleware): a class is
     #: added with app.add_middleware, a function as an HTTP middleware (@app.middleware("http"))
     middleware: list[str] = []

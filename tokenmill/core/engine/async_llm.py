@@ -260,7 +260,7 @@ class AsyncLLM:
                     result, error = command.fn(self.engine), None
                 except Exception as exc:  # handed to the awaiting caller
                     result, error = None, exc
-                command.loop.call_soon_threadsafe(_settle, command.future, result, error)
+                command.loop.call_soon_threadsafe(settle_future, command.future, result, error)
                 if error is not None:  # a device fault (waking, loading weights) stops the loop as a step's does
                     raise_if_fatal(self.engine.platform, error)
             else:
@@ -298,7 +298,7 @@ class AsyncLLM:
         if command.clear_cache:
             self.engine.scheduler.invalidate_prefix_cache()
         log.info("generation paused", mode=command.mode, running=len(self.engine.scheduler.running))
-        command.loop.call_soon_threadsafe(_settle, command.future, None, None)
+        command.loop.call_soon_threadsafe(settle_future, command.future, None, None)
 
     def _resume(self) -> None:
         self._paused, self._pausing = False, None
@@ -360,7 +360,7 @@ class AsyncLLM:
                 awaited.append(command)
         for command in awaited:
             if not command.loop.is_closed():
-                command.loop.call_soon_threadsafe(_settle, command.future, None, exc)
+                command.loop.call_soon_threadsafe(settle_future, command.future, None, exc)
 
 
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
@@ -368,7 +368,7 @@ def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
         stream.put_nowait(item)
 
 
-def _settle(future: asyncio.Future, result: object, error: Optional[BaseException]) -> None:
+def settle_future(future: asyncio.Future, result: object, error: Optional[BaseException]) -> None:
     if future.done():
         return
     if error is not None:

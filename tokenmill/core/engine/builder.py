@@ -171,9 +171,9 @@ def _build_engine(config: EngineConfig, pm: PluginManager, components: Component
     context = LogitsProcessorContext(
         vocab_size=model_config.vocab_size, eos_token_ids=model_config.eos_token_ids,
         max_num_seqs=config.scheduler.max_num_seqs, device=torch.device(platform.device_type), tokenizer=tokenizer)
-    structured = _structured_outputs(config, components, context)
-    processors = ((StructuredOutput(context, structured),) if structured else ()) + _logits_processors(
-        config, components, context)
+    structured = structured_outputs_manager(config, components, context)
+    classes = logits_processor_classes(config, components, structured is not None)
+    processors = tuple(cls(context, structured) if cls is StructuredOutput else cls(context) for cls in classes)
     runner = ModelRunner(model_step, config.seed, processors, config.logprobs_mode, async_scheduling, staging,
                          platform.noise_generator)
     engine = LLMEngine(config, model_config, tokenizer, scheduler, runner, pm, adapters, platform, structured, group,
@@ -256,10 +256,13 @@ def _loaded(model: LocalProposerModel, loaded: list[LocalProposerModel]) -> Loca
     return model
 
 
-def _logits_processors(config: EngineConfig, components: Components,
-                       context: LogitsProcessorContext) -> tuple[LogitsProcessor, ...]:
-    """The built-ins, then the configured ones: registered names or ``module:Class`` paths."""
-    classes: list[type[LogitsProcessor]] = list(BUILTIN_LOGITS_PROCESSORS)
+def logits_processor_classes(config: EngineConfig, components: Components,
+                             structured: bool) -> tuple[type[LogitsProcessor], ...]:
+    """The engine's logits processors: the structured output one where a backend is
+    (``structured``), the built-ins, then the configured ones (registered names or
+    ``module:Class`` paths). An API server in a process of its own checks requests against
+    their ``validate_params`` too."""
+    classes: list[type[LogitsProcessor]] = ([StructuredOutput] if structured else []) + list(BUILTIN_LOGITS_PROCESSORS)
     for name in config.logits_processors:
         if name in components.logits_processors:
             cls = components.logits_processors.get(name)
@@ -269,11 +272,11 @@ def _logits_processors(config: EngineConfig, components: Components,
             raise ConfigError("logits_processors", f"{name!r} is not a LogitsProcessor subclass "
                               "(tokenmill.interfaces.logits_processor)")
         classes.append(cls)
-    return tuple(cls(context) for cls in classes)
+    return tuple(classes)
 
 
-def _structured_outputs(config: EngineConfig, components: Components,
-                        context: LogitsProcessorContext) -> Optional[StructuredOutputManager]:
+def structured_outputs_manager(config: EngineConfig, components: Components,
+                               context: LogitsProcessorContext) -> Optional[StructuredOutputManager]:
     """The engine's structured output backend: the configured one (resolved now, so a name
     or library that is missing fails at startup), or for "auto" the first first-party one
     whose library is installed, imported only when the first constraint arrives: most

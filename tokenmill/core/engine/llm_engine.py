@@ -34,6 +34,7 @@ from tokenmill.core.worker.model_runner import LaunchedStep, ModelRunner
 from tokenmill.interfaces.adapters import AdapterType
 from tokenmill.interfaces.batch import ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from tokenmill.interfaces.errors import InvalidRequest, WorkerFailed
+from tokenmill.interfaces.logits_processor import LogitsProcessor
 from tokenmill.interfaces.platform import Platform
 from tokenmill.interfaces.types import FinishReason, RequestOutput, SamplingParams
 
@@ -41,6 +42,32 @@ if TYPE_CHECKING:
     from tokenmill.core.engine.rollout import EngineControl
 
 log = structlog.get_logger("tokenmill.engine")
+
+
+def check_params(params: SamplingParams, model_config: ModelConfig,
+                 structured_outputs: Optional[StructuredOutputManager],
+                 processors: Sequence[type[LogitsProcessor]]) -> None:
+    """What a request's parameters must satisfy for a model: token ids in its vocabulary, a
+    constraint a backend can follow and an end-of-sequence token can end, and what each
+    logits processor's ``validate_params`` asks."""
+    vocab = model_config.vocab_size
+    for param, token in params.token_ids():
+        if not 0 <= token < vocab:
+            raise InvalidRequest(param, f"token ids must be in [0, {vocab}), got {token}")
+    constraint = params.structured_outputs
+    if constraint is not None and structured_outputs is None:
+        raise InvalidRequest(constraint.param, "structured outputs need a backend: pip install xgrammar "
+                                               "(or llguidance), or register one")
+    if constraint is not None and not model_config.eos_token_ids:
+        raise InvalidRequest(constraint.param, "this model has no end-of-sequence token, so a completed "
+                                               "constraint could not end the reply")
+    for processor in processors:
+        try:
+            processor.validate_params(params)
+        except InvalidRequest:
+            raise
+        except (ValueError, TypeError) as exc:  # vLLM's processors refuse with ValueError
+            raise InvalidRequest("vllm_xargs", f"{processor.__name__}: {exc}") from None
 
 
 class LLMEngine:
@@ -112,24 +139,8 @@ class LLMEngine:
     def check_params(self, params: SamplingParams) -> None:
         """What a request's parameters must satisfy for this model (token ids in its vocabulary).
         Thread-safe: AsyncLLM calls it on the caller's side, so the error comes before a response."""
-        vocab = self.model_config.vocab_size
-        for param, token in params.token_ids():
-            if not 0 <= token < vocab:
-                raise InvalidRequest(param, f"token ids must be in [0, {vocab}), got {token}")
-        constraint = params.structured_outputs
-        if constraint is not None and self.structured_outputs is None:
-            raise InvalidRequest(constraint.param, "structured outputs need a backend: pip install xgrammar "
-                                                   "(or llguidance), or register one")
-        if constraint is not None and not self.model_config.eos_token_ids:
-            raise InvalidRequest(constraint.param, "this model has no end-of-sequence token, so a completed "
-                                                   "constraint could not end the reply")
-        for processor in self.runner.sampler.processors:
-            try:
-                type(processor).validate_params(params)
-            except InvalidRequest:
-                raise
-            except (ValueError, TypeError) as exc:  # vLLM's processors refuse with ValueError
-                raise InvalidRequest("vllm_xargs", f"{type(processor).__name__}: {exc}") from None
+        check_params(params, self.model_config, self.structured_outputs,
+                     [type(processor) for processor in self.runner.sampler.processors])
 
     def add_request(
         self,

@@ -1,0 +1,281 @@
+"""EngineCoreClient: AsyncLLM's caller side over an engine in its own process.
+
+The routes use it as they use an AsyncLLM: ``generate`` admits a request (checked and
+tokenized here first) and returns its stream, closing a stream aborts its request. What
+AsyncLLM's engine thread did, stepping, runs in the engine-core process
+(``core_process.py``); in its place a thread here reads that process's messages and hands
+each step's outputs to their streams. Calls that would run code on the engine between steps
+(runtime LoRA loads, the training-loop endpoints, pooling a generation model) are not
+carried across: ``tokenmill serve`` refuses the flags that would ask for them, and a pooling
+request gets a 400.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import replace
+from multiprocessing.connection import Connection
+from typing import Callable, Optional
+
+import msgspec
+import structlog
+
+from tokenmill.core.config.engine_config import EngineConfig
+from tokenmill.core.engine.async_llm import AsyncLLM, RequestFailed, settle_future
+from tokenmill.core.engine.llm_engine import LLMEngine
+from tokenmill.core.engine.loop_commands import AbortRequest, AddRequest
+from tokenmill.interfaces.errors import ConfigError, InvalidRequest, TokenmillError
+from tokenmill.server.engine_core.core_process import SPEC_ENV
+from tokenmill.server.engine_core.frontend import EngineFrontend, LoadedAdapters
+from tokenmill.server.engine_core.messages import (
+    Abort,
+    Add,
+    CoreSpec,
+    MetricsQuery,
+    MetricsText,
+    Outputs,
+    Ready,
+    Refused,
+    Shutdown,
+    StartFailed,
+    Stopped,
+    decode_from_core,
+    encode,
+    request_output,
+)
+
+log = structlog.get_logger("tokenmill.engine_core")
+
+
+class EngineCoreFailed(TokenmillError):
+    """The engine-core process stopped: its loop's error (as that process wrote it), or its
+    exit status. Shown as it is, so /health and the failed requests read as they would with
+    the engine in this process."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+class EngineCoreClient(AsyncLLM):
+    def __init__(self, config: EngineConfig, model_name: str, max_queued_requests: Optional[int] = None) -> None:
+        """Start the engine-core process and wait until its engine is built (a start's
+        compiles take a while, and it logs as it goes). A build that fails raises its error
+        here: a ConfigError where the config was at fault."""
+        check_servable(config)
+        ours, theirs = socket.socketpair()
+        spec = CoreSpec(config.model_dump_json(), theirs.fileno(), model_name, config.server.log_requests,
+                        config.server.log_level, config.server.log_format)
+        # -P: the working directory does not shadow installed packages (as the workers start)
+        self.process = subprocess.Popen([sys.executable, "-P", "-m", "tokenmill.server.engine_core.core_process"],
+                                        env={**os.environ, SPEC_ENV: msgspec.json.encode(spec).decode()},
+                                        pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+        theirs.close()
+        self.connection = Connection(ours.detach())
+        try:
+            frontend = EngineFrontend(config)  # while the engine builds
+            ready = self._wait_ready()
+        except BaseException:
+            self.process.kill()
+            self.process.wait()
+            self.connection.close()
+            raise
+        frontend.adapters = LoadedAdapters(ready.adapters) if config.adapters.enable_lora else None
+        log.info("engine core started", pid=ready.pid)
+        self._send_lock = threading.Lock()
+        #: request id -> its prompt (text, token ids), from its first output until its last
+        self._prompts: dict[str, tuple[Optional[str], list[int]]] = {}
+        self._counts = (0, 0)
+        self._sent = 0
+        self._taken = 0
+        self._calls = itertools.count()
+        self._metrics_queries: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        super().__init__(frontend, max_queued_requests)  # type: ignore[arg-type]
+
+    def _wait_ready(self) -> Ready:
+        try:
+            message = decode_from_core(self.connection.recv_bytes())
+        except EOFError:
+            raise RuntimeError(f"the engine-core process exited (code {self.process.wait()}) before its engine "
+                               "was built; its log above says why") from None
+        if isinstance(message, StartFailed):
+            self.process.wait()
+            if message.field is not None:
+                raise ConfigError(message.field, message.message.removeprefix(f"{message.field}: "))
+            raise RuntimeError(f"the engine could not be built: {message.message}")
+        assert isinstance(message, Ready), message
+        return message
+
+    # --- caller side ------------------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return self._counts[0] + max(0, self._sent - self._taken)
+
+    @property
+    def num_running(self) -> int:
+        return self._counts[1]
+
+    async def metrics_text(self) -> bytes:
+        """The engine's Prometheus text (its metrics are observed where its steps run)."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        call_id = next(self._calls)
+        with self._lock:
+            if self._stopped:
+                raise self._ended()
+            self._metrics_queries[call_id] = (loop, future)
+        self._write(MetricsQuery(call_id))
+        return await future
+
+    async def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        raise self._not_here("pausing generation")
+
+    async def resume_generation(self) -> None:
+        raise self._not_here("resuming generation")
+
+    async def run_on_engine(self, fn: Callable[[LLMEngine], object]) -> object:
+        raise self._not_here("this endpoint")
+
+    @staticmethod
+    def _not_here(what: str) -> InvalidRequest:
+        return InvalidRequest("model", f"{what} runs code on the engine between steps, which this server does not do "
+                                       "with its engine in a process of its own (--engine-process)")
+
+    def _send(self, command: object) -> None:
+        if isinstance(command, AddRequest):
+            prompt = command.prompt
+            with self._lock:
+                self._pending_adds -= 1  # counted in num_waiting by _sent instead
+            params = command.params
+            if params.structured_outputs is not None:  # without the constraint this process compiled
+                params = replace(params, structured_outputs=replace(params.structured_outputs))
+            try:
+                data = encode(Add(command.request_id, prompt.get("prompt"), prompt["prompt_token_ids"],
+                                  prompt.get("cache_salt"), params, command.priority, command.user,
+                                  command.arrival_time, command.adapter_name))
+            except (OverflowError, TypeError, msgspec.EncodeError) as exc:  # JSON's integers have no bound
+                self._deliver(command.request_id, InvalidRequest(None, f"the request's parameters cannot be "
+                                                                       f"sent to the engine process: {exc}"), True)
+                return
+            with self._lock:
+                self._sent += 1
+            self._write_bytes(data)
+        elif isinstance(command, AbortRequest):
+            with self._lock:
+                self._streams.pop(command.request_id, None)
+                self._prompts.pop(command.request_id, None)
+            self._write(Abort(command.request_id))
+
+    def _write(self, message: msgspec.Struct) -> None:
+        self._write_bytes(encode(message))
+
+    def _write_bytes(self, data: bytes) -> None:
+        try:
+            with self._send_lock:
+                self.connection.send_bytes(data)
+        except OSError:  # the engine process is gone: the reader thread fails every stream
+            pass
+
+    def shutdown(self, drain_timeout: float = 5.0) -> None:
+        """Let in-flight requests finish for up to ``drain_timeout`` seconds, then stop the
+        engine process (and fail whatever still runs)."""
+        self._draining = True
+        deadline = time.monotonic() + drain_timeout
+        while self._streams and time.monotonic() < deadline and self._thread.is_alive():
+            time.sleep(0.05)
+        self._write(Shutdown())
+        try:
+            self.process.wait(30.0)
+        except subprocess.TimeoutExpired:
+            log.warning("the engine-core process did not stop; killing it", pid=self.process.pid)
+            self.process.kill()
+            self.process.wait()
+        self._thread.join(10.0)
+        self.connection.close()
+
+    # --- reader thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                try:
+                    message = decode_from_core(self.connection.recv_bytes())
+                except (EOFError, OSError):
+                    if not self._draining:
+                        self.error = EngineCoreFailed(f"the engine-core process exited (code {self.process.wait()})")
+                    return
+                if isinstance(message, Outputs):
+                    self._counts = (message.num_waiting, message.num_running)
+                    self._taken = message.num_taken
+                    self._deliver_step(self._outputs(message))
+                elif isinstance(message, Refused):
+                    self._taken = message.num_taken
+                    self._deliver(message.request_id, _refusal(message), final=True)
+                elif isinstance(message, MetricsText):
+                    self._settle_query(message)
+                elif isinstance(message, Stopped):
+                    self.error = EngineCoreFailed(message.error)
+                    return
+        except BaseException as exc:  # the reader must never die silently
+            self.error = exc
+            log.exception("reading the engine process failed")
+            self.process.kill()
+        finally:
+            ended = self._ended()
+            with self._lock:
+                self._stopped = True
+                queries, self._metrics_queries = self._metrics_queries, {}
+            self._fail_all(ended)
+            for loop, future in queries.values():
+                if not loop.is_closed():
+                    loop.call_soon_threadsafe(settle_future, future, None, ended)
+
+    def _outputs(self, message: Outputs) -> list:
+        prompts = self._prompts
+        outputs = []
+        for wire in message.outputs:
+            request_id = wire.request_id
+            if wire.prompt_token_ids is not None:
+                prompt = (wire.prompt, wire.prompt_token_ids)
+                if not wire.finished:
+                    prompts[request_id] = prompt
+            else:
+                prompt = prompts.pop(request_id, None) if wire.finished else prompts.get(request_id)
+                if prompt is None:  # aborted here after the engine sent it
+                    continue
+            outputs.append(request_output(wire, *prompt))
+        return outputs
+
+    def _settle_query(self, message: MetricsText) -> None:
+        with self._lock:
+            target = self._metrics_queries.pop(message.call_id, None)
+        if target is not None and not target[0].is_closed():
+            target[0].call_soon_threadsafe(settle_future, target[1], message.text, None)
+
+
+
+def _refusal(message: Refused) -> Exception:
+    """The error an admission the engine refused raises from the request's stream."""
+    if not message.invalid:
+        return RequestFailed(message.request_id, message.message)
+    error = InvalidRequest(None, message.message)  # the message names its parameter already
+    error.param = message.param
+    return error
+
+
+def check_servable(config: EngineConfig) -> None:
+    """Refuse, before anything starts, what an engine in its own process cannot serve yet:
+    the features whose routes run code on the engine between its steps, and engines whose
+    own ranks (tensor or pipeline parallelism) it was not tested with."""
+    asks = {"server.enable_training_endpoints": config.server.enable_training_endpoints,
+            "adapters.allow_runtime_lora_updating": config.adapters.allow_runtime_lora_updating,
+            "parallel.tensor_parallel_size": config.parallel.world_size > 1}
+    for key, asked in asks.items():
+        if asked:
+            raise ConfigError(key, "not served with the engine in a process of its own yet: drop --engine-process "
+                                   "or this option")
