@@ -180,8 +180,10 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def test_serve_with_tensor_parallelism_answers_the_openai_client_and_stops_its_workers(model_dir):
-    """`tokenmill serve MODEL -tp 2`: a worker process per extra rank, gone after SIGTERM."""
+@pytest.mark.parametrize("mode", [(), ("--engine-process",)], ids=["one-process", "engine-process"])
+def test_serve_with_tensor_parallelism_answers_the_openai_client_and_stops_its_workers(model_dir, mode):
+    """`tokenmill serve MODEL -tp 2`: a worker process per extra rank (the engine core's, with
+    --engine-process), all gone after SIGTERM."""
     import os
 
     import openai
@@ -191,12 +193,15 @@ def test_serve_with_tensor_parallelism_answers_the_openai_client_and_stops_its_w
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "tokenmill.cli", "serve", str(model_dir("llama")), "-tp", "2", "--port", str(port),
-         "--served-model-name", "tiny", "--kv-cache-memory-bytes", "16MiB"],
+         "--served-model-name", "tiny", "--kv-cache-memory-bytes", "16MiB", *mode],
         env=dict(os.environ), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         wait_until_healthy(port)
         workers = _children(process.pid)
-        assert len(workers) == 1
+        if mode:
+            assert len(workers) == 1  # the engine core, the driver of the ranks
+            workers += _children(workers[0])
+        assert len(workers) == 1 + len(mode)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
         completion = client.completions.create(model="tiny", prompt="Hello", max_tokens=5, temperature=0,
                                                extra_body={"ignore_eos": True})

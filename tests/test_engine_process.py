@@ -187,3 +187,39 @@ def test_a_request_the_engine_refuses_fails_alone(model_dir):
     assert served[-1].finished and len(served[-1].outputs[0].token_ids) == 3
     assert served[-1].prompt_token_ids == [5, 6, 7]
     assert client.process.returncode == 0
+
+
+def test_a_stop_signal_to_the_whole_process_group_lets_streams_finish(model_dir):
+    """A terminal's Ctrl-C or a supervisor's SIGTERM reaches every process of the group: the
+    engine process leaves its end to the server, whose drain lets a stream in flight finish."""
+    import signal
+
+    from server_harness import free_port, wait_until_healthy
+
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "serve", str(model_dir("llama")), "--port",
+                                str(port), "--engine-process", "--served-model-name", "tiny", "--kv-cache-memory-bytes",
+                                "16MiB", "--max-model-len", "512"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        wait_until_healthy(port)
+        engine = _children(process.pid)
+        texts, reasons = [], []
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", timeout=60, json={
+                "model": "tiny", "prompt": "Once", "max_tokens": 400, "ignore_eos": True, "stream": True}) as response:
+            for line in response.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                choice = json.loads(line.removeprefix("data: "))["choices"][0]
+                texts.append(choice["text"])
+                reasons.append(choice["finish_reason"])
+                if len(texts) == 1:
+                    os.killpg(process.pid, signal.SIGTERM)
+        _, stderr = process.communicate(timeout=60)  # the server ends on its own, its engine first
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate(timeout=60)
+    assert reasons[-1] == "length" and len(texts) == 400, stderr[-2000:]
+    assert "Application shutdown complete" in stderr and "the engine stopped" not in stderr
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in engine), stderr[-3000:]

@@ -270,11 +270,9 @@ def _refusal(message: Refused) -> Exception:
 
 def check_servable(config: EngineConfig) -> None:
     """Refuse, before anything starts, what an engine in its own process cannot serve yet:
-    the features whose routes run code on the engine between its steps, and engines whose
-    own ranks (tensor or pipeline parallelism) it was not tested with."""
+    the features whose routes run code on the engine between its steps."""
     asks = {"server.enable_training_endpoints": config.server.enable_training_endpoints,
-            "adapters.allow_runtime_lora_updating": config.adapters.allow_runtime_lora_updating,
-            "parallel.tensor_parallel_size": config.parallel.world_size > 1}
+            "adapters.allow_runtime_lora_updating": config.adapters.allow_runtime_lora_updating}
     for key, asked in asks.items():
         if asked:
             raise ConfigError(key, "not served with the engine in a process of its own yet: drop --engine-process "

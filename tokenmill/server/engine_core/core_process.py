@@ -9,7 +9,8 @@ A thread reads the server's messages into a queue; the main thread admits and ab
 between steps, steps, and sends each step's outputs. Metrics and request logs are observed
 here, where the steps are, and the server asks for the Prometheus text when it is scraped.
 The process ends when the server says so, or when its socket closes: a server that died
-leaves no engine behind.
+leaves no engine behind. It ignores SIGINT and SIGTERM, which a terminal or a supervisor may
+send to the whole process group, so that the server's drain still has its engine.
 """
 
 from __future__ import annotations
@@ -176,8 +177,10 @@ class EngineCore:
 
 
 def main() -> int:
-    # Ctrl-C reaches the whole process group: the server shuts this process down in order
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Ctrl-C, and a supervisor's SIGTERM, may reach the whole process group: the server drains
+    # its requests and then stops this process, and if the server dies its socket closes
+    for number in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(number, signal.SIG_IGN)
     spec = msgspec.json.decode(os.environ.pop(SPEC_ENV), type=CoreSpec)
     connection = Connection(spec.fd)
     configure_logging(spec.log_level, spec.log_format)
