@@ -23,6 +23,8 @@
 #   flex backend (FlexAttention, compiled) through tests/gpu/test_cuda_flex.py and timed beside the
 #   Triton attention and SDPA (150 + 120 s: its kernels compile at first use); speculative, the demo
 #   pair without speculation, with ngram and with the draft model, batch 1 and 32 (speculative.py, 120 s);
+#   serve, `bench serve` on the 1b model at 64 streams, 256 x (256 -> 128), the engine in the server's process
+#   and in its own (--engine-process), beside the offline figure of the throughput stage (150 s);
 #   8b, Llama-3-8B's shapes (random bf16 weights drawn on the GPU, 16 GB): throughput 256 x (256 -> 128) and
 #   batch-1 latency against HF, one tokenmill engine (async scheduling) at 0.6 of the GPU so HF's copy
 #   fits beside it (120 + 180 + 130 s: a call of its own, DEADLINE=495 and timeout_s=510; the caps and
@@ -93,7 +95,7 @@ stages=" ${*:-suite attention throughput latency profile} "
 
 model=/tmp/tokenmill-1b
 maker=
-if [[ $stages == *" throughput "* || $stages == *" latency "* || $stages == *" profile "* ]]; then
+if [[ $stages == *" throughput "* || $stages == *" latency "* || $stages == *" profile "* || $stages == *" serve "* ]]; then
     timeout --kill-after=5 240 python3 -m tokenmill.cli make-model "$model" --preset 1b >"$OUT/model.log" 2>&1 &
     maker=$!
 fi
@@ -149,6 +151,10 @@ fi
 
 [[ $stages == *" profile "* ]] && stage profile 40 python3 benchmarks/gpu_profile.py --model "$model"
 
+[[ $stages == *" serve "* ]] && stage serve 150 python3 -m tokenmill.cli bench serve --device cuda --model "$model" \
+    --dtype bfloat16 --launch tokenmill,tokenmill-engine-process --num-prompts 256 --max-concurrency 64 \
+    --input-len 256 --output-len 128 --json "$OUT/serve.json"  # asked for by name only
+
 # the compiles' hits and misses by kernel, and what the carried cache was built from against this machine
 triton=$(TOKENMILL_TRITON_RECORDS= python3 -m tokenmill.testing.triton_cache summary "$OUT/triton.jsonl" \
     --carried .triton-cache 2>&1 | tail -40)
@@ -163,6 +169,7 @@ triton=$(TOKENMILL_TRITON_RECORDS= python3 -m tokenmill.testing.triton_cache sum
     grep -E "tok/s|x HF|TPOT|tokenmill|hf-generate|roofline" "$OUT/throughput.txt" "$OUT/latency.txt" \
         "$OUT/throughput-8b.txt" "$OUT/latency-8b.txt" 2>/dev/null | tail -24
     grep -E "TPOT|tok/s" "$OUT/speculative.txt" 2>/dev/null | tail -12
+    grep -E "^tokenmill" "$OUT/serve.txt" 2>/dev/null | tail -4
     grep -E "^(== |wall )" "$OUT/profile.txt" 2>/dev/null
     echo "total $((SECONDS - started)) s"
 }

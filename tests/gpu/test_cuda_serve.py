@@ -1,11 +1,13 @@
 """On a CUDA GPU: ``tokenmill serve --device cuda`` answers the ``openai`` client, streamed and
-not, with the offline engine's greedy tokens; a real illegal address in a step fails the
+not, with the offline engine's greedy tokens, with the engine in the server's process or its own
+(--engine-process); a real illegal address in a step fails the
 requests in flight, turns /health to 503 and ends the process with status 1 (a supervisor
 restarts it); a real out-of-memory error fails its request and the server goes on."""
 
 from __future__ import annotations
 
 import openai
+import pytest
 
 from cuda_engines import GPU_SHARE, cuda_llm
 from server_harness import serve_process
@@ -18,12 +20,13 @@ def serving(model, *flags: str):
                          str(GPU_SHARE), "--served-model-name", "m", *flags, timeout=180)
 
 
-def test_serve_on_cuda_answers_the_openai_client_streamed_and_not(model_dir):
+@pytest.mark.parametrize("mode", [(), ("--engine-process",)], ids=["one-process", "engine-process"])
+def test_serve_on_cuda_answers_the_openai_client_streamed_and_not(model_dir, mode):
     prompt = [5, 9, 33, 71, 2, 8, 13]
     offline = cuda_llm(model_dir("llama"), dtype="bfloat16").generate(
         {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
         use_tqdm=False)[0].outputs[0].text
-    with serving(model_dir("llama")) as (_, base):
+    with serving(model_dir("llama"), *mode) as (_, base):
         client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
         whole = client.completions.create(model="m", prompt=prompt, max_tokens=12, temperature=0,
                                           extra_body={"ignore_eos": True})
@@ -34,8 +37,9 @@ def test_serve_on_cuda_answers_the_openai_client_streamed_and_not(model_dir):
     assert whole.usage.completion_tokens == 12 and chat.usage.completion_tokens <= 5
 
 
-def test_an_illegal_address_ends_the_server_after_failing_its_requests(model_dir):
-    with serving(model_dir("llama"), "--logits-processors", FAULTS) as (process, base):
+@pytest.mark.parametrize("mode", [(), ("--engine-process",)], ids=["one-process", "engine-process"])
+def test_an_illegal_address_ends_the_server_after_failing_its_requests(model_dir, mode):
+    with serving(model_dir("llama"), "--logits-processors", FAULTS, *mode) as (process, base):
         assert_a_device_fault_ends_the_server(process, base, "m")
 
 
