@@ -329,6 +329,32 @@ class RequestOutput:
     #: set when processing this request failed (its finish_reason is "error"); not in vLLM
     error: Optional[str] = None
 
+    def add(self, later: "RequestOutput", aggregate: bool) -> None:
+        """Fold a later output of the same request into this one (vLLM's ``RequestOutput.add``):
+        with ``aggregate`` (DELTA outputs) each sequence's new text, tokens and logprobs are
+        appended to its own; otherwise (cumulative outputs) the later sequences replace these.
+        A stream whose reader fell behind then sends one chunk where the engine made several."""
+        position = {completion.index: i for i, completion in enumerate(self.outputs)}
+        for completion in later.outputs:
+            i = position.get(completion.index)
+            if i is None:
+                self.outputs.append(completion)
+            elif aggregate:
+                mine = self.outputs[i]
+                logprobs = completion.logprobs if mine.logprobs is None else mine.logprobs + (completion.logprobs or [])
+                self.outputs[i] = CompletionOutput(mine.index, mine.text + completion.text,
+                                                   mine.token_ids + completion.token_ids,
+                                                   completion.cumulative_logprob, logprobs, completion.finish_reason,
+                                                   completion.stop_reason)
+            else:
+                self.outputs[i] = completion
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = later.prompt_logprobs
+        self.finished = later.finished
+        self.num_cached_tokens = later.num_cached_tokens
+        self.metrics = later.metrics or self.metrics
+        self.error = later.error or self.error
+
 
 @dataclass
 class RequestMetrics:

@@ -23,7 +23,7 @@ from tokenmill.core.engine.loop_commands import PAUSE_MODES, AbortRequest, AddRe
 from tokenmill.core.engine.prompt_input import PromptType
 from tokenmill.core.engine.step_isolation import raise_if_fatal
 from tokenmill.interfaces.errors import InvalidRequest, TokenmillError
-from tokenmill.interfaces.types import RequestOutput, SamplingParams
+from tokenmill.interfaces.types import RequestOutput, RequestOutputKind, SamplingParams
 
 log = structlog.get_logger("tokenmill.async_engine")
 
@@ -138,7 +138,7 @@ class AsyncLLM:
             self._streams[request_id] = (asyncio.get_running_loop(), stream)
             self._pending_adds += 1
         self._send(AddRequest(request_id, prepared, params, priority, user, time.monotonic(), adapter_name))
-        return self._iterate(request_id, stream)
+        return self._iterate(request_id, stream, params.output_kind is RequestOutputKind.DELTA)
 
     async def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
         """Stop generating (vLLM's name and modes) and return once paused: ``abort`` ends the
@@ -166,13 +166,24 @@ class AsyncLLM:
         self._send_awaited(EngineCall(fn, future, loop))
         return await future
 
-    async def _iterate(self, request_id: str, stream: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+    async def _iterate(self, request_id: str, stream: asyncio.Queue, delta: bool) -> AsyncIterator[RequestOutput]:
+        """The request's outputs; those that arrived while the reader was busy come as one
+        (``RequestOutput.add``, as vLLM's output collector does): a server behind on a stream
+        writes one chunk for several steps, not a chunk per step it is behind by."""
         finished = False
+        pending = None
         try:
             while True:
-                item = await stream.get()
+                item = pending if pending is not None else await stream.get()
+                pending = None
                 if isinstance(item, BaseException):
                     raise item
+                while not item.finished and not stream.empty():
+                    later = stream.get_nowait()
+                    if isinstance(later, BaseException):
+                        pending = later
+                        break
+                    item.add(later, delta)
                 finished = item.finished
                 if item.error is not None:
                     raise RequestFailed(request_id, item.error)
