@@ -31,6 +31,15 @@ log = structlog.get_logger("tokenmill.async_engine")
 StepObserver = Callable[[LLMEngine, list[RequestOutput]], None]
 
 
+def observe_step(observers: list[StepObserver], engine: LLMEngine, outputs: list[RequestOutput]) -> None:
+    """Metrics and logs see every step; one of them failing costs a data point, not the engine."""
+    for observer in observers:
+        try:
+            observer(engine, outputs)
+        except Exception:
+            log.exception("a step observer failed", observer=getattr(observer, "__name__", repr(observer)))
+
+
 class EngineOverloaded(TokenmillError):
     """The waiting queue is full; the caller should retry later (HTTP 503)."""
 
@@ -319,12 +328,7 @@ class AsyncLLM:
         log.info("generation resumed", admitted=len(held))
 
     def _observe(self, outputs: list[RequestOutput]) -> None:
-        """Metrics and logs see every step; one of them failing costs a data point, not the engine."""
-        for observer in self.observers:
-            try:
-                observer(self.engine, outputs)
-            except Exception:
-                log.exception("a step observer failed", observer=getattr(observer, "__name__", repr(observer)))
+        observe_step(self.observers, self.engine, outputs)
 
     def _deliver(self, request_id: str, item: object, final: bool) -> None:
         with self._lock:

@@ -22,12 +22,12 @@ import sys
 import threading
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
-from typing import Callable
 
 import msgspec
 import structlog
 from prometheus_client import generate_latest
 
+from tokenmill.core.engine.async_llm import StepObserver, observe_step
 from tokenmill.core.engine.llm_engine import LLMEngine
 from tokenmill.core.engine.metrics import EngineMetrics
 from tokenmill.interfaces.errors import ConfigError, InvalidRequest
@@ -63,7 +63,7 @@ class EngineCore:
         self.engine = engine
         self.connection = connection
         self.metrics = metrics
-        self.observers: list[Callable] = [metrics.observe_step] + ([log_finished_requests] if log_requests else [])
+        self.observers: list[StepObserver] = [metrics.observe_step] + ([log_finished_requests] if log_requests else [])
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         #: requests that have had an output sent: their prompt went with the first
@@ -148,12 +148,7 @@ class EngineCore:
             self._send(Refused(add.request_id, repr(exc), None, False, self._taken))
 
     def _observe(self, outputs: list[RequestOutput]) -> None:
-        """Metrics and logs see every step; one of them failing costs a data point, not the engine."""
-        for observer in self.observers:
-            try:
-                observer(self.engine, outputs)
-            except Exception:
-                log.exception("a step observer failed", observer=getattr(observer, "__name__", repr(observer)))
+        observe_step(self.observers, self.engine, outputs)
 
     def _send_outputs(self, outputs: list[RequestOutput]) -> None:
         scheduler = self.engine.scheduler
