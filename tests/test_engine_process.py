@@ -177,6 +177,13 @@ def test_a_request_the_engine_refuses_fails_alone(model_dir):
                 pass
         served = [output async for output in client.generate("b", {"prompt": None, "prompt_token_ids": [5, 6, 7]},
                                                               params)]
+        for request_id in ("c", "d"):  # closed after its first output, and before any
+            stream = client.generate(request_id, {"prompt": None, "prompt_token_ids": [5, 6, 7]},
+                                     SamplingParams(max_tokens=200, ignore_eos=True))
+            if request_id == "c":
+                await anext(stream)
+            await stream.aclose()
+        await asyncio.sleep(1.0)  # the engine's outputs of both, sent before it read the aborts, arrive
         return raised.value, served
 
     try:
@@ -187,6 +194,11 @@ def test_a_request_the_engine_refuses_fails_alone(model_dir):
     assert served[-1].finished and len(served[-1].outputs[0].token_ids) == 3
     assert served[-1].prompt_token_ids == [5, 6, 7]
     assert client.process.returncode == 0
+    assert not client._prompts  # no prompt is kept for a request that ended
+    # nor for one whose first output arrives after its stream closed (an abort racing the engine)
+    late = RequestOutput("gone", None, [5, 6, 7], None, [CompletionOutput(0, "x", [8], None, None)], False)
+    client._outputs(Outputs([wire_output(late, first=True)], 0, 0, 0))
+    assert not client._prompts
 
 
 def test_a_stop_signal_to_the_whole_process_group_lets_streams_finish(model_dir):

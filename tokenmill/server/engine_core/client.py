@@ -243,7 +243,9 @@ class EngineCoreClient(AsyncLLM):
             if wire.prompt_token_ids is not None:
                 prompt = (wire.prompt, wire.prompt_token_ids)
                 if not wire.finished:
-                    prompts[request_id] = prompt
+                    with self._lock:  # kept only while its stream is (an abort drops both, under the lock)
+                        if request_id in self._streams:
+                            prompts[request_id] = prompt
             else:
                 prompt = prompts.pop(request_id, None) if wire.finished else prompts.get(request_id)
                 if prompt is None:  # aborted here after the engine sent it
