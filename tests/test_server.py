@@ -106,30 +106,42 @@ def stream_chunks(url: str, path: str, body: dict) -> list[dict]:
     return [json.loads(line[len("data: "):]) for line in events.splitlines() if line.startswith("data: {")]
 
 
+def _ends(chunks: list[dict]) -> set[int]:
+    """Where each chunk of a stream ends: the tokens sent so far."""
+    sent, ends = 0, set()
+    for chunk in chunks:
+        sent += len(chunk["choices"][0].get("token_ids") or [])
+        ends.add(sent)
+    return ends
+
+
 def test_stream_interval_sends_the_first_token_then_chunks_of_that_many(server, model_dir):
     """A request's stream_interval (vLLM's): the first token at once, then 4 at a time, the rest
     at the end, adding up to the non-streamed reply; a server's --stream-interval is the default
-    of requests that set none; 0 is a 400 naming the field."""
+    of requests that set none; 0 is a 400 naming the field. Chunks end only where the interval
+    lets them: a reader that fell behind gets several as one (AsyncLLM folds them), so the
+    test holds the chunks' ends to the interval's, not their number."""
     url = server[0]
     body = {"model": MODEL, "prompt": "The cat sat on", "max_tokens": 10, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True}
     full = httpx.post(url + "/v1/completions", json=body, headers=auth(), timeout=60).json()["choices"][0]
     chunks = stream_chunks(url, "/v1/completions", {**body, "stream_interval": 4})
-    assert [len(c["choices"][0]["token_ids"]) for c in chunks] == [1, 4, 4, 1]
+    assert _ends(chunks) <= {1, 5, 9, 10} and max(_ends(chunks)) == 10
     assert "".join(c["choices"][0]["text"] for c in chunks) == full["text"]
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 7, "temperature": 0,
             "ignore_eos": True, "return_token_ids": True, "stream_interval": 3}
     chunks = stream_chunks(url, "/v1/chat/completions", chat)
-    assert [len(c["choices"][0].get("token_ids", [])) for c in chunks] == [0, 1, 3, 3]  # the role opens
+    assert chunks[0]["choices"][0]["delta"].get("role") == "assistant"  # the role opens
+    assert _ends(chunks) <= {0, 1, 4, 7} and max(_ends(chunks)) == 7
     refused = httpx.post(url + "/v1/completions", json={**body, "stream_interval": 0}, headers=auth())
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "stream_interval"
 
     engine = make_llm(model_dir("llama"), max_num_seqs=4).llm_engine
     with running_server(engine, served_model_name=[MODEL], stream_interval=5) as (spaced_url, _):
         spaced = stream_chunks(spaced_url, "/v1/completions", body)
-        assert [len(c["choices"][0]["token_ids"]) for c in spaced] == [1, 5, 4]
-        own = stream_chunks(spaced_url, "/v1/completions", {**body, "stream_interval": 1})
-        assert len(own) == 10
+        assert _ends(spaced) <= {1, 6, 10} and max(_ends(spaced)) == 10
+        own = stream_chunks(spaced_url, "/v1/completions", {**body, "stream_interval": 2})
+        assert _ends(own) <= {1, 3, 5, 7, 9, 10} and max(_ends(own)) == 10  # the request's own, not 5
 
 
 @pytest.mark.parametrize("text", ["plain", "h\u00e9llo \u4e16\u754c \U0001f600", "a\ud800b",
