@@ -102,9 +102,10 @@ class EngineCore:
 
     def _drain(self) -> bool:
         """Apply the queued commands; False once told to stop."""
-        for add, compiled in [entry for entry in self._compiling.values() if entry[1].done()]:
-            del self._compiling[add.request_id]
-            self._add(add)
+        if self._compiling:  # a step's drain scans nothing when no constraint is compiling
+            for add, compiled in [entry for entry in self._compiling.values() if entry[1].done()]:
+                del self._compiling[add.request_id]
+                self._add(add)
         while True:
             try:
                 command = self._commands.get_nowait()
