@@ -15,6 +15,7 @@ import httpx
 
 import uvicorn
 
+from tokenmill import LLM, load_config
 from tokenmill.core.engine.async_llm import AsyncLLM
 from tokenmill.core.config.server_config import ServerConfig
 from tokenmill.core.engine.embedding_engine import EmbeddingEngine
@@ -29,8 +30,26 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+#: the two ways ``tokenmill serve`` runs a generation engine: on a thread of the server's
+#: process, or in a process of its own (--engine-process)
+ENGINE_MODES = ("in-process", "engine-process")
+
+
 @contextmanager
-def running_server(engine: LLMEngine | EmbeddingEngine, **server_config) -> Iterator[tuple[str, AsyncLLM]]:
+def served_engine(mode: str, model: str, **engine_args) -> Iterator[AsyncLLM]:
+    """An AsyncLLM over ``model`` as ``mode`` serves it (``load_config``'s flat names)."""
+    from tokenmill.server.engine_core.client import EngineCoreClient
+
+    config = load_config(model=model, **engine_args)
+    llm = AsyncLLM(LLM(config=config).llm_engine) if mode == "in-process" else EngineCoreClient(config, "m")
+    try:
+        yield llm
+    finally:
+        llm.shutdown(1.0)
+
+
+@contextmanager
+def running_server(engine: LLMEngine | EmbeddingEngine | AsyncLLM, **server_config) -> Iterator[tuple[str, AsyncLLM]]:
     """Yield (base_url, served object) while a uvicorn server serves ``engine``."""
     config = ServerConfig(**server_config)
     llm = AsyncLLM(engine, config.max_queued_requests) if isinstance(engine, LLMEngine) else engine

@@ -3,8 +3,8 @@ server (vLLM's engine core), over msgspec messages on a socket pair.
 
 The served tokens and logprobs are Hugging Face's; a stream carries the same tokens; a
 client that hangs up aborts its request in the other process; a request the engine refuses
-fails alone; what cannot be served this way is refused before the model loads; and neither
-process outlives the other (a dead engine ends the server with status 1, a stopped server
+fails alone; a call's errors reach its caller as the in-process engine raises them; a build
+that fails says why; and neither process outlives the other (a dead engine ends the server with status 1, a stopped server
 stops its engine). The device-fault tests run in both modes too (test_device_faults.py).
 """
 
@@ -145,15 +145,13 @@ def test_an_engine_process_serves_hf_tokens_streams_aborts_and_stops_with_the_se
     assert not any(os.path.exists(f"/proc/{pid}") for pid in engines)
 
 
-def test_what_an_engine_process_cannot_serve_is_refused_before_it_starts(model_dir):
-    """Options whose routes run code on the engine between its steps exit 2 before any
-    model loads; a config only the engine's build finds wrong exits 2 with its reason."""
-    model = str(model_dir("llama"))
-    for flags, says in [(("--enable-training-endpoints",), "server.enable_training_endpoints"),
-                        (("--enable-lora", "--allow-runtime-lora-updating"), "adapters.allow_runtime_lora_updating"),
-                        (("--kv-cache-memory-bytes", "4KiB"), "cache.kv_cache_memory")]:
-        result = subprocess.run([sys.executable, "-m", "tokenmill.cli", "serve", model, "--engine-process", *flags],
-                                capture_output=True, text=True, timeout=300)
+def test_a_config_only_the_engine_build_finds_wrong_exits_2_with_its_reason(model_dir):
+    """The engine's build in its process finds the fault (here: a KV budget under one
+    block, an encoder, which serves from one process); the server exits 2 and says why."""
+    for model, flags, says in [(model_dir("llama"), ("--kv-cache-memory-bytes", "4KiB"), "cache.kv_cache_memory"),
+                               (model_dir("bert"), (), "an embedding model is served from one process")]:
+        result = subprocess.run([sys.executable, "-m", "tokenmill.cli", "serve", str(model), "--engine-process",
+                                 *flags], capture_output=True, text=True, timeout=300)
         assert result.returncode == 2, result.stderr[-2000:]
         assert says in result.stderr and "Traceback" not in result.stderr, result.stderr[-2000:]
 

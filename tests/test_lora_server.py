@@ -1,4 +1,6 @@
-"""LoRA over HTTP: adapters selected by the 'model' field, runtime load/unload, path confinement."""
+"""LoRA over HTTP: adapters selected by the 'model' field, runtime load/unload, path
+confinement; with the engine on the server's thread and in its own process (--engine-process),
+where loads and unloads cross the socket as named calls."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import httpx
 import pytest
 
 from conftest import PROMPTS
-from server_harness import running_server
+from server_harness import ENGINE_MODES, running_server, served_engine
 from tokenmill import LLM, LoRARequest, SamplingParams, load_config
 from tokenmill.testing.tiny_adapters import make_lora_adapter
 
@@ -22,14 +24,13 @@ def adapter_root(model_dir, tmp_path_factory):
     return root
 
 
-@pytest.fixture(scope="module")
-def server(model_dir, adapter_root):
-    config = load_config(model=str(model_dir("llama")), kv_cache_memory_bytes=2**25, enable_lora=True, max_loras=2,
-                         max_lora_rank=8, lora_modules={"qv": str(adapter_root / "qv")},
-                         allowed_lora_dirs=[str(adapter_root)], allow_runtime_lora_updating=True)
-    engine = LLM(config=config).llm_engine
-    with running_server(engine, served_model_name=["base"]) as (url, _):
-        yield url
+@pytest.fixture(scope="module", params=ENGINE_MODES)
+def server(model_dir, adapter_root, request):
+    with served_engine(request.param, str(model_dir("llama")), kv_cache_memory_bytes=2**25, enable_lora=True,
+                       max_loras=2, max_lora_rank=8, lora_modules={"qv": str(adapter_root / "qv")},
+                       allowed_lora_dirs=[str(adapter_root)], allow_runtime_lora_updating=True) as engine:
+        with running_server(engine, served_model_name=["base"]) as (url, _):
+            yield url
 
 
 def complete(url, model, stream=False, prompt=None):

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from conftest import make_llm
-from server_harness import running_server
+from server_harness import ENGINE_MODES, running_server, served_engine
 from tokenmill import LLM, SamplingParams
 from tokenmill.interfaces.errors import InvalidRequest
 
@@ -67,10 +67,13 @@ def test_score_and_rerank_match_sentence_transformers_on_the_shipped_encoder():
     assert refused.status_code == 400 and "BertModel has no classification head" in refused.json()["error"]["message"]
 
 
-def test_classify_routes_on_a_decoder_classifier(model_dir):
+@pytest.mark.parametrize("mode", ENGINE_MODES)
+def test_classify_routes_on_a_decoder_classifier(model_dir, mode):
+    """A decoder's prompts pool as engine calls: on its thread, or in its own process
+    (--engine-process), whose vectors cross the socket as float32."""
     path = model_dir("qwen2-cls")
-    engine = make_llm(path).llm_engine
-    with running_server(engine, served_model_name=["cls"]) as (base, _):
+    with served_engine(mode, str(path), kv_cache_memory_bytes=32 * 2**20) as engine, \
+            running_server(engine, served_model_name=["cls"]) as (base, _):
         answer = httpx.post(base + "/classify", json={"model": "cls", "input": TEXTS}).json()
         generate = httpx.post(base + "/v1/completions", json={"model": "cls", "prompt": "hi", "max_tokens": 2})
         score = httpx.post(base + "/v1/score", json={"model": "cls", "text_1": "a", "text_2": ["b"]})

@@ -1,7 +1,8 @@
 """The training-loop endpoints on a real server (vLLM 0.32's names): off by default, behind
 the API key, and each one's effect observed: pause modes on running and arriving requests,
 the weight-transfer cycle from a trainer over gloo, sleep and wake, the prefix cache's
-reset, worker RPCs."""
+reset, worker RPCs. Each runs with the engine on the server's thread and in its own process
+(--engine-process), where every call crosses the socket by name."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import httpx
 import pytest
 
 from conftest import make_llm
-from server_harness import free_port, running_server
+from server_harness import ENGINE_MODES, free_port, running_server, served_engine
 from test_weight_transfer import hf_greedy, perturbed
 from tokenmill.weight_transfer import GLOOTrainerSendWeightsArgs, GLOOWeightTransferEngine
 
@@ -20,12 +21,13 @@ KEY = "training-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
-@pytest.fixture(scope="module")
-def served(model_dir):
-    engine = make_llm(model_dir("llama"), dtype="float32", enable_sleep_mode=True,
-                      weight_transfer_config={"backend": "gloo"}).llm_engine
-    with running_server(engine, served_model_name=["m"], api_key=KEY, enable_training_endpoints=True) as (base, llm):
-        yield base, llm
+@pytest.fixture(scope="module", params=ENGINE_MODES)
+def served(model_dir, request):
+    with served_engine(request.param, str(model_dir("llama")), dtype="float32", enable_sleep_mode=True,
+                       kv_cache_memory_bytes=32 * 2**20, weight_transfer_config={"backend": "gloo"}) as engine:
+        with running_server(engine, served_model_name=["m"], api_key=KEY,
+                            enable_training_endpoints=True) as (base, llm):
+            yield base, llm
 
 
 def post(base: str, path: str, **kwargs) -> httpx.Response:
@@ -96,6 +98,20 @@ def test_pause_modes(served):
     thread.join(60)
     assert running["response"].json()["usage"]["completion_tokens"] == 400
     assert post(base, "/pause", params={"mode": "sideways"}).status_code == 400
+
+
+def test_a_pause_while_paused_is_answered_at_once(served):
+    """A request frozen by a "keep" pause cannot finish, so a "wait" pause then has nothing
+    to wait for: it is answered at once, and after resume the request runs to its end."""
+    base, llm = served
+    thread, running = _paused_while_running(base, llm, "keep", 400)
+    waiting_pause, answer = _in_background(lambda: post(base, "/pause", params={"mode": "wait"}))
+    waiting_pause.join(30)
+    assert answer["response"].status_code == 200 and thread.is_alive()
+    assert post(base, "/resume").status_code == 200
+    thread.join(60)
+    assert running["response"].json()["usage"]["completion_tokens"] == 400
+    assert httpx.get(base + "/is_paused", headers=AUTH).json() == {"is_paused": False}
 
 
 def test_weight_transfer_cycle_from_a_trainer(served, model_dir):

@@ -3,8 +3,8 @@
 Off unless ``adapters.allow_runtime_lora_updating`` is set. A path must resolve
 (following symlinks and ``..``) to a place inside one of
 ``adapters.allowed_lora_dirs``; anything else is refused before a file is read.
-Loads run on the engine thread between steps, so running requests are not disturbed.
-A name that is a served model's or an already loaded adapter's is refused (replacing one is
+Loads and unloads are engine calls (``engine_calls``), run between steps, so running
+requests are not disturbed. A name that is a served model's or an already loaded adapter's is refused (replacing one is
 an unload, then a load), and every failure to read or apply an adapter is a 400 that leaves
 nothing registered.
 """
@@ -16,8 +16,6 @@ from pathlib import Path
 from fastapi import FastAPI
 
 from tokenmill.core.engine.async_llm import AsyncLLM
-from tokenmill.core.engine.llm_engine import LLMEngine
-from tokenmill.interfaces.errors import InvalidRequest
 from tokenmill.server.errors import APIError
 from tokenmill.server.protocol import LoadAdapterRequest, UnloadAdapterRequest
 from tokenmill.server.responses import AdapterResponse
@@ -51,30 +49,11 @@ def add_adapter_routes(app: FastAPI, llm: AsyncLLM, allowed_dirs: list[str], ser
             raise APIError(400, f"{body.lora_name!r} is a served model's name; an adapter needs its own",
                            "lora_name")
         path = confine(body.lora_path, allowed_dirs)
-
-        def load(engine: LLMEngine) -> None:
-            if body.lora_name in engine.adapters.loaded():
-                raise APIError(400, f"adapter {body.lora_name!r} is already loaded; unload it first to replace it",
-                               "lora_name")
-            try:
-                engine.adapters.load(body.lora_name, str(path))
-            except (InvalidRequest, APIError):
-                raise
-            except Exception as exc:  # anything else a foreign file makes the loader raise
-                raise APIError(400, f"adapter {body.lora_name!r} cannot be loaded: {type(exc).__name__}: {exc}",
-                               "lora_path") from None
-
-        await llm.run_on_engine(load)
+        await llm.call("load_lora_adapter", lora_name=body.lora_name, lora_path=str(path))
         return {"status": "ok", "lora_name": body.lora_name}
 
     @app.post("/v1/unload_lora_adapter", response_model=AdapterResponse)
     async def unload_adapter(body: UnloadAdapterRequest):
         """vLLM: unload an adapter no running request uses."""
-
-        def unload(engine: LLMEngine) -> None:
-            if engine.adapters.in_use(body.lora_name):
-                raise APIError(400, f"adapter {body.lora_name!r} is in use by running requests", "lora_name")
-            engine.adapters.unload(body.lora_name)
-
-        await llm.run_on_engine(unload)
+        await llm.call("unload_lora_adapter", lora_name=body.lora_name)
         return {"status": "ok", "lora_name": body.lora_name}

@@ -4,8 +4,8 @@ similarity to a query), over core/engine/pooling.py.
 
 A model answers the tasks its architecture has (an encoder embeds and scores, a
 ``...ForSequenceClassification`` classifies); another task is a 400 that says which models
-do it. An encoder runs off the event loop, one batch at a time; a decoder classifier's
-prompts run on the engine thread between steps.
+do it. An encoder runs off the event loop, one batch at a time; a decoder's prompts are
+engine calls, run between its steps where it steps (its thread, or its own process).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from pydantic import BaseModel, Field
 from tokenmill.core.engine import pooling
 from tokenmill.core.engine.async_llm import AsyncLLM
 from tokenmill.core.engine.embedding_engine import EmbeddingEngine
+from tokenmill.core.engine.engine_calls import run_call
 from tokenmill.server.embeddings import MAX_INPUTS
 from tokenmill.server.errors import APIError
 from tokenmill.server.protocol import OpenAIModel, Prompt
@@ -120,14 +121,15 @@ class PoolingRoutes:
         self.model_name = model_name
         self._lock = threading.Lock()
 
-    async def run(self, fn: Callable[[Any], torch.Tensor]) -> torch.Tensor:
-        """``fn(engine)`` where the engine may run it: its thread, or a worker thread."""
+    async def run(self, name: str, **kwargs: Any) -> torch.Tensor:
+        """The pooling call ``name`` (``engine_calls``) where the engine may run it: as an
+        engine call of a generation engine, or on a worker thread of an encoder's."""
         if isinstance(self.served, AsyncLLM):
-            return await self.served.run_on_engine(fn)
+            return await self.served.call(name, **kwargs)
 
         def locked():
             with self._lock:
-                return fn(self.engine)
+                return run_call(self.engine, name, kwargs)
 
         return await asyncio.to_thread(locked)
 
@@ -147,7 +149,7 @@ def add_pooling_routes(app: FastAPI, routes: PoolingRoutes) -> None:
         """vLLM: each input's pooled vector: an encoder's embedding, a classifier's logits."""
         routes.check_model(body.model)
         token_ids = routes.token_ids(pooling.as_inputs(body.input))
-        vectors = await routes.run(lambda engine: pooling.pooled(engine, token_ids))
+        vectors = await routes.run("pooled", token_ids=token_ids)
         data = [{"index": i, "object": "pooling", "data": v.tolist()} for i, v in enumerate(vectors)]
         return routes.envelope("pool", data, sum(map(len, token_ids)))
 
@@ -156,7 +158,7 @@ def add_pooling_routes(app: FastAPI, routes: PoolingRoutes) -> None:
         """vLLM: each input's label probabilities and most likely label (classifiers)."""
         routes.check_model(body.model)
         token_ids = routes.token_ids(pooling.as_inputs(body.input))
-        probs = (await routes.run(lambda engine: pooling.class_logits(engine, token_ids))).softmax(-1)
+        probs = (await routes.run("class_logits", token_ids=token_ids)).softmax(-1)
         labels = routes.engine.model_config.hf_config.get("id2label") or {}
         data = [{"index": i, "label": labels.get(str(int(p.argmax())), str(int(p.argmax()))), "probs": p.tolist(),
                  "num_classes": len(p)} for i, p in enumerate(probs)]
@@ -167,7 +169,7 @@ def add_pooling_routes(app: FastAPI, routes: PoolingRoutes) -> None:
         routes.check_model(body.model)
         firsts, seconds = pooling.pair_up(body.text_1, body.text_2)
         first_ids, second_ids = routes.token_ids(firsts), routes.token_ids(seconds)
-        values = await routes.run(lambda engine: pooling.scores(engine, first_ids, second_ids))
+        values = await routes.run("scores", firsts=first_ids, seconds=second_ids)
         data = [{"index": i, "object": "score", "score": float(v)} for i, v in enumerate(values)]
         return routes.envelope("score", data, sum(map(len, first_ids + second_ids)))
 
@@ -177,7 +179,7 @@ def add_pooling_routes(app: FastAPI, routes: PoolingRoutes) -> None:
         if not body.documents:
             raise APIError(400, "documents must not be empty", "documents")
         query_ids, document_ids = routes.token_ids([body.query]), routes.token_ids(body.documents)
-        values = await routes.run(lambda engine: pooling.scores(engine, query_ids * len(document_ids), document_ids))
+        values = await routes.run("scores", firsts=query_ids * len(document_ids), seconds=document_ids)
         order = sorted(range(len(values)), key=lambda i: -float(values[i]))[:body.top_n or None]
         tokens = len(query_ids[0]) * len(document_ids) + sum(map(len, document_ids))
         return {"id": f"rerank-{uuid.uuid4().hex}", "model": routes.model_name, "usage": {"total_tokens": tokens},

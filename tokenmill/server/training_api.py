@@ -3,9 +3,10 @@ weight-transfer cycle, sleep and wake, the prefix cache, worker RPCs.
 
 Off unless ``--enable-training-endpoints`` (vLLM gates its dev ones behind its dev mode):
 they change what every client is served. Like every route beyond the probes they need the
-API key. Each runs on the engine thread between steps; a weight update from a trainer
-process (``gloo``/``nccl``) holds that thread while the tensors arrive, which is why a
-trainer pauses generation around it. The in_process backend needs tensors in the server's
+API key. Each is a named engine call (``engine_calls``), run between steps where the engine
+steps: its thread, or its own process with ``--engine-process``. A weight update from a
+trainer process (``gloo``/``nccl``) holds the engine while the tensors arrive, which is why
+a trainer pauses generation around it. The in_process backend needs tensors in the server's
 memory, so over HTTP an update names a torch.distributed backend's tensors.
 """
 
@@ -71,9 +72,9 @@ class RpcResults(BaseModel):
 
 
 def add_training_routes(app: FastAPI, llm: AsyncLLM) -> None:
-    async def on_engine(call):
+    async def on_engine(name: str, **kwargs: Any) -> Any:
         try:
-            return await llm.run_on_engine(call)
+            return await llm.call(name, **kwargs)
         except TimeoutError as exc:  # a rank did not answer: the engine stops
             raise APIError(504, str(exc)) from None
         except EngineAsleep:
@@ -98,12 +99,12 @@ def add_training_routes(app: FastAPI, llm: AsyncLLM) -> None:
 
     @app.post("/init_weight_transfer_engine", response_model=Done)
     async def init_weight_transfer_engine(body: InitWeightTransferBody):
-        await on_engine(lambda engine: engine.control.init_weight_transfer_engine({"init_info": body.init_info}))
+        await on_engine("init_weight_transfer_engine", init_info=body.init_info)
         return Done()
 
     @app.post("/start_weight_update", response_model=Done)
     async def start_weight_update():
-        await on_engine(lambda engine: engine.control.start_weight_update())
+        await on_engine("start_weight_update")
         return Done()
 
     @app.post("/update_weights", response_model=Done)
@@ -111,17 +112,17 @@ def add_training_routes(app: FastAPI, llm: AsyncLLM) -> None:
         if "weights" in body.update_info:
             raise APIError(400, "tensors cannot come over HTTP: use a torch.distributed backend (gloo, nccl), "
                                 "whose trainer broadcasts what update_info names", "update_info")
-        await on_engine(lambda engine: engine.control.update_weights({"update_info": body.update_info}))
+        await on_engine("update_weights", update_info=body.update_info)
         return Done()
 
     @app.post("/finish_weight_update", response_model=Done)
     async def finish_weight_update(body: FinishWeightUpdateBody):
-        await on_engine(lambda engine: engine.control.finish_weight_update(body.weight_version))
+        await on_engine("finish_weight_update", weight_version=body.weight_version)
         return Done()
 
     @app.get("/weight_info", response_model=WeightInfo)
     async def weight_info() -> dict[str, Optional[str]]:
-        return {"weight_version": llm.engine.control.get_weight_version()}
+        return {"weight_version": await on_engine("get_weight_version")}
 
     @app.get("/get_world_size", response_model=WorldSize)
     async def get_world_size() -> dict[str, int]:
@@ -130,26 +131,26 @@ def add_training_routes(app: FastAPI, llm: AsyncLLM) -> None:
     @app.post("/sleep", response_model=Done)
     async def sleep(level: int = Query(1, ge=1, le=2)):
         """vLLM (dev): free the KV cache (1) and the weights (2); requests get 503 until /wake_up."""
-        await on_engine(lambda engine: engine.control.sleep(level))
+        await on_engine("sleep", level=level)
         return Done()
 
     @app.post("/wake_up", response_model=Done)
     async def wake_up(tags: Optional[list[Literal["weights", "kv_cache"]]] = Query(None)):
-        await on_engine(lambda engine: engine.control.wake_up(tags))
+        await on_engine("wake_up", tags=tags)
         return Done()
 
     @app.get("/is_sleeping", response_model=SleepingState)
     async def is_sleeping() -> dict[str, bool]:
-        return {"is_sleeping": llm.engine.control.is_sleeping()}
+        return {"is_sleeping": await on_engine("is_sleeping")}
 
     @app.post("/reset_prefix_cache", response_model=PrefixCacheReset)
     async def reset_prefix_cache() -> dict[str, bool]:
         """vLLM (dev): forget the prefix cache; false while requests hold blocks."""
-        return {"reset": await on_engine(lambda engine: engine.control.reset_prefix_cache())}
+        return {"reset": await on_engine("reset_prefix_cache")}
 
     @app.post("/collective_rpc", response_model=RpcResults)
     async def collective_rpc(body: CollectiveRpcBody) -> dict[str, list[Any]]:
         """vLLM (dev): a worker extension's method on every rank; the results in rank order."""
-        results = await on_engine(lambda engine: engine.control.collective_rpc(body.method, body.timeout,
-                                                                                 tuple(body.args), body.kwargs))
+        results = await on_engine("collective_rpc", method=body.method, timeout=body.timeout, args=body.args,
+                                  kwargs=body.kwargs)
         return {"results": results}

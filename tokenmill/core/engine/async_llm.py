@@ -14,12 +14,15 @@ import asyncio
 import queue
 import threading
 import time
-from typing import AsyncIterator, Callable, Optional
+from functools import partial
+from typing import Any, AsyncIterator, Callable, Optional
 
 import structlog
 
+from tokenmill.core.engine.engine_calls import run_call
+from tokenmill.core.engine.generation_pause import GenerationPause, check_pause_mode
 from tokenmill.core.engine.llm_engine import LLMEngine
-from tokenmill.core.engine.loop_commands import PAUSE_MODES, AbortRequest, AddRequest, EngineCall, PauseRequest
+from tokenmill.core.engine.loop_commands import AbortRequest, AddRequest, EngineCall, PauseRequest
 from tokenmill.core.engine.prompt_input import PromptType
 from tokenmill.core.engine.step_isolation import raise_if_fatal
 from tokenmill.interfaces.errors import InvalidRequest, TokenmillError
@@ -68,12 +71,8 @@ class AsyncLLM:
         self._stopping = threading.Event()
         self._pending_adds = 0
         self._draining = False
-        #: paused: no step runs, and requests that arrive wait (pause_generation)
-        self._paused = False
-        #: a pause in "wait" mode, until the running requests finish
-        self._pausing: Optional[PauseRequest] = None
-        #: requests that arrived while paused (or pausing), admitted on resume
-        self._held: list[AddRequest] = []
+        #: pause_generation's state: held requests, pauses waiting to take effect
+        self._pause: GenerationPause[PauseRequest, AddRequest] = GenerationPause(engine)
         self.error: Optional[BaseException] = None
         #: the loop has ended: requests, calls and pauses are refused (nothing would settle them)
         self._stopped = False
@@ -155,8 +154,7 @@ class AsyncLLM:
         freezes them until ``resume_generation``. Requests that arrive meanwhile wait, none
         is refused; ``clear_cache`` empties the prefix cache, frozen requests' blocks too (their
         KV stays theirs, never a hit again: a pause is where a trainer swaps the weights)."""
-        if mode not in PAUSE_MODES:
-            raise InvalidRequest("mode", f"pause mode {mode!r}: one of {', '.join(PAUSE_MODES)}")
+        check_pause_mode(mode)
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         self._send_awaited(PauseRequest(mode, clear_cache, future, loop))
@@ -166,7 +164,11 @@ class AsyncLLM:
         await self.run_on_engine(lambda engine: self._resume())
 
     def is_paused(self) -> bool:
-        return self._paused
+        return self._pause.paused
+
+    async def call(self, name: str, **kwargs: Any) -> Any:
+        """The engine call ``name`` (``engine_calls``) between two steps, and its result."""
+        return await self.run_on_engine(partial(run_call, name=name, kwargs=kwargs))
 
     async def run_on_engine(self, fn: Callable[[LLMEngine], object]) -> object:
         """Run ``fn(engine)`` on the engine thread between two steps and return its result."""
@@ -241,9 +243,8 @@ class AsyncLLM:
         try:
             while not self._stopping.is_set():
                 self._drain_commands()
-                if self._pausing is not None and not engine.has_unfinished_requests():
-                    self._paused_now(self._pausing)
-                if self._paused or not engine.has_unfinished_requests():
+                self._settle_pauses(self._pause.settle())
+                if self._pause.paused or not engine.has_unfinished_requests():
                     engine.check_health()  # an idle engine notices a dead worker too
                     self._wake.wait(0.5)
                     self._wake.clear()
@@ -269,12 +270,12 @@ class AsyncLLM:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(command, AddRequest) and (self._paused or self._pausing is not None):
-                self._held.append(command)
+            if isinstance(command, AddRequest) and self._pause.holds:
+                self._pause.held.append(command)
             elif isinstance(command, AddRequest):
                 self._admit(command)
             elif isinstance(command, PauseRequest):
-                self._pause(command)
+                self._pause_now(command)
             elif isinstance(command, EngineCall):
                 try:
                     result, error = command.fn(self.engine), None
@@ -303,29 +304,22 @@ class AsyncLLM:
             log.error("adding a request failed", request_id=command.request_id, exc_info=exc)
             self._deliver(command.request_id, RequestFailed(command.request_id, repr(exc)), final=True)
 
-    def _pause(self, command: PauseRequest) -> None:
-        if command.mode == "abort":
-            running = [request_id for request_id in list(self._streams) if self.engine.outputs.states.get(request_id)]
-            for output in self.engine.abort_request(running):
-                self._deliver(output.request_id, output, final=True)
-        if command.mode == "wait" and self.engine.has_unfinished_requests():
-            self._pausing = command
-            return
-        self._paused_now(command)
-
-    def _paused_now(self, command: PauseRequest) -> None:
-        self._paused, self._pausing = True, None
-        if command.clear_cache:
-            self.engine.scheduler.invalidate_prefix_cache()
-        log.info("generation paused", mode=command.mode, running=len(self.engine.scheduler.running))
-        command.loop.call_soon_threadsafe(settle_future, command.future, None, None)
+    def _pause_now(self, command: PauseRequest) -> None:
+        aborted = self._pause.pause(command.mode, command.clear_cache, command)
+        self._observe(aborted)
+        for output in aborted:
+            self._deliver(output.request_id, output, final=True)
 
     def _resume(self) -> None:
-        self._paused, self._pausing = False, None
-        held, self._held = self._held, []
+        held, waiters = self._pause.resume()
         for command in held:
             self._admit(command)
-        log.info("generation resumed", admitted=len(held))
+        self._settle_pauses(waiters)
+
+    @staticmethod
+    def _settle_pauses(waiters: list[PauseRequest]) -> None:
+        for command in waiters:
+            command.loop.call_soon_threadsafe(settle_future, command.future, None, None)
 
     def _observe(self, outputs: list[RequestOutput]) -> None:
         observe_step(self.observers, self.engine, outputs)
@@ -365,7 +359,7 @@ class AsyncLLM:
     def _fail_awaited(self, exc: BaseException) -> None:
         """Settle the futures of the calls and pauses left in the queue (or pausing) with ``exc``,
         (new ones are refused: ``_stopped``)."""
-        awaited = [self._pausing] if self._pausing is not None else []
+        awaited: list = self._pause.waiters()
         while True:
             try:
                 command = self._commands.get_nowait()

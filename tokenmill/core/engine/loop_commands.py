@@ -39,14 +39,11 @@ class AbortRequest:
 
 @dataclass(frozen=True)
 class PauseRequest:
-    """Stop stepping (vLLM's pause modes): "abort" the running requests, "wait" for them to
-    finish, or "keep" them where they are; then settle ``future``."""
+    """Stop stepping in one of vLLM's pause modes (``generation_pause``); ``future`` is
+    settled once the pause is in effect."""
 
     mode: str
     clear_cache: bool
     future: "asyncio.Future"
     loop: asyncio.AbstractEventLoop
 
-
-#: vLLM's pause modes
-PAUSE_MODES = ("abort", "wait", "keep")

@@ -4,10 +4,10 @@ The routes use it as they use an AsyncLLM: ``generate`` admits a request (checke
 tokenized here first) and returns its stream, closing a stream aborts its request. What
 AsyncLLM's engine thread did, stepping, runs in the engine-core process
 (``core_process.py``); in its place a thread here reads that process's messages and hands
-each step's outputs to their streams. Calls that would run code on the engine between steps
-(runtime LoRA loads, the training-loop endpoints, pooling a generation model) are not
-carried across: ``tokenmill serve`` refuses the flags that would ask for them, and a pooling
-request gets a 400.
+each step's outputs to their streams. What the control routes ask of the engine between its
+steps (runtime LoRA, the training-loop API, pooling, pausing) goes across as a named call
+(``engine_calls``) whose answer settles its caller's future; code itself never crosses, so
+``run_on_engine`` is refused.
 """
 
 from __future__ import annotations
@@ -22,13 +22,14 @@ import threading
 import time
 from dataclasses import replace
 from multiprocessing.connection import Connection
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import msgspec
 import structlog
 
 from tokenmill.core.config.engine_config import EngineConfig
-from tokenmill.core.engine.async_llm import AsyncLLM, RequestFailed, settle_future
+from tokenmill.core.engine.async_llm import AsyncLLM, settle_future
+from tokenmill.core.engine.generation_pause import check_pause_mode
 from tokenmill.core.engine.llm_engine import LLMEngine
 from tokenmill.core.engine.loop_commands import AbortRequest, AddRequest
 from tokenmill.interfaces.errors import ConfigError, InvalidRequest, TokenmillError
@@ -37,9 +38,9 @@ from tokenmill.server.engine_core.frontend import EngineFrontend, LoadedAdapters
 from tokenmill.server.engine_core.messages import (
     Abort,
     Add,
+    Call,
+    CallDone,
     CoreSpec,
-    MetricsQuery,
-    MetricsText,
     Outputs,
     Ready,
     Refused,
@@ -48,7 +49,9 @@ from tokenmill.server.engine_core.messages import (
     Stopped,
     decode_from_core,
     encode,
+    raised,
     request_output,
+    tensor_of,
 )
 
 log = structlog.get_logger("tokenmill.engine_core")
@@ -68,7 +71,6 @@ class EngineCoreClient(AsyncLLM):
         """Start the engine-core process and wait until its engine is built (a start's
         compiles take a while, and it logs as it goes). A build that fails raises its error
         here: a ConfigError where the config was at fault."""
-        check_servable(config)
         ours, theirs = socket.socketpair()
         spec = CoreSpec(config.model_dump_json(), theirs.fileno(), model_name, config.server.log_requests,
                         config.server.log_level, config.server.log_format)
@@ -95,7 +97,9 @@ class EngineCoreClient(AsyncLLM):
         self._sent = 0
         self._taken = 0
         self._calls = itertools.count()
-        self._metrics_queries: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        #: call id -> the (loop, future) of its caller, until its CallDone
+        self._awaited: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._is_paused = False
         super().__init__(frontend, max_queued_requests)  # type: ignore[arg-type]
 
     def _wait_ready(self) -> Ready:
@@ -123,29 +127,45 @@ class EngineCoreClient(AsyncLLM):
 
     async def metrics_text(self) -> bytes:
         """The engine's Prometheus text (its metrics are observed where its steps run)."""
+        return await self._call("metrics_text", {})
+
+    async def call(self, name: str, **kwargs: Any) -> Any:
+        result = await self._call(name, kwargs)
+        if name in ("load_lora_adapter", "unload_lora_adapter"):  # the routes' view of the adapters
+            self.engine.adapters = LoadedAdapters(result)
+        return result
+
+    async def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        check_pause_mode(mode)
+        # False when a resume came before the pause took effect
+        self._is_paused = await self._call("pause_generation", {"mode": mode, "clear_cache": clear_cache})
+
+    async def resume_generation(self) -> None:
+        await self._call("resume_generation", {})
+        self._is_paused = False
+
+    def is_paused(self) -> bool:
+        return self._is_paused
+
+    async def run_on_engine(self, fn: Callable[[LLMEngine], object]) -> object:
+        raise InvalidRequest(None, "code does not cross to an engine in a process of its own (--engine-process): "
+                                   "name an engine call instead (tokenmill.core.engine.engine_calls)")
+
+    async def _call(self, name: str, kwargs: dict[str, Any]) -> Any:
+        """Send a call and await its CallDone: its result, or its error raised."""
+        call_id = next(self._calls)
+        try:
+            data = encode(Call(call_id, name, kwargs))
+        except (OverflowError, TypeError, msgspec.EncodeError) as exc:  # JSON's integers have no bound
+            raise InvalidRequest(None, f"the call's arguments cannot be sent to the engine process: {exc}") from None
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        call_id = next(self._calls)
         with self._lock:
             if self._stopped:
                 raise self._ended()
-            self._metrics_queries[call_id] = (loop, future)
-        self._write(MetricsQuery(call_id))
+            self._awaited[call_id] = (loop, future)
+        self._write_bytes(data)
         return await future
-
-    async def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
-        raise self._not_here("pausing generation")
-
-    async def resume_generation(self) -> None:
-        raise self._not_here("resuming generation")
-
-    async def run_on_engine(self, fn: Callable[[LLMEngine], object]) -> object:
-        raise self._not_here("this endpoint")
-
-    @staticmethod
-    def _not_here(what: str) -> InvalidRequest:
-        return InvalidRequest("model", f"{what} runs code on the engine between steps, which this server does not do "
-                                       "with its engine in a process of its own (--engine-process)")
 
     def _send(self, command: object) -> None:
         if isinstance(command, AddRequest):
@@ -215,9 +235,9 @@ class EngineCoreClient(AsyncLLM):
                     self._deliver_step(self._outputs(message))
                 elif isinstance(message, Refused):
                     self._taken = message.num_taken
-                    self._deliver(message.request_id, _refusal(message), final=True)
-                elif isinstance(message, MetricsText):
-                    self._settle_query(message)
+                    self._deliver(message.request_id, raised(message.error, message.request_id), final=True)
+                elif isinstance(message, CallDone):
+                    self._settle_call(message)
                 elif isinstance(message, Stopped):
                     self.error = EngineCoreFailed(message.error)
                     return
@@ -229,9 +249,9 @@ class EngineCoreClient(AsyncLLM):
             ended = self._ended()
             with self._lock:
                 self._stopped = True
-                queries, self._metrics_queries = self._metrics_queries, {}
+                awaited, self._awaited = self._awaited, {}
             self._fail_all(ended)
-            for loop, future in queries.values():
+            for loop, future in awaited.values():
                 if not loop.is_closed():
                     loop.call_soon_threadsafe(settle_future, future, None, ended)
 
@@ -253,29 +273,13 @@ class EngineCoreClient(AsyncLLM):
             outputs.append(request_output(wire, *prompt))
         return outputs
 
-    def _settle_query(self, message: MetricsText) -> None:
+    def _settle_call(self, message: CallDone) -> None:
         with self._lock:
-            target = self._metrics_queries.pop(message.call_id, None)
-        if target is not None and not target[0].is_closed():
-            target[0].call_soon_threadsafe(settle_future, target[1], message.text, None)
-
-
-
-def _refusal(message: Refused) -> Exception:
-    """The error an admission the engine refused raises from the request's stream."""
-    if not message.invalid:
-        return RequestFailed(message.request_id, message.message)
-    error = InvalidRequest(None, message.message)  # the message names its parameter already
-    error.param = message.param
-    return error
-
-
-def check_servable(config: EngineConfig) -> None:
-    """Refuse, before anything starts, what an engine in its own process cannot serve yet:
-    the features whose routes run code on the engine between its steps."""
-    asks = {"server.enable_training_endpoints": config.server.enable_training_endpoints,
-            "adapters.allow_runtime_lora_updating": config.adapters.allow_runtime_lora_updating}
-    for key, asked in asks.items():
-        if asked:
-            raise ConfigError(key, "not served with the engine in a process of its own yet: drop --engine-process "
-                                   "or this option")
+            target = self._awaited.pop(message.call_id, None)
+        if target is None or target[0].is_closed():
+            return
+        if message.error is not None:
+            result, error = None, raised(message.error)
+        else:
+            result, error = tensor_of(message.tensor) if message.tensor is not None else message.result, None
+        target[0].call_soon_threadsafe(settle_future, target[1], result, error)

@@ -5,9 +5,11 @@ that started it, as vLLM runs its EngineCore beside its API server. Each has a G
 own: the event loop's work per streamed token (a response chunk, a socket write) no longer
 waits for the engine's, nor the engine's for it.
 
-A thread reads the server's messages into a queue; the main thread admits and aborts
-between steps, steps, and sends each step's outputs. Metrics and request logs are observed
-here, where the steps are, and the server asks for the Prometheus text when it is scraped.
+A thread reads the server's messages into a queue; the main thread admits, aborts and runs
+calls between steps (the named engine calls of ``engine_calls``, and pausing as an in-process
+engine's thread pauses: ``generation_pause``), steps, and sends each step's outputs. Metrics
+and request logs are observed here, where the steps are, and the server asks for the
+Prometheus text when it is scraped.
 The process ends when the server says so, or when its socket closes: a server that died
 leaves no engine behind. It ignores SIGINT and SIGTERM, which a terminal or a supervisor may
 send to the whole process group, so that the server's drain still has its engine.
@@ -23,21 +25,27 @@ import threading
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
 
+from typing import Any
+
 import msgspec
 import structlog
+import torch
 from prometheus_client import generate_latest
 
 from tokenmill.core.engine.async_llm import StepObserver, observe_step
+from tokenmill.core.engine.engine_calls import run_call
+from tokenmill.core.engine.generation_pause import GenerationPause
 from tokenmill.core.engine.llm_engine import LLMEngine
 from tokenmill.core.engine.metrics import EngineMetrics
-from tokenmill.interfaces.errors import ConfigError, InvalidRequest
+from tokenmill.core.engine.step_isolation import raise_if_fatal
+from tokenmill.interfaces.errors import ConfigError
 from tokenmill.interfaces.types import RequestOutput
 from tokenmill.server.engine_core.messages import (
     Abort,
     Add,
+    Call,
+    CallDone,
     CoreSpec,
-    MetricsQuery,
-    MetricsText,
     Outputs,
     Ready,
     Refused,
@@ -46,7 +54,9 @@ from tokenmill.server.engine_core.messages import (
     Stopped,
     decode_to_core,
     encode,
+    wire_error,
     wire_output,
+    wire_tensor,
 )
 from tokenmill.server.logging import configure_logging, log_finished_requests
 
@@ -71,15 +81,19 @@ class EngineCore:
         #: requests whose constraint compiles on the manager's thread, admitted once it has:
         #: a slow compile delays its own request, not every step
         self._compiling: dict[str, tuple[Add, Future]] = {}
+        self._pause: GenerationPause[int, Add] = GenerationPause(engine)
+        #: the Adds admitted or refused so far (held and compiling ones are still on the way)
         self._taken = 0
-        self._counts = (0, 0)
+        self._counts = (0, 0, 0)
         threading.Thread(target=self._read, name="tokenmill-core-reader", daemon=True).start()
 
     def run(self) -> None:
         """Serve until told to stop; an error in the engine's own bookkeeping propagates."""
         engine = self.engine
         while self._drain():
-            if not engine.has_unfinished_requests():  # a compile that ends wakes the loop too
+            for call_id in self._pause.settle():
+                self._done(call_id, True)  # paused
+            if self._pause.paused or not engine.has_unfinished_requests():  # a compile that ends wakes it too
                 engine.check_health()
                 self._wake.wait(0.5)
                 self._wake.clear()
@@ -117,13 +131,12 @@ class EngineCore:
                 self._started.discard(command.request_id)
                 if self._compiling.pop(command.request_id, None) is None:
                     self._observe(self.engine.abort_request(command.request_id))
-            elif isinstance(command, MetricsQuery):
-                self._send(MetricsText(command.call_id, generate_latest(self.metrics.registry)))
+            elif isinstance(command, Call):
+                self._call(command)
             else:
                 return False
 
     def _admit(self, add: Add) -> None:
-        self._taken += 1
         constraint, manager = add.params.structured_outputs, self.engine.structured_outputs
         if constraint is not None and manager is not None:
             compiled = manager.compile_async(constraint)
@@ -135,25 +148,64 @@ class EngineCore:
 
     def _add(self, add: Add) -> None:
         """Admit a request whose constraint, if any, has compiled (or failed to: admission
-        then refuses it with the reason)."""
+        then refuses it with the reason). While generation is paused it is held."""
+        if self._pause.holds:
+            self._pause.held.append(add)
+            return
+        self._taken += 1
         prompt = {"prompt": add.prompt, "prompt_token_ids": add.prompt_token_ids}
         if add.cache_salt is not None:
             prompt["cache_salt"] = add.cache_salt
         try:
             self.engine.add_request(add.request_id, prompt, add.params, priority=add.priority, user=add.user,
                                     arrival_time=add.arrival_time, adapter_name=add.adapter_name)
-        except InvalidRequest as exc:
-            self._send(Refused(add.request_id, str(exc), exc.param, True, self._taken))
         except Exception as exc:  # a bug met by this request alone: it fails, the loop goes on
-            log.error("adding a request failed", request_id=add.request_id, exc_info=exc)
-            self._send(Refused(add.request_id, repr(exc), None, False, self._taken))
+            error = wire_error(exc)
+            if error.kind not in ("invalid", "asleep"):
+                log.error("adding a request failed", request_id=add.request_id, exc_info=exc)
+            self._send(Refused(add.request_id, error, self._taken))
+
+    def _call(self, call: Call) -> None:
+        """A call's answer goes back now, or (a pause that waits) when it takes effect."""
+        if call.name == "pause_generation":
+            aborted = self._pause.pause(call.kwargs["mode"], call.kwargs["clear_cache"], call.call_id)
+            self._observe(aborted)
+            self._send_outputs(aborted)
+        elif call.name == "resume_generation":
+            held, waiters = self._pause.resume()
+            for add in held:
+                self._add(add)
+            for call_id in waiters + [call.call_id]:
+                self._done(call_id, False)  # not paused: a pause still waiting is over
+        elif call.name == "metrics_text":
+            self._done(call.call_id, generate_latest(self.metrics.registry))
+        else:
+            try:
+                result = run_call(self.engine, call.name, call.kwargs)
+            except Exception as exc:  # the caller's error; a device fault then stops the loop
+                self._send(CallDone(call.call_id, error=wire_error(exc)))
+                raise_if_fatal(self.engine.platform, exc)
+                return
+            self._done(call.call_id, result)
+
+    def _done(self, call_id: int, result: Any) -> None:
+        if isinstance(result, torch.Tensor):
+            done = CallDone(call_id, tensor=wire_tensor(result))
+        else:
+            done = CallDone(call_id, result)
+        try:
+            data = encode(done)
+        except (OverflowError, TypeError, msgspec.EncodeError) as exc:  # a worker extension's result
+            data = encode(CallDone(call_id, error=wire_error(TypeError(f"the result cannot be sent to the server: "
+                                                                         f"{exc}"))))
+        self.connection.send_bytes(data)
 
     def _observe(self, outputs: list[RequestOutput]) -> None:
         observe_step(self.observers, self.engine, outputs)
 
     def _send_outputs(self, outputs: list[RequestOutput]) -> None:
         scheduler = self.engine.scheduler
-        counts = (len(scheduler.waiting), len(scheduler.running))
+        counts = (len(scheduler.waiting), len(scheduler.running), self._taken)
         if not outputs and counts == self._counts:
             return
         self._counts = counts
@@ -166,7 +218,7 @@ class EngineCore:
                 started.discard(request_id)
             else:
                 started.add(request_id)
-        self._send(Outputs(wire, counts[0], counts[1], self._taken))
+        self._send(Outputs(wire, *counts))
 
     def _send(self, message: msgspec.Struct) -> None:
         self.connection.send_bytes(encode(message))
@@ -185,8 +237,7 @@ def main() -> int:
 
     try:
         engine = build_engine(EngineConfig.model_validate_json(spec.config_json))
-        if not isinstance(engine, LLMEngine):
-            engine.shutdown()
+        if not isinstance(engine, LLMEngine):  # an encoder: one process, nothing to shut down
             raise ConfigError("engine_process", "an embedding model is served from one process: "
                                                 "drop --engine-process")
     except ConfigError as exc:

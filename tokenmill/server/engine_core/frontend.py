@@ -26,8 +26,8 @@ from tokenmill.interfaces.types import SamplingParams
 
 
 class LoadedAdapters:
-    """The LoRA adapters the engine loaded at startup (runtime loading is refused with an
-    engine process, so the set does not change)."""
+    """The LoRA adapters the engine has loaded, as its last answer said (Ready, then each
+    runtime load or unload): what /v1/models lists and the ``model`` field may name."""
 
     def __init__(self, loaded: dict[str, str]) -> None:
         self._loaded = dict(loaded)
@@ -37,7 +37,7 @@ class LoadedAdapters:
 
 
 class EngineFrontend:
-    #: the training-loop API lives with the engine; its endpoints are refused in this mode
+    #: the training-loop API lives with the engine, reached through named engine calls
     control = None
 
     def __init__(self, config: EngineConfig) -> None:

@@ -1,19 +1,27 @@
 """What the API server and its engine-core process say to each other: msgspec messages,
 never pickle.
 
-The server sends ``Add``, ``Abort``, ``MetricsQuery`` and ``Shutdown``. The engine core
-answers ``Ready`` (or ``StartFailed``) once built, then one ``Outputs`` per step that returned
-any, ``Refused`` for a request its admission turned down, ``MetricsText`` for a query, and
+The server sends ``Add``, ``Abort``, ``Call`` and ``Shutdown``. The engine core answers
+``Ready`` (or ``StartFailed``) once built, then one ``Outputs`` per step that returned any,
+``Refused`` for a request its admission turned down, ``CallDone`` for each call, and
 ``Stopped`` if its loop fails. A step's outputs are the hot path: they travel as arrays, not
 maps, and a request's prompt travels back once, with its first output (the server keeps it).
+
+A call is named, never code: an engine call (``engine_calls``), a pause or resume of the
+loop, or its metrics' text. Its errors cross as one of a few kinds, raised on the server's
+side as the exception types the routes map to their HTTP statuses.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import msgspec
+import torch
 
+from tokenmill.core.engine.async_llm import RequestFailed
+from tokenmill.core.engine.rollout import EngineAsleep
+from tokenmill.interfaces.errors import InvalidRequest, RankCallFailed
 from tokenmill.interfaces.types import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SamplingParams
 
 
@@ -47,8 +55,13 @@ class Abort(msgspec.Struct, tag="abort", frozen=True):
     request_id: str
 
 
-class MetricsQuery(msgspec.Struct, tag="metrics_query", frozen=True):
+class Call(msgspec.Struct, tag="call", frozen=True):
+    """An engine call by name (``engine_calls.CALLS``), or the loop's own:
+    ``pause_generation`` (mode, clear_cache), ``resume_generation``, ``metrics_text``."""
+
     call_id: int
+    name: str
+    kwargs: dict[str, Any]
 
 
 class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):
@@ -102,20 +115,36 @@ class Outputs(msgspec.Struct, tag="outputs", frozen=True):
     num_taken: int
 
 
+class WireError(msgspec.Struct, array_like=True, frozen=True):
+    """An error met in the engine process, as one of the kinds its callers tell apart:
+    ``invalid`` (a bad parameter, 400), ``asleep`` (503), ``timeout`` (a rank that did not
+    answer), ``refused`` (a call's state or argument did not allow it), ``failed`` (else)."""
+
+    kind: str
+    message: str
+    param: Optional[str] = None
+
+
+class WireTensor(msgspec.Struct, array_like=True, frozen=True):
+    """A call's float tensor (pooling's vectors), as float32 bytes."""
+
+    shape: list[int]
+    data: bytes
+
+
 class Refused(msgspec.Struct, tag="refused", frozen=True):
-    """A request's admission failed: ``param`` is set for a bad parameter (HTTP 400), else
-    it is an internal error met by this request alone (HTTP 500)."""
+    """A request's admission failed; it alone fails."""
 
     request_id: str
-    message: str
-    param: Optional[str]
-    invalid: bool
+    error: WireError
     num_taken: int
 
 
-class MetricsText(msgspec.Struct, tag="metrics_text", frozen=True):
+class CallDone(msgspec.Struct, tag="call_done", frozen=True):
     call_id: int
-    text: bytes
+    result: Any = None
+    tensor: Optional[WireTensor] = None
+    error: Optional[WireError] = None
 
 
 class Stopped(msgspec.Struct, tag="stopped", frozen=True):
@@ -124,8 +153,8 @@ class Stopped(msgspec.Struct, tag="stopped", frozen=True):
     error: str
 
 
-ToCore = Union[Add, Abort, MetricsQuery, Shutdown]
-FromCore = Union[Ready, StartFailed, Outputs, Refused, MetricsText, Stopped]
+ToCore = Union[Add, Abort, Call, Shutdown]
+FromCore = Union[Ready, StartFailed, Outputs, Refused, CallDone, Stopped]
 
 _encoder = msgspec.msgpack.Encoder()
 _to_core = msgspec.msgpack.Decoder(ToCore)
@@ -159,3 +188,43 @@ def request_output(wire: WireOutput, prompt: Optional[str], prompt_token_ids: li
                                     c.stop_reason) for c in wire.outputs]
     return RequestOutput(wire.request_id, prompt, prompt_token_ids, wire.prompt_logprobs, completions, wire.finished,
                          wire.num_cached_tokens, wire.metrics, wire.error)
+
+
+def wire_error(exc: Exception) -> WireError:
+    """``exc``, raised in the engine process, for the wire."""
+    if isinstance(exc, InvalidRequest):
+        return WireError("invalid", str(exc), exc.param)
+    if isinstance(exc, EngineAsleep):
+        return WireError("asleep", str(exc))
+    if isinstance(exc, TimeoutError):
+        return WireError("timeout", str(exc))
+    if isinstance(exc, (ValueError, RuntimeError, TypeError, RankCallFailed)):
+        return WireError("refused", str(exc))
+    return WireError("failed", repr(exc))
+
+
+def raised(error: WireError, request_id: Optional[str] = None) -> Exception:
+    """The exception the server raises for ``error``: the types an engine in its own
+    process raises, so that each route answers with the status it does then. A request's
+    failure of another kind is its RequestFailed (500)."""
+    if error.kind == "invalid":
+        exc = InvalidRequest(None, error.message)  # the message names its parameter already
+        exc.param = error.param
+        return exc
+    if error.kind == "asleep":
+        return EngineAsleep(error.message)
+    if request_id is not None:
+        return RequestFailed(request_id, error.message)
+    if error.kind == "timeout":
+        return TimeoutError(error.message)
+    if error.kind == "refused":
+        return RuntimeError(error.message)
+    return Exception(error.message)
+
+
+def wire_tensor(tensor: torch.Tensor) -> WireTensor:
+    return WireTensor(list(tensor.shape), tensor.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+
+
+def tensor_of(wire: WireTensor) -> torch.Tensor:
+    return torch.frombuffer(bytearray(wire.data), dtype=torch.float32).reshape(wire.shape)
