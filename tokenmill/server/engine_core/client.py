@@ -76,7 +76,7 @@ class EngineCoreClient(AsyncLLM):
                         config.server.log_level, config.server.log_format)
         # -P: the working directory does not shadow installed packages (as the workers start)
         self.process = subprocess.Popen([sys.executable, "-P", "-m", "tokenmill.server.engine_core.core_process"],
-                                        env={**os.environ, SPEC_ENV: msgspec.json.encode(spec).decode()},
+                                        env={**core_environment(), SPEC_ENV: msgspec.json.encode(spec).decode()},
                                         pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
         theirs.close()
         self.connection = Connection(ours.detach())
@@ -283,3 +283,15 @@ class EngineCoreClient(AsyncLLM):
         else:
             result, error = tensor_of(message.tensor) if message.tensor is not None else message.result, None
         target[0].call_soon_threadsafe(settle_future, target[1], result, error)
+
+
+def core_environment() -> dict[str, str]:
+    """The engine process's environment: the server's, with OpenMP's idle threads waiting
+    passively between parallel regions unless the user chose otherwise. The engine steps on
+    its process's main thread, where OpenMP (libgomp) lets idle threads spin for a while; the
+    server's work for each streamed token then competes with a spinning thread for a core
+    (benchmarks/README.md, session 42)."""
+    env = dict(os.environ)
+    if "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env:
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
+    return env
