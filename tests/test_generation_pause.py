@@ -6,7 +6,12 @@ running requests."""
 
 from __future__ import annotations
 
+import asyncio
+
+import pytest
+
 from conftest import make_llm
+from server_harness import ENGINE_MODES, served_engine
 from tokenmill import SamplingParams
 from tokenmill.core.engine.generation_pause import GenerationPause
 
@@ -39,3 +44,27 @@ def test_pauses_wait_hold_resume_and_abort(model_dir):
         aborted = pause.pause("abort", True, "e")
         assert [(o.request_id, o.finished, o.outputs[0].finish_reason) for o in aborted] == [("s", True, "abort")]
         assert pause.settle() == ["e"] and not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("mode", ENGINE_MODES)
+def test_a_request_held_by_a_pause_and_abandoned_never_runs(model_dir, mode):
+    """A request that arrives while generation is paused waits; if its caller goes away
+    first, resuming does not run it, and it no longer counts as waiting."""
+    with served_engine(mode, str(model_dir("llama")), kv_cache_memory_bytes=16 * 2**20) as llm:
+        async def scenario() -> list[tuple[int, int]]:
+            await llm.pause_generation("keep")
+            stream = llm.generate("held", {"prompt": None, "prompt_token_ids": [5, 6, 7]},
+                                  SamplingParams(max_tokens=400, ignore_eos=True))
+            first = asyncio.ensure_future(anext(stream))
+            await asyncio.sleep(0.3)
+            first.cancel()  # the caller goes away: its stream closes and aborts the request
+            await asyncio.sleep(0.3)
+            await llm.resume_generation()
+            counts = []
+            for _ in range(100):
+                await asyncio.sleep(0.01)
+                counts.append((llm.num_waiting, llm.num_running))
+            return counts
+
+        counts = asyncio.run(scenario())
+    assert all(running == 0 for _, running in counts) and counts[-1] == (0, 0), counts

@@ -24,7 +24,6 @@ import sys
 import threading
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
-
 from typing import Any
 
 import msgspec
@@ -82,7 +81,8 @@ class EngineCore:
         #: a slow compile delays its own request, not every step
         self._compiling: dict[str, tuple[Add, Future]] = {}
         self._pause: GenerationPause[int, Add] = GenerationPause(engine)
-        #: the Adds admitted or refused so far (held and compiling ones are still on the way)
+        #: the Adds admitted, refused or aborted before either so far (held and compiling ones
+        #: are still on their way)
         self._taken = 0
         self._counts = (0, 0, 0)
         threading.Thread(target=self._read, name="tokenmill-core-reader", daemon=True).start()
@@ -94,6 +94,7 @@ class EngineCore:
             for call_id in self._pause.settle():
                 self._done(call_id, True)  # paused
             if self._pause.paused or not engine.has_unfinished_requests():  # a compile that ends wakes it too
+                self._send_outputs([])  # the server's counts, where a call or an abort changed them
                 engine.check_health()
                 self._wake.wait(0.5)
                 self._wake.clear()
@@ -128,13 +129,23 @@ class EngineCore:
             if isinstance(command, Add):
                 self._admit(command)
             elif isinstance(command, Abort):
-                self._started.discard(command.request_id)
-                if self._compiling.pop(command.request_id, None) is None:
-                    self._observe(self.engine.abort_request(command.request_id))
+                self._abort(command.request_id)
             elif isinstance(command, Call):
                 self._call(command)
             else:
                 return False
+
+    def _abort(self, request_id: str) -> None:
+        """End a request wherever it is: compiling, held by a pause, or in the engine."""
+        self._started.discard(request_id)
+        held = self._pause.held
+        if self._compiling.pop(request_id, None) is not None:
+            self._taken += 1  # never added: no longer on its way, for the server's count
+        elif any(add.request_id == request_id for add in held):
+            held[:] = [add for add in held if add.request_id != request_id]
+            self._taken += 1
+        else:
+            self._observe(self.engine.abort_request(request_id))
 
     def _admit(self, add: Add) -> None:
         constraint, manager = add.params.structured_outputs, self.engine.structured_outputs
