@@ -26,6 +26,8 @@ def test_results_come_back_in_rank_order_from_every_process(tp2):
     assert [info["rank"] for info in infos] == [0, 1]
     assert [info["tp_rank"] for info in infos] == [0, 1] and {info["world_size"] for info in infos} == {2}
     assert infos[0]["pid"] == os.getpid() != infos[1]["pid"]
+    # the ranks share this machine's cores, as vLLM binds them (none was configured)
+    assert {info["torch_threads"] for info in infos} == {max(1, len(os.sched_getaffinity(0)) // 2)}
     assert tp2.collective_rpc("probe.rank_info") == infos  # the extension's name picks it too
 
 

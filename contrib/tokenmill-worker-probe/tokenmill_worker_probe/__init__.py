@@ -16,7 +16,7 @@ class WeightProbe(WorkerExtension):
     def rank_info(self) -> dict:
         c = self.context
         return {"rank": c.rank, "world_size": c.world_size, "tp_rank": c.tp_rank, "tp_size": c.tp_size,
-                "pid": os.getpid()}
+                "pid": os.getpid(), "torch_threads": torch.get_num_threads()}
 
     def parameter_sum(self, name: str) -> float:
         """The sum of this rank's values of ``name``; a CPU layer that holds only oneDNN's

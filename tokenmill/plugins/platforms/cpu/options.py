@@ -11,7 +11,9 @@ from pydantic import BaseModel, ConfigDict, Field
 class CpuOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    #: torch intra-op threads; None = torch's default (all cores)
+    #: torch intra-op threads; None = torch's default (OMP_NUM_THREADS, else all cores), the
+    #: cores split evenly among the ranks of an ``mp`` engine (they share this machine, as
+    #: vLLM's CPU workers bind theirs)
     num_threads: Optional[int] = Field(None, ge=1)
     #: keep plain weights beside the prepacked ones for a streaming GEMV kernel at
     #: batch 1-2 (about 1.5x faster batch-1 decode, twice the weight memory)

@@ -3,7 +3,8 @@
 What it decides (options in ``platform.cpu``, see options.py):
 - ``dtype: auto`` computes a bf16 checkpoint in fp32 where the CPU has no bf16 arithmetic
   (``native_bf16``): the same values, several times faster;
-- the process's torch threads (``num_threads``) and glibc's malloc thresholds
+- the process's torch threads (``num_threads``; by default all cores, split evenly among
+  the ranks of an ``mp`` engine, which share this machine) and glibc's malloc thresholds
   (``keep_freed_memory``);
 - the fused norm, activation and rotary ops (fused_ops.py);
 - the optimisation pass: prepacked GEMM weights (a streaming GEMV copy kept for batch 1-2
@@ -15,7 +16,7 @@ What it decides (options in ``platform.cpu``, see options.py):
 from __future__ import annotations
 
 import ctypes
-
+import os
 from typing import Any, Callable, Optional
 
 import torch
@@ -54,8 +55,12 @@ class CpuPlatform(Platform):
         return checkpoint_dtype
 
     def setup_process(self, rank: int = 0) -> None:
-        if self.options.num_threads is not None:
-            torch.set_num_threads(self.options.num_threads)
+        threads = self.options.num_threads
+        ranks = self.config.parallel.world_size if self.config.parallel.executor == "mp" else 1
+        if threads is None and ranks > 1 and "OMP_NUM_THREADS" not in os.environ:  # the ranks share the cores
+            threads = max(1, len(os.sched_getaffinity(0)) // ranks)
+        if threads is not None:
+            torch.set_num_threads(threads)
         if self.options.keep_freed_memory:  # before prepacking, whose temporaries then come from the heap
             keep_freed_memory()
 
