@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import os
 
-import torch
+# The suite runs on several workers (pytest-xdist: the README's test command), each starting
+# servers, engine processes and ranks on a machine of a few cores: OpenMP's idle threads wait
+# passively rather than spin on a core another process needs (libgomp reads this when torch
+# loads it, so it is set first; the processes the tests start inherit it).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 # Triton kernels run in the interpreter without a GPU; triton reads this when a kernel
 # module is imported, so it is set before any test imports one.
