@@ -275,7 +275,7 @@ class AsyncLLM:
             elif isinstance(command, AddRequest):
                 self._admit(command)
             elif isinstance(command, PauseRequest):
-                self._pause_now(command)
+                self._begin_pause(command)
             elif isinstance(command, EngineCall):
                 try:
                     result, error = command.fn(self.engine), None
@@ -304,7 +304,7 @@ class AsyncLLM:
             log.error("adding a request failed", request_id=command.request_id, exc_info=exc)
             self._deliver(command.request_id, RequestFailed(command.request_id, repr(exc)), final=True)
 
-    def _pause_now(self, command: PauseRequest) -> None:
+    def _begin_pause(self, command: PauseRequest) -> None:
         aborted = self._pause.pause(command.mode, command.clear_cache, command)
         self._observe(aborted)
         for output in aborted:
