@@ -38,14 +38,23 @@ QUANT_CHECKPOINTS = next((path for path in (Path(__file__).parents[1] / ".gpu-da
                           if path.is_dir()), Path(__file__).parents[1].parent / "shared" / "quant-checkpoints")
 
 
+#: the files that take minutes on a 2-vCPU machine, longest first: the workers take files in
+#: collection order, so these start first and the last minutes are not one long file on one
+#: worker while the others idle
+LONGEST_FILES = ("test_device_boundaries.py", "test_benchmarks.py", "test_async_scheduling.py", "test_openapi.py",
+                 "test_attention_conformance.py", "test_cli.py", "test_distributed.py")
+
+
 def pytest_collection_modifyitems(config, items):
     """tests/gpu is the GPU suite (marker ``gpu``), skipped where no CUDA device is visible;
-    ``bash benchmarks/gpu_check.sh`` runs it on a GPU."""
+    ``bash benchmarks/gpu_check.sh`` runs it on a GPU. The longest files come first."""
     for item in items:
         if "/tests/gpu/" in str(item.fspath).replace("\\", "/"):
             item.add_marker(pytest.mark.gpu)
             if not torch.cuda.is_available():
                 item.add_marker(pytest.mark.skip(reason="no CUDA device is visible"))
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
 
 
 def random_prompts(count: int = 12, seed: int = 0, low: int = 3, high: int = 150) -> list[list[int]]:
