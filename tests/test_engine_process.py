@@ -4,8 +4,9 @@ server (vLLM's engine core), over msgspec messages on a socket pair.
 The served tokens and logprobs are Hugging Face's; a stream carries the same tokens; a
 client that hangs up aborts its request in the other process; a request the engine refuses
 fails alone; a call's errors reach its caller as the in-process engine raises them; a build
-that fails says why; and neither process outlives the other (a dead engine ends the server with status 1, a stopped server
-stops its engine). The device-fault tests run in both modes too (test_device_faults.py).
+that fails says why; and neither process outlives the other (a dead engine ends the server
+with status 1, a stopped server stops its engine). The device-fault tests run in both modes
+too (test_device_faults.py).
 """
 
 from __future__ import annotations
