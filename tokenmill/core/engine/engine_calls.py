@@ -6,14 +6,12 @@ the engine may run in a process of its own (``tokenmill serve --engine-process``
 name and plain, msgspec-encodable arguments cross that socket, never code, and the engine
 process runs nothing but the calls listed here. With the engine in the server's process
 the same functions run on its engine thread (``AsyncLLM.call``). Each returns plain data,
-or one tensor (pooling's vectors).
+or one tensor (pooling's vectors, from core/engine/pooling.py).
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, Optional
-
-import torch
 
 from tokenmill.core.engine import pooling
 from tokenmill.interfaces.errors import InvalidRequest
@@ -84,23 +82,11 @@ def collective_rpc(engine: Any, method: str, timeout: Optional[float], args: lis
     return engine.control.collective_rpc(method, timeout, tuple(args), kwargs)
 
 
-def pooled(engine: Any, token_ids: list[list[int]]) -> torch.Tensor:
-    return pooling.pooled(engine, token_ids)
-
-
-def class_logits(engine: Any, token_ids: list[list[int]]) -> torch.Tensor:
-    return pooling.class_logits(engine, token_ids)
-
-
-def scores(engine: Any, firsts: list[list[int]], seconds: list[list[int]]) -> torch.Tensor:
-    return pooling.scores(engine, firsts, seconds)
-
-
 #: every call an engine runs for the server, by name
 CALLS: dict[str, Callable[..., Any]] = {fn.__name__: fn for fn in (
     load_lora_adapter, unload_lora_adapter, init_weight_transfer_engine, start_weight_update, update_weights,
     finish_weight_update, get_weight_version, sleep, wake_up, is_sleeping, reset_prefix_cache, collective_rpc,
-    pooled, class_logits, scores)}
+    pooling.pooled, pooling.class_logits, pooling.scores)}
 
 
 def run_call(engine: Any, name: str, kwargs: dict[str, Any]) -> Any:

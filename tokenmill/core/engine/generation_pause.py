@@ -58,8 +58,10 @@ class GenerationPause(Generic[Waiter, Held]):
         ``wait`` once nothing runs or generation is paused already), to be answered; the
         engine is then paused."""
         pending = self._pending
+        if not pending:  # every step asks: nothing else is looked at
+            return []
         waits = all(mode == "wait" for mode, _, _ in pending) and self.engine.has_unfinished_requests()
-        if not pending or (waits and not self.paused):  # paused already: nothing runs to wait for
+        if waits and not self.paused:  # paused already: nothing runs to wait for
             return []
         self.paused, self._pending = True, []
         if any(clear for _, clear, _ in pending):
@@ -71,7 +73,7 @@ class GenerationPause(Generic[Waiter, Held]):
         """Generate again: the held requests, to admit in order, and the waiters of pauses
         that had not taken effect."""
         held, self.held = self.held, []
-        waiters = [waiter for _, _, waiter in self._pending]
+        waiters = self.waiters()
         self.paused, self._pending = False, []
         log.info("generation resumed", admitted=len(held))
         return held, waiters
