@@ -130,14 +130,17 @@ void gemv_block(const T* x, const W* w, const T* bias, T* out, int64_t N, int64_
 // of x (8-12 FMA chains), of 2 from 4 rows on. Measured on a Zen 4, the demo model's decode stack
 // (4.3M fp32 parameters, in L3) at 5 rows: 2 weight rows a block 680-820 us, 3: 750-990, 4: 910,
 // 1: 1380, against 280-300 us for a 1-row step; 2 rows of a 2816 x 512 fp32 weight: 32 us in
-// blocks of 4, 55 us as two streams. AVX2 has half the vector registers: half the block, so
-// that the accumulators stay in registers (not measured on an AVX2 host).
+// blocks of 4, 55 us as two streams. AVX2 has 16 vector registers: M * NB sums and NB weight
+// vectors fit (x is an FMA's memory operand). On a Zen 3 (1 thread, the demo model's four layers,
+// three runs taking turns on a noisy host, each the median of 300 passes) blocks of 2 for 4-7 rows
+// and of 4 for 3 ran 5 rows in 1381, 1194, 839 us against 1822, 1536, 965 with one weight row a
+// block, and 3 rows in 909, 871, 540 against 1127, 1252, 1016 with blocks of 2.
 template <typename T, typename W, int64_t M>
 void gemv_blocks(const T* x, const W* w, const T* bias, T* out, int64_t N, int64_t K, int64_t begin, int64_t end) {
 #if defined(__AVX512F__)
   constexpr int NB = M <= 3 ? 4 : 2;
 #else
-  constexpr int NB = M <= 3 ? 2 : 1;
+  constexpr int NB = M <= 3 ? 4 : (M <= 7 ? 2 : 1);
 #endif
   int64_t n = begin;
   for (; n + NB <= end; n += NB) gemv_block<T, W, M, NB>(x, w, bias, out, N, K, n);
