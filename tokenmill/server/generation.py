@@ -261,9 +261,13 @@ _LINE_BREAKS = {0x85: "\\u0085", 0x2028: "\\u2028", 0x2029: "\\u2029"}
 def sse(data: Any) -> str:
     """One server-sent event, on one line: text goes out as UTF-8, except a few line breaks."""
     try:
-        body = _SSE_ENCODER.encode(data).decode().translate(_LINE_BREAKS)
+        body = _SSE_ENCODER.encode(data).decode()
     except UnicodeEncodeError:  # a lone surrogate (a client's "\\ud800" in a stop string): escaped
         body = json.dumps(data, separators=(",", ":"))
+    # looked for before translating: ``str.translate`` walks every character in Python's
+    # generic path, 5-6 us of a token's chunk where the three ``in`` checks take 0.1
+    if "\x85" in body or "\u2028" in body or "\u2029" in body:
+        body = body.translate(_LINE_BREAKS)
     return f"data: {body}\n\n"
 
 
