@@ -1,8 +1,9 @@
-"""One copy of a layer's weights: the GEMV reads oneDNN's packed copy in place.
+"""One copy of a layer's weights: the GEMV reads the packed copy in place.
 
 On a CPU whose kernels read oneDNN's packed layout (``onednn_gemv_dtypes``: fp32 with AVX-512,
 bf16 with AVX512-BF16), ``prepack_linear_weights`` recognises it (``onednn_layout.packed_view``)
-and drops the plain weight the GEMV used to stream; elsewhere the layer keeps both copies.
+and drops the plain weight the GEMV used to stream. On AVX2 cores an fp32 layer's packed copy is
+the packed GEMM's panels, which the GEMV reads the same way. Elsewhere the layer keeps both copies.
 """
 
 from __future__ import annotations
@@ -14,13 +15,15 @@ from torch import nn
 from conftest import NEW_TOKENS, PROMPTS
 from tokenmill import LLM, SamplingParams
 from tokenmill.core.layers.linear import Linear
-from tokenmill.plugins.platforms.cpu import onednn_layout
+from tokenmill.plugins.platforms.cpu import onednn_layout, prepacked_linear
 from tokenmill.plugins.platforms.cpu.kernels import cpu_kernels
 from tokenmill.plugins.platforms.cpu.onednn_layout import packed_view
 from tokenmill.plugins.platforms.cpu.prepacked_linear import PrepackedLinearMethod, prepack_linear_weights
 from tokenmill.testing.hf_reference import assert_matches_reference, hf_greedy
 
 KERNELS = cpu_kernels()
+#: fp32 layers pack into the packed GEMM's panels here (AVX2), not oneDNN's layout
+PANELS = KERNELS is not None and KERNELS.packed_gemm_preferred()
 IN_PLACE = [getattr(torch, name) for name in (KERNELS.onednn_gemv_dtypes() if KERNELS is not None else [])]
 
 
@@ -84,8 +87,9 @@ def test_a_layer_keeps_one_copy_and_computes_as_before(dtype):
                 for rows in (1, 2, 5, 64)}
     assert prepack_linear_weights(layer, KERNELS, gemv=True) == 1
     assert not hasattr(layer, "weight") and layer.method.blocked is not None
-    start = torch.ops.mkldnn.data_ptr(layer.packed_weight)
-    assert layer.method.blocked.data_ptr() == start  # the GEMV reads oneDNN's bytes, no copy of them
+    packed = layer.packed_weight
+    start = packed.data_ptr() if packed.layout == torch.strided else torch.ops.mkldnn.data_ptr(packed)
+    assert layer.method.blocked.data_ptr() == start  # the GEMV reads the GEMM's bytes, no copy of them
     tolerance = dict(rtol=2e-2, atol=5e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-4)
     for rows, want in expected.items():
         x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows)).to(dtype)
@@ -106,6 +110,8 @@ def test_a_weight_another_module_shares_stays_plain():
 def test_mutation_a_layout_read_wrongly_keeps_the_plain_copy(monkeypatch, dtype):
     """Blocks of 32 rows where oneDNN packed 64: the bytes do not match, so the layer keeps
     its plain weight for the GEMV and its results stay right."""
+    if dtype == torch.float32 and PANELS:
+        pytest.skip("fp32 layers pack into the panels here, not oneDNN's layout")
     monkeypatch.setattr(onednn_layout, "BLOCK_ROWS", (32,))
     torch.manual_seed(1)
     layer = linear_layer([256], 192, dtype=dtype)
@@ -132,3 +138,34 @@ def test_a_bf16_engine_holds_one_copy_and_matches_hf_in_bf16(model_dir):
     logprobs = [[e[t].logprob for e, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outputs]
     reference = hf_greedy(path, PROMPTS, NEW_TOKENS, dtype=torch.bfloat16)
     assert_matches_reference(reference, tokens, logprobs, tie_tolerance=0.1, logprob_tolerance=0.1)
+
+
+@pytest.mark.skipif(not PANELS, reason="fp32 layers pack into the panels on AVX2 cores only")
+@pytest.mark.parametrize("rows", range(1, 9))
+@pytest.mark.parametrize("outputs", [192, 80])  # 12 panels; 5 (four read at once, then one)
+def test_gemv_on_the_panels_matches_the_product(rows, outputs):
+    torch.manual_seed(rows)
+    weight, b = torch.randn(outputs, 320), torch.randn(outputs)
+    x = torch.randn(rows, 320)
+    got = KERNELS.gemv(x, KERNELS.pack_gemm_weight(weight), b)
+    torch.testing.assert_close(got.double(), x.double() @ weight.double().T + b.double(), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.skipif(not PANELS, reason="fp32 layers pack into the panels on AVX2 cores only")
+def test_a_padded_panel_keeps_the_plain_copy():
+    """200 outputs fill 12.5 panels of 16: the GEMV writes every row of every panel, so the
+    layer keeps its plain weight for it."""
+    layer = linear_layer([200], 64, dtype=torch.float32)
+    x = torch.randn(1, 64)
+    expected = layer(x)
+    prepack_linear_weights(layer, KERNELS, gemv=True)
+    assert layer.method.blocked is None and hasattr(layer, "weight")
+    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.skipif(not PANELS, reason="fp32 layers pack into the panels on AVX2 cores only")
+def test_mutation_a_padded_panel_read_in_place_gives_a_wrong_width(monkeypatch):
+    monkeypatch.setattr(prepacked_linear, "_panels_view", lambda panels, weight: panels)
+    layer = linear_layer([200], 64, bias=False, dtype=torch.float32)  # with a bias, its size check refuses
+    prepack_linear_weights(layer, KERNELS, gemv=True)
+    assert layer(torch.randn(1, 64)).shape[-1] == 208

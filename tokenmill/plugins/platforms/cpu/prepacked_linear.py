@@ -31,9 +31,11 @@ class PrepackedLinearMethod:
     GEMV kernel, which reads weights at the memory's bandwidth where oneDNN reaches about
     two thirds of it (batch-1 decode is bound by that read). On AVX-512 cores the GEMV of an
     fp32 layer, and on AVX512-BF16 cores of a bf16 one, reads oneDNN's packed copy in place
-    (``blocked``: onednn_layout.py), so the layer holds one copy of its weights. Elsewhere
-    the plain weight is kept beside the packed one for the GEMV, a second copy;
-    ``small_batch_gemv: false`` keeps only the packed one.
+    (``blocked``: onednn_layout.py); on AVX2 cores that of an fp32 layer reads the panels
+    above. The layer then holds one copy of its weights. Elsewhere (a bf16 weight computed
+    in fp32: the GEMV streams it in bf16, half the panels' bytes) the plain weight is kept
+    beside the packed one for the GEMV, a second copy; ``small_batch_gemv: false`` keeps only
+    the packed one.
     """
 
     #: inputs with at most this many rows use the GEMV kernel (measured crossover: 3 rows)
@@ -124,7 +126,8 @@ def prepack_linear_weights(model: nn.Module, kernels: Optional[ModuleType] = Non
         bf16_exact = narrow is not None and torch.equal(narrow.float(), weight)  # streamed as bf16 instead
         if str(weight.dtype).removeprefix("torch.") in in_place and not (keep or widen or bf16_exact
                                                                           or id(module.weight) in shared):
-            method.blocked = packed_view(module.packed_weight, weight)
+            method.blocked = (_panels_view(module.packed_weight, weight) if fp32_gemm is not None
+                              else packed_view(module.packed_weight, weight))
         if keep:
             pass
         elif gemv_kernels is None or method.blocked is not None:
@@ -135,6 +138,12 @@ def prepack_linear_weights(model: nn.Module, kernels: Optional[ModuleType] = Non
         module.method = method
         count += 1
     return count
+
+
+def _panels_view(panels: torch.Tensor, weight: torch.Tensor) -> Optional[torch.Tensor]:
+    """The packed GEMM's panels ``[N / 16, K, 16]`` as the GEMV's fp32 blocks, where no
+    panel is padded (the GEMV writes every row of every block)."""
+    return panels if panels.shape[0] * panels.shape[2] == weight.shape[0] else None
 
 
 def repack_linear_weights(model: nn.Module) -> None:

@@ -8,6 +8,8 @@
 //   fp32: [N / NB, K, NB]: one load gives 16 rows' next weight, times the broadcast x[k].
 // Each row of x has its own V accumulators, so a weight vector loaded once serves every row:
 // the GEMV of a speculative verify step (k + 1 rows) costs little more than one row's.
+// On AVX2 cores (8 lanes, V = NB / 8) the fp32 layout is also the packed GEMM's panels
+// (packed_gemm.cpp: [N / 16, K, 16]), which the GEMV reads in place of a plain copy.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -18,28 +20,41 @@
 
 namespace tokenmill {
 
-#if defined(__AVX512F__)
+#if defined(TOKENMILL_SIMD)
 namespace {
 
-// rows [m0, m0 + R) of x against block b: R * V accumulators, at most 24
-template <typename T, int R, int V>
+// sums the registers hold beside the weight vectors and a broadcast: 24 of AVX-512's 32, 12 of
+// AVX2's 16
+#if defined(__AVX512F__)
+constexpr int kAccumulators = 24;
+#else
+constexpr int kAccumulators = 12;
+#endif
+
+// rows [m0, m0 + R) of x against blocks b .. b + S - 1: R * S * V accumulators. S > 1 reads S
+// blocks as S sequential streams at once: on AVX2 cores the 1-row plain GEMV gained 1.3-1.5x
+// from memory with 4 streams (gemv.cpp), where AVX-512 cores measured none
+template <typename T, int R, int V, int S>
 void block_rows(const T* x, const T* w, const T* bias, T* out, int64_t N, int64_t K, int64_t b, int64_t m0) {
-  constexpr int64_t NB = 16 * V;
-  __m512 acc[R][V];
+  constexpr int64_t NB = kLanes * V;
+  vfloat acc[R][S * V];
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
+    for (int v = 0; v < S * V; ++v) acc[r][v] = vzero();
   if constexpr (std::is_same_v<T, float>) {
-    const float* block = w + b * NB * K;
-    for (int64_t k = 0; k < K; ++k) {
-      __m512 wv[V];
-      for (int v = 0; v < V; ++v) wv[v] = _mm512_loadu_ps(block + k * NB + v * 16);
-      for (int r = 0; r < R; ++r) {
-        const __m512 xv = _mm512_set1_ps(x[(m0 + r) * K + k]);
-        for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(wv[v], xv, acc[r][v]);
+    const float* blocks[S];
+    for (int s = 0; s < S; ++s) blocks[s] = w + (b + s) * NB * K;
+    for (int64_t k = 0; k < K; ++k)
+      for (int s = 0; s < S; ++s) {
+        vfloat wv[V];
+        for (int v = 0; v < V; ++v) wv[v] = vload(blocks[s] + k * NB + v * kLanes);
+        for (int r = 0; r < R; ++r) {
+          const vfloat xv = vset1(x[(m0 + r) * K + k]);
+          for (int v = 0; v < V; ++v) acc[r][s * V + v] = vfmadd(wv[v], xv, acc[r][s * V + v]);
+        }
       }
-    }
   } else {
 #if defined(__AVX512BF16__)
+    static_assert(S == 1, "bf16 blocks are read one at a time");
     const __m512i* block = reinterpret_cast<const __m512i*>(w + b * NB * K);
     const uint32_t* xp[R];
     for (int r = 0; r < R; ++r) xp[r] = reinterpret_cast<const uint32_t*>(x + (m0 + r) * K);
@@ -54,36 +69,56 @@ void block_rows(const T* x, const T* w, const T* bias, T* out, int64_t N, int64_
 #endif
   }
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < V; ++v) {
-      alignas(64) float sums[16];
-      _mm512_store_ps(sums, acc[r][v]);
-      const int64_t n0 = b * NB + v * 16;
+    for (int v = 0; v < S * V; ++v) {
+      alignas(64) float sums[kLanes];
+      vstore(sums, acc[r][v]);
+      const int64_t n0 = b * NB + v * kLanes;  // block b + v / V, its lanes (v % V) * kLanes on
       T* row = out + (m0 + r) * N + n0;
-      for (int i = 0; i < 16; ++i)
+      for (int i = 0; i < kLanes; ++i)
         row[i] = static_cast<T>(bias != nullptr ? sums[i] + to_float(bias[n0 + i]) : sums[i]);
     }
 }
 
-// all M rows of x against block b, as many rows a pass as 24 accumulators hold (a block's later
+// all M rows of x against block b, as many rows a pass as the accumulators hold (a block's later
 // passes read it from L2: NB x K values are 64-360 KB at a 350M model's widths)
 template <typename T, int V>
 void block(const T* x, const T* w, const T* bias, T* out, int64_t M, int64_t N, int64_t K, int64_t b) {
-  constexpr int kRowsPerPass = std::min(8, 24 / V);
+  constexpr int kRowsPerPass = std::max(1, std::min(8, kAccumulators / V));
   for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass)
     with_constant_1_to_8(std::min<int64_t>(kRowsPerPass, M - m0), [&](auto r) {
       constexpr int R = decltype(r)::value;
-      if constexpr (R <= kRowsPerPass) block_rows<T, R, V>(x, w, bias, out, N, K, b, m0);
+      if constexpr (R <= kRowsPerPass) block_rows<T, R, V, 1>(x, w, bias, out, N, K, b, m0);
     });
+}
+
+// fp32 blocks [begin, end) for 1 or 2 rows of x on AVX2, S at a time as S streams (8 sums);
+// returns the first block left for block()
+template <int V>
+int64_t streamed_blocks(const float* x, const float* w, const float* bias, float* out, int64_t M, int64_t N,
+                        int64_t K, int64_t begin, int64_t end) {
+#if !defined(__AVX512F__)
+  if constexpr (V == 2) {
+    if (M == 1)
+      for (; begin + 4 <= end; begin += 4) block_rows<float, 1, V, 4>(x, w, bias, out, N, K, begin, 0);
+    else if (M == 2)
+      for (; begin + 2 <= end; begin += 2) block_rows<float, 2, V, 2>(x, w, bias, out, N, K, begin, 0);
+  }
+#endif
+  return begin;
 }
 
 template <typename T>
 void onednn_gemv_typed(const T* x, const T* w, const T* bias, T* out, int64_t M, int64_t N, int64_t K,
                        int64_t blocks, int64_t NB) {
+  constexpr int64_t V64 = 64 / kLanes, V32 = 32 / kLanes, V16 = std::max<int64_t>(1, 16 / kLanes);
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    if constexpr (std::is_same_v<T, float>) {
+      if (NB == 16) begin = streamed_blocks<V16>(x, w, bias, out, M, N, K, begin, end);
+    }
     for (int64_t b = begin; b < end; ++b) {
-      if (NB == 64) block<T, 4>(x, w, bias, out, M, N, K, b);
-      else if (NB == 32) block<T, 2>(x, w, bias, out, M, N, K, b);
-      else block<T, 1>(x, w, bias, out, M, N, K, b);
+      if (NB == 64) block<T, V64>(x, w, bias, out, M, N, K, b);
+      else if (NB == 32) block<T, V32>(x, w, bias, out, M, N, K, b);
+      else block<T, V16>(x, w, bias, out, M, N, K, b);
     }
   });
 }
@@ -93,7 +128,7 @@ void onednn_gemv_typed(const T* x, const T* w, const T* bias, T* out, int64_t M,
 
 std::vector<std::string> onednn_gemv_dtypes() {
   std::vector<std::string> dtypes;
-#if defined(__AVX512F__)
+#if defined(TOKENMILL_SIMD)
   dtypes.push_back("float32");
 #endif
 #if defined(__AVX512BF16__)
@@ -122,15 +157,18 @@ at::Tensor onednn_gemv(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor
   auto sizes = x.sizes().vec();
   sizes.back() = N;
   at::Tensor out = empty(sizes, x.options());
-#if defined(__AVX512F__)
-  if (bf16)
+#if defined(TOKENMILL_SIMD)
+  if (bf16) {
+#if defined(__AVX512BF16__)
     onednn_gemv_typed<c10::BFloat16>(x.data_ptr<c10::BFloat16>(), weight.data_ptr<c10::BFloat16>(),
                                      has_bias ? bias->data_ptr<c10::BFloat16>() : nullptr,
                                      out.data_ptr<c10::BFloat16>(), rows, N, K, weight.size(0), NB);
-  else
+#endif
+  } else {
     onednn_gemv_typed<float>(x.data_ptr<float>(), weight.data_ptr<float>(),
                              has_bias ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(), rows, N, K,
                              weight.size(0), NB);
+  }
 #endif
   return out;
 }
