@@ -97,11 +97,12 @@ def prepack_linear_weights(model: nn.Module, kernels: Optional[ModuleType] = Non
     are kept for 1-2 row inputs (see PrepackedLinearMethod). ``widen_bf16`` (a CPU without
     bf16 arithmetic) packs bf16 weights as fp32 GEMMs. A weight whose packed copy the GEMV can
     read (``kernels.onednn_gemv_dtypes()``: a layout onednn_layout.py knows, or unpadded panels)
-    drops its plain copy, unless another module shares it (a tied embedding looks rows up in it) or it is the
-    model's fp32 output projection (the greedy head recomputes candidate rows from it). An
-    fp32 plain weight whose values are all bf16 (a bf16 checkpoint computed in fp32) is kept
-    in bf16: the GEMV streams half the bytes and widens them exactly, so its results are
-    unchanged. Quantized layers keep their own kernels; other dtypes (fp16) stay on ``F.linear``.
+    drops its plain copy, unless another module shares it (a tied embedding looks rows up in
+    it) or it is the model's fp32 output projection (the greedy head recomputes candidate rows
+    from it). An fp32 plain weight whose values are all bf16 (a bf16 checkpoint computed in
+    fp32) is kept in bf16: the GEMV streams half the bytes and widens them exactly, so its
+    results are unchanged. Quantized layers keep their own kernels; other dtypes (fp16) stay on
+    ``F.linear``.
     """
     count = 0
     gemv_kernels = kernels if gemv else None

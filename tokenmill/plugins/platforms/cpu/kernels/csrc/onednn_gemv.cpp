@@ -91,34 +91,34 @@ void block(const T* x, const T* w, const T* bias, T* out, int64_t M, int64_t N, 
     });
 }
 
-// fp32 blocks [begin, end) for 1 or 2 rows of x on AVX2, S at a time as S streams (8 sums);
-// returns the first block left for block()
-template <int V>
+// vectors per block of 16 rows: 1 on AVX-512, 2 on AVX2 (the packed GEMM's panels)
+constexpr int kV16 = std::max<int>(1, 16 / kLanes);
+
+// fp32 blocks of 16 rows [begin, end) for 1 or 2 rows of x on AVX2, S at a time as S streams
+// (8 sums); returns the first block left for block()
 int64_t streamed_blocks(const float* x, const float* w, const float* bias, float* out, int64_t M, int64_t N,
                         int64_t K, int64_t begin, int64_t end) {
-#if !defined(__AVX512F__)
-  if constexpr (V == 2) {
+  if constexpr (kLanes == 8) {
     if (M == 1)
-      for (; begin + 4 <= end; begin += 4) block_rows<float, 1, V, 4>(x, w, bias, out, N, K, begin, 0);
+      for (; begin + 4 <= end; begin += 4) block_rows<float, 1, kV16, 4>(x, w, bias, out, N, K, begin, 0);
     else if (M == 2)
-      for (; begin + 2 <= end; begin += 2) block_rows<float, 2, V, 2>(x, w, bias, out, N, K, begin, 0);
+      for (; begin + 2 <= end; begin += 2) block_rows<float, 2, kV16, 2>(x, w, bias, out, N, K, begin, 0);
   }
-#endif
   return begin;
 }
 
 template <typename T>
 void onednn_gemv_typed(const T* x, const T* w, const T* bias, T* out, int64_t M, int64_t N, int64_t K,
                        int64_t blocks, int64_t NB) {
-  constexpr int64_t V64 = 64 / kLanes, V32 = 32 / kLanes, V16 = std::max<int64_t>(1, 16 / kLanes);
+  constexpr int V64 = 64 / kLanes, V32 = 32 / kLanes;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     if constexpr (std::is_same_v<T, float>) {
-      if (NB == 16) begin = streamed_blocks<V16>(x, w, bias, out, M, N, K, begin, end);
+      if (NB == 16) begin = streamed_blocks(x, w, bias, out, M, N, K, begin, end);
     }
     for (int64_t b = begin; b < end; ++b) {
       if (NB == 64) block<T, V64>(x, w, bias, out, M, N, K, b);
       else if (NB == 32) block<T, V32>(x, w, bias, out, M, N, K, b);
-      else block<T, V16>(x, w, bias, out, M, N, K, b);
+      else block<T, kV16>(x, w, bias, out, M, N, K, b);
     }
   });
 }
