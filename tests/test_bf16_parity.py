@@ -84,20 +84,28 @@ def test_native_bf16_means_the_bf16_instructions_not_just_avx512():
 
 
 def test_bf16_checkpoint_in_fp32_streams_bf16_weights_and_matches_hf_fp32(tmp_path):
-    """A bf16 checkpoint computed in fp32: the GEMV's plain weights stay bf16 (their values are
-    bf16, so widening them is exact) and the engine meets the fp32 parity standard against
-    HF's fp32 run of the same checkpoint, at batch 1 (the GEMV and the fused decode stack)
-    and batched (the packed fp32 GEMMs)."""
+    """A bf16 checkpoint computed in fp32: the weights the GEMV streams stay bf16 (their values
+    are bf16, so widening them is exact), and on AVX2 cores (the packed GEMM's panels) the
+    panels too, the only copy of each decoder layer's weights; the engine meets the fp32
+    parity standard against HF's fp32 run of the same checkpoint, at batch 1 (the GEMV and the
+    fused decode stack) and batched (the packed GEMMs)."""
     from tokenmill.core.layers.linear import Linear
+    from tokenmill.plugins.platforms.cpu.kernels import cpu_kernels
     from tokenmill.plugins.platforms.cpu.prepacked_linear import PrepackedLinearMethod
     from tokenmill.testing.tiny_models import make_tiny_model
 
     path = make_tiny_model("llama", tmp_path / "bf16", dtype=torch.bfloat16)
     reference = hf_greedy(path, PROMPTS[:4], NEW_TOKENS, dtype=torch.float32)
     llm = make_llm(path, dtype="float32")
-    linears = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, Linear)]
+    model = llm.llm_engine.runner.model
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert linears and all(isinstance(m.method, PrepackedLinearMethod) for m in linears)
-    assert all(m.weight.dtype == torch.bfloat16 for m in linears)
+    assert all(m.method.gemv_weight(m).dtype == torch.bfloat16 for m in linears)
+    kernels = cpu_kernels()
+    if kernels is not None and kernels.packed_gemm_preferred():
+        assert all(m.packed_weight.dtype == torch.bfloat16 for m in linears)
+        layers = [m for m in model.model.layers.modules() if isinstance(m, Linear)]
+        assert layers and all(not hasattr(m, "weight") and m.method.blocked is m.packed_weight for m in layers)
     for batch in (1, 4):
         tokens, logprobs = greedy_in_batches(llm, PROMPTS[:4], batch)
         assert_matches_reference(reference, tokens, logprobs)

@@ -192,6 +192,23 @@ def test_packed_gemm_equals_f_linear(rows, shape):
         KERNELS.packed_gemm(x, packed, n + 64, None)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 63, 64, 131, 389, 901])
+@pytest.mark.parametrize("shape", [(200, 101), (512, 300)])
+def test_packed_gemm_on_bf16_panels_equals_the_widened_fp32_panels(rows, shape):
+    """bf16 panels (a bf16 checkpoint computed in fp32) give the fp32 panels' result bit for
+    bit: widening bf16 is exact, whether the tile widens each weight as it reads it (chunks
+    under 64 rows) or a panel is widened first (64 rows and more, the last chunk's tail of a
+    longer input included)."""
+    torch.manual_seed(rows)
+    k, n = shape
+    weight, bias, x = torch.randn(n, k).bfloat16(), torch.randn(n), torch.randn(rows, k)
+    panels = KERNELS.pack_gemm_weight(weight)
+    assert panels.dtype == torch.bfloat16 and panels.shape == KERNELS.pack_gemm_weight(weight.float()).shape
+    for b in (None, bias):
+        assert torch.equal(KERNELS.packed_gemm(x, panels, n, b),
+                           KERNELS.packed_gemm(x, KERNELS.pack_gemm_weight(weight.float()), n, b))
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
 @pytest.mark.parametrize("width", [200, 512])
 @pytest.mark.parametrize("outputs", [3, 101])

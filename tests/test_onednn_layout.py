@@ -2,8 +2,9 @@
 
 On a CPU whose kernels read oneDNN's packed layout (``onednn_gemv_dtypes``: fp32 with AVX-512,
 bf16 with AVX512-BF16), ``prepack_linear_weights`` recognises it (``onednn_layout.packed_view``)
-and drops the plain weight the GEMV used to stream. On AVX2 cores an fp32 layer's packed copy is
-the packed GEMM's panels, which the GEMV reads the same way. Elsewhere the layer keeps both copies.
+and drops the plain weight the GEMV used to stream. On AVX2 cores a layer's packed copy is the
+packed GEMM's panels (fp32, or bf16 where the weights' values are bf16), which the GEMV reads the
+same way. Elsewhere the layer keeps both copies.
 """
 
 from __future__ import annotations
@@ -149,6 +150,49 @@ def test_gemv_on_the_panels_matches_the_product(rows, outputs):
     x = torch.randn(rows, 320)
     got = KERNELS.gemv(x, KERNELS.pack_gemm_weight(weight), b)
     torch.testing.assert_close(got.double(), x.double() @ weight.double().T + b.double(), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.skipif(not PANELS, reason="the panels are packed on AVX2 cores only")
+@pytest.mark.parametrize("rows", range(1, 9))
+@pytest.mark.parametrize("outputs", [192, 80])
+def test_gemv_on_bf16_panels_matches_the_widened_weight(rows, outputs):
+    """bf16 panels under fp32 x (a bf16 checkpoint computed in fp32): the fp32 GEMV of the
+    widened weight, bit for bit (widening is exact, the sums run in the same order); under
+    bf16 x (a bf16 model on a core without bf16 arithmetic), the product up to bf16 rounding."""
+    torch.manual_seed(rows)
+    weight, b = torch.randn(outputs, 320).bfloat16(), torch.randn(outputs)
+    x = torch.randn(rows, 320)
+    panels = KERNELS.pack_gemm_weight(weight)
+    assert panels.dtype == torch.bfloat16
+    got = KERNELS.gemv(x, panels, b)
+    assert torch.equal(got, KERNELS.gemv(x, KERNELS.pack_gemm_weight(weight.float()), b))
+    torch.testing.assert_close(got.double(), x.double() @ weight.double().T + b.double(), rtol=1e-5, atol=1e-4)
+    narrow = KERNELS.gemv(x.bfloat16(), panels, b.bfloat16())
+    assert narrow.dtype == torch.bfloat16
+    torch.testing.assert_close(narrow.double(), x.bfloat16().double() @ weight.double().T + b.bfloat16().double(),
+                               rtol=8e-3, atol=8e-3)
+
+
+@pytest.mark.skipif(not PANELS, reason="the panels are packed on AVX2 cores only")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bf16_weights_keep_one_bf16_copy_in_the_panels(dtype):
+    """An fp32 layer whose weights are all bf16 values (a bf16 checkpoint computed in fp32), or
+    a bf16 layer on a core without bf16 arithmetic: bf16 panels, read by the GEMV in place and
+    widened by the GEMM, and no plain copy; the fp32 layer's results are the unpacked layer's
+    at every row count (the GEMV's 1-2, the GEMM's widened as it reads under 64 rows and
+    widened a panel at a time above)."""
+    torch.manual_seed(3)
+    layer = linear_layer([256, 128], 192, dtype=dtype)
+    layer.weight.copy_(layer.weight.bfloat16())
+    inputs = {rows: torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows)).to(dtype)
+              for rows in (1, 2, 5, 63, 64, 400)}
+    expected = {rows: layer(x) for rows, x in inputs.items()}
+    assert prepack_linear_weights(layer, KERNELS, gemv=True, widen_bf16=dtype == torch.bfloat16) == 1
+    assert not hasattr(layer, "weight") and layer.packed_weight.dtype == torch.bfloat16
+    assert layer.method.blocked is layer.packed_weight
+    tolerance = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
+    for rows, x in inputs.items():
+        torch.testing.assert_close(layer(x), expected[rows], **tolerance)
 
 
 @pytest.mark.skipif(not PANELS, reason="fp32 layers pack into the panels on AVX2 cores only")

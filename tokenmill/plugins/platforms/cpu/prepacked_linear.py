@@ -25,17 +25,19 @@ class PrepackedLinearMethod:
     With ``panels`` (the C++ kernels module, on CPUs where ``packed_gemm_preferred``:
     AVX2 without AVX-512), fp32 GEMMs run tokenmill's own register-tiled kernel on
     weights packed in column panels instead (``csrc/packed_gemm.cpp``: 1.05-1.25x
-    oneDNN's there at the benchmark shapes).
+    oneDNN's there at the benchmark shapes). A weight whose values are all bf16 (a bf16
+    checkpoint computed in fp32) is packed in bf16 panels, which the kernel widens exactly:
+    half the bytes, the same results.
 
     With ``gemv`` (the C++ kernels module), inputs of 1 or 2 rows go to the streaming
     GEMV kernel, which reads weights at the memory's bandwidth where oneDNN reaches about
     two thirds of it (batch-1 decode is bound by that read). On AVX-512 cores the GEMV of an
     fp32 layer, and on AVX512-BF16 cores of a bf16 one, reads oneDNN's packed copy in place
-    (``blocked``: onednn_layout.py); on AVX2 cores that of an fp32 layer reads the panels
-    above. The layer then holds one copy of its weights. Elsewhere (a bf16 weight computed
-    in fp32: the GEMV streams it in bf16, half the panels' bytes) the plain weight is kept
-    beside the packed one for the GEMV, a second copy; ``small_batch_gemv: false`` keeps only
-    the packed one.
+    (``blocked``: onednn_layout.py); on AVX2 cores it reads the panels above, of either
+    dtype. The layer then holds one copy of its weights. Elsewhere (a bf16 weight computed in
+    fp32 by oneDNN: the GEMV streams it in bf16, half the packed copy's bytes) the plain weight
+    is kept beside the packed one for the GEMV, a second copy; ``small_batch_gemv: false``
+    keeps only the packed one.
     """
 
     #: inputs with at most this many rows use the GEMV kernel (measured crossover: 3 rows)
@@ -96,13 +98,13 @@ def prepack_linear_weights(model: nn.Module, kernels: Optional[ModuleType] = Non
     use its packed GEMM where it is preferred on this CPU, and with ``gemv`` plain weights
     are kept for 1-2 row inputs (see PrepackedLinearMethod). ``widen_bf16`` (a CPU without
     bf16 arithmetic) packs bf16 weights as fp32 GEMMs. A weight whose packed copy the GEMV can
-    read (``kernels.onednn_gemv_dtypes()``: a layout onednn_layout.py knows, or unpadded panels)
+    read (unpadded panels, or ``kernels.onednn_gemv_dtypes()``: a layout onednn_layout.py knows)
     drops its plain copy, unless another module shares it (a tied embedding looks rows up in
     it) or it is the model's fp32 output projection (the greedy head recomputes candidate rows
-    from it). An fp32 plain weight whose values are all bf16 (a bf16 checkpoint computed in
-    fp32) is kept in bf16: the GEMV streams half the bytes and widens them exactly, so its
-    results are unchanged. Quantized layers keep their own kernels; other dtypes (fp16) stay on
-    ``F.linear``.
+    from it). An fp32 weight whose values are all bf16 (a bf16 checkpoint computed in fp32) is
+    kept in bf16, panels and plain copy alike: the kernels stream half the bytes and widen them
+    exactly, so their results are unchanged. Quantized layers keep their own kernels; other
+    dtypes (fp16) stay on ``F.linear``.
     """
     count = 0
     gemv_kernels = kernels if gemv else None
@@ -122,11 +124,14 @@ def prepack_linear_weights(model: nn.Module, kernels: Optional[ModuleType] = Non
         widen = weight.dtype == torch.bfloat16 and widen_bf16
         fp32_gemm = panels if widen or weight.dtype == torch.float32 else None
         method = PrepackedLinearMethod(gemv_kernels, widen, fp32_gemm, weight.shape[0])
-        narrow = weight.to(torch.bfloat16) if gemv_kernels is not None and weight.dtype == torch.float32 else None
-        module.register_buffer("packed_weight", method.pack(weight), persistent=False)
-        bf16_exact = narrow is not None and torch.equal(narrow.float(), weight)  # streamed as bf16 instead
-        if str(weight.dtype).removeprefix("torch.") in in_place and not (keep or widen or bf16_exact
-                                                                          or id(module.weight) in shared):
+        narrow = (weight.to(torch.bfloat16) if weight.dtype == torch.float32
+                  and (gemv_kernels is not None or fp32_gemm is not None) else None)
+        bf16_exact = narrow is not None and torch.equal(narrow.float(), weight)  # kept in bf16 instead
+        packed_source = narrow if bf16_exact and fp32_gemm is not None else weight
+        module.register_buffer("packed_weight", method.pack(packed_source), persistent=False)
+        # the GEMV reads the panels of either dtype; oneDNN's layouts where onednn_gemv_dtypes says so
+        readable = fp32_gemm is not None or (str(weight.dtype) in in_place and not (widen or bf16_exact))
+        if gemv_kernels is not None and readable and not (keep or id(module.weight) in shared):
             method.blocked = (_panels_view(module.packed_weight, weight) if fp32_gemm is not None
                               else packed_view(module.packed_weight, weight))
         if keep:

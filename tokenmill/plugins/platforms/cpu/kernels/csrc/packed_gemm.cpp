@@ -16,6 +16,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "kernels.h"
 #include "vec.h"
@@ -27,13 +28,14 @@ namespace {
 constexpr int64_t kPanel = 2 * kLanes;              // output columns per packed panel
 constexpr int64_t kRowTile = kLanes == 8 ? 6 : 14;  // x rows per register tile (16 or 32 registers)
 constexpr int64_t kChunkRows = 64 * kRowTile;        // x rows all panels pass over before the next rows
+constexpr int64_t kWidenRows = 64;                   // chunks of this many rows widen a bf16 panel first
 #define TOKENMILL_UNROLL _Pragma("GCC unroll 16")
 
 // out[r, 0:kPanel] = sum_k a[k * R + r] b[k * kPanel + 0:kPanel] (+ bias), for R rows.
 // R is a compile-time constant and every loop over it unrolled: a runtime index into the sums
 // makes the compiler keep them in memory (2.5x slower).
-template <int R>
-void tile(const float* __restrict a, const float* __restrict b, const float* bias, float* out, int64_t ldo,
+template <int R, typename W>
+void tile(const float* __restrict a, const W* __restrict b, const float* bias, float* out, int64_t ldo,
           int64_t K, int64_t columns) {
   vfloat sum[R][2];
   TOKENMILL_UNROLL for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = vzero();
@@ -61,8 +63,8 @@ void tile(const float* __restrict a, const float* __restrict b, const float* bia
   }
 }
 
-template <int R>
-void tile_rows(int64_t rows, const float* a, const float* b, const float* bias, float* out, int64_t ldo, int64_t K,
+template <int R, typename W>
+void tile_rows(int64_t rows, const float* a, const W* b, const float* bias, float* out, int64_t ldo, int64_t K,
                int64_t columns) {
   if constexpr (R > 1) {
     if (rows < R) return tile_rows<R - 1>(rows, a, b, bias, out, ldo, K, columns);
@@ -84,21 +86,59 @@ void pack_rows(const float* x, float* packed, int64_t M, int64_t K) {
 constexpr int64_t kPanel = 16;
 #endif
 
+// every row of x against panels [begin, end), the panels' chunks of kChunkRows rows in turn
+template <typename W>
+void gemm_panels(const float* a, const W* w, const float* b, float* y, int64_t M, int64_t N, int64_t K,
+                 int64_t begin, int64_t end) {
+#if defined(TOKENMILL_SIMD)
+  // 64-byte aligned, as the fp32 panels are (a vector's 16-byte alignment split every other load: 7% slower)
+  at::Tensor scratch = empty({std::is_same_v<W, float> ? 0 : K * kPanel}, at::TensorOptions().dtype(at::kFloat));
+  float* wide = scratch.data_ptr<float>();
+  for (int64_t m0 = 0; m0 < M; m0 += kChunkRows)
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t n = p * kPanel, columns = std::min(kPanel, N - n), m1 = std::min(M, m0 + kChunkRows);
+      auto rows = [&](const auto* panel) {
+        for (int64_t m = m0; m < m1; m += kRowTile)
+          tile_rows<kRowTile>(std::min(kRowTile, m1 - m), a + m * K, panel, b ? b + n : nullptr, y + m * N + n, N,
+                              K, columns);
+      };
+      const W* panel = w + p * K * kPanel;
+      if constexpr (std::is_same_v<W, float>) {
+        rows(panel);
+      } else if (m1 - m0 < kWidenRows) {
+        rows(panel);
+      } else {
+        for (int64_t i = 0; i < K * kPanel; i += kLanes) vstore(wide + i, vload(panel + i));
+        rows(static_cast<const float*>(wide));
+      }
+    }
+#else
+  for (int64_t n = begin * kPanel; n < std::min(N, end * kPanel); ++n)
+    for (int64_t m = 0; m < M; ++m) {
+      float sum = 0.f;
+      for (int64_t k = 0; k < K; ++k) sum += a[m * K + k] * to_float(w[(n / kPanel) * K * kPanel + k * kPanel + n % kPanel]);
+      y[m * N + n] = sum + (b ? b[n] : 0.f);
+    }
+#endif
+}
+
 }  // namespace
 
 at::Tensor pack_gemm_weight(at::Tensor weight) {
   TORCH_CHECK(weight.dim() == 2, "pack_gemm_weight: weight [N, K]");
   const int64_t N = weight.size(0), K = weight.size(1), panels = (N + kPanel - 1) / kPanel;
-  at::Tensor padded = empty({panels * kPanel, K}, weight.options().dtype(at::kFloat)).zero_();
+  const auto dtype = weight.scalar_type() == at::kBFloat16 ? at::kBFloat16 : at::kFloat;
+  at::Tensor padded = empty({panels * kPanel, K}, weight.options().dtype(dtype)).zero_();
   padded.narrow(0, 0, N).copy_(weight);
   return padded.view({panels, kPanel, K}).transpose(1, 2).contiguous();
 }
 
 at::Tensor packed_gemm(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<at::Tensor> bias) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "packed_gemm: contiguous float32 x");
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kFloat && packed.is_contiguous() &&
+  const bool bf16 = packed.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(packed.dim() == 3 && (bf16 || packed.scalar_type() == at::kFloat) && packed.is_contiguous() &&
                   packed.size(2) == kPanel && packed.size(1) > 0 && packed.size(0) * kPanel >= N && N > packed.size(0) * kPanel - kPanel,
-              "packed_gemm: weight from pack_gemm_weight, [ceil(N / ", kPanel, "), K, ", kPanel, "]");
+              "packed_gemm: weight from pack_gemm_weight, float32 or bfloat16 [ceil(N / ", kPanel, "), K, ", kPanel, "]");
   const int64_t K = packed.size(1);
   TORCH_CHECK(x.size(-1) == K, "packed_gemm: x has ", x.size(-1), " features, the weight ", K);
   const bool has_bias = bias.has_value() && bias->defined();
@@ -109,33 +149,19 @@ at::Tensor packed_gemm(at::Tensor x, at::Tensor packed, int64_t N, c10::optional
   sizes.back() = N;
   at::Tensor out = empty(sizes, x.options());
   if (M == 0 || N == 0) return out;
-  const float* w = packed.data_ptr<float>();
   const float* b = has_bias ? bias->data_ptr<float>() : nullptr;
   float* y = out.data_ptr<float>();
 #if defined(TOKENMILL_SIMD)
   at::Tensor rows = empty({M * K}, x.options());
   float* a = rows.data_ptr<float>();
   pack_rows(x.data_ptr<float>(), a, M, K);
-  at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t m0 = 0; m0 < M; m0 += kChunkRows)
-      for (int64_t p = begin; p < end; ++p) {
-        const int64_t n = p * kPanel, columns = std::min(kPanel, N - n);
-        for (int64_t m = m0; m < std::min(M, m0 + kChunkRows); m += kRowTile)
-          tile_rows<kRowTile>(std::min(kRowTile, M - m), a + m * K, w + p * K * kPanel, b ? b + n : nullptr,
-                              y + m * N + n, N, K, columns);
-      }
-  });
 #else
-  const float* xs = x.data_ptr<float>();
-  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n)
-      for (int64_t m = 0; m < M; ++m) {
-        float sum = 0.f;
-        for (int64_t k = 0; k < K; ++k) sum += xs[m * K + k] * w[(n / kPanel) * K * kPanel + k * kPanel + n % kPanel];
-        y[m * N + n] = sum + (b ? b[n] : 0.f);
-      }
-  });
+  const float* a = x.data_ptr<float>();
 #endif
+  at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
+    if (bf16) gemm_panels(a, packed.data_ptr<c10::BFloat16>(), b, y, M, N, K, begin, end);
+    else gemm_panels(a, packed.data_ptr<float>(), b, y, M, N, K, begin, end);
+  });
   return out;
 }
 
