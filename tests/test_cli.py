@@ -96,12 +96,13 @@ def test_serve_runs_the_demo_model_with_vllm_flags(tmp_path):
 
 
 def test_compare_reports_identical_greedy_outputs_across_backends(tmp_path, model_dir):
-    """`tokenmill compare --attention-backend torch,cpu,triton` agrees exactly and writes its table as JSON."""
+    """`tokenmill compare --attention-backend torch,cpu,triton` agrees exactly and writes its table as JSON;
+    the model given as vLLM's ``--model``."""
     import os
 
     out = tmp_path / "compare.json"
     result = subprocess.run(
-        [sys.executable, "-m", "tokenmill.cli", "compare", str(model_dir("llama")), "--attention-backend",
+        [sys.executable, "-m", "tokenmill.cli", "compare", "--model", str(model_dir("llama")), "--attention-backend",
          "torch,cpu,triton", "--num-prompts", "3", "--input-len", "10", "--output-len", "6",
          "--kv-cache-memory-bytes", "16MiB", "--json", str(out)],
         capture_output=True, text=True, timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"})

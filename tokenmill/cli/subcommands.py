@@ -77,7 +77,8 @@ def compare(args: argparse.Namespace) -> int:
             args.config = [args.model_or_config, *args.config]
         else:
             base["model"] = args.model_or_config
-    flags = {name: getattr(args, name) for name in VLLM_NAMES if name != "model" and getattr(args, name, None)}
+    # --model too (vLLM's spelling; it wins over the positional, as in serve): comma-separated, it varies
+    flags = {name: getattr(args, name) for name in VLLM_NAMES if getattr(args, name, None)}
     varied = {k: v for k, v in flags.items() if "," in v}
     base.update({k: v for k, v in flags.items() if "," not in v})
     spec = {"base": base, "num_prompts": args.num_prompts, "input_len": args.input_len,
