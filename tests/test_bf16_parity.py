@@ -83,32 +83,48 @@ def test_native_bf16_means_the_bf16_instructions_not_just_avx512():
     assert native_bf16() == bool(torch.backends.mkldnn.is_available() and flags & {"avx512_bf16", "amx_bf16"})
 
 
-def test_bf16_checkpoint_in_fp32_streams_bf16_weights_and_matches_hf_fp32(tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "qwen2-tied"])
+def test_bf16_checkpoint_in_fp32_keeps_bf16_weights_and_matches_hf_fp32(arch, tmp_path):
     """A bf16 checkpoint computed in fp32: the weights the GEMV streams stay bf16 (their values
     are bf16, so widening them is exact), and on AVX2 cores (the packed GEMM's panels) the
-    panels too, the only copy of each decoder layer's weights; the engine meets the fp32
-    parity standard against HF's fp32 run of the same checkpoint, at batch 1 (the GEMV and the
-    fused decode stack) and batched (the packed GEMMs)."""
+    panels too, the only copy of each linear weight, the LM head's included; an untied
+    embedding table stays bf16, a tied one fp32 (the logits are computed from it). The engine
+    meets the fp32 parity standard against HF's fp32 run of the same checkpoint, at batch 1
+    (the GEMV and the fused decode stack) and batched (the packed GEMMs)."""
     from tokenmill.core.layers.linear import Linear
     from tokenmill.plugins.platforms.cpu.kernels import cpu_kernels
     from tokenmill.plugins.platforms.cpu.prepacked_linear import PrepackedLinearMethod
     from tokenmill.testing.tiny_models import make_tiny_model
 
-    path = make_tiny_model("llama", tmp_path / "bf16", dtype=torch.bfloat16)
+    path = make_tiny_model(arch, tmp_path / "bf16", dtype=torch.bfloat16)
     reference = hf_greedy(path, PROMPTS[:4], NEW_TOKENS, dtype=torch.float32)
     llm = make_llm(path, dtype="float32")
     model = llm.llm_engine.runner.model
+    tied = arch.endswith("-tied")
+    assert model.model.embed_tokens.weight.dtype == (torch.float32 if tied else torch.bfloat16)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert linears and all(isinstance(m.method, PrepackedLinearMethod) for m in linears)
     assert all(m.method.gemv_weight(m).dtype == torch.bfloat16 for m in linears)
     kernels = cpu_kernels()
     if kernels is not None and kernels.packed_gemm_preferred():
         assert all(m.packed_weight.dtype == torch.bfloat16 for m in linears)
-        layers = [m for m in model.model.layers.modules() if isinstance(m, Linear)]
-        assert layers and all(not hasattr(m, "weight") and m.method.blocked is m.packed_weight for m in layers)
+        assert all(not hasattr(m, "weight") and m.method.blocked is m.packed_weight for m in linears
+                   if m is not getattr(model, "lm_head", None) or not tied)
     for batch in (1, 4):
         tokens, logprobs = greedy_in_batches(llm, PROMPTS[:4], batch)
         assert_matches_reference(reference, tokens, logprobs)
+
+
+def test_an_embedding_table_updated_in_place_or_not_bf16_stays_fp32(tmp_path):
+    """Weight transfer (and sleep mode) write new values into the table, which need not be
+    bf16; an fp32 checkpoint's values are not bf16."""
+    from tokenmill.testing.tiny_models import make_tiny_model
+
+    bf16 = make_tiny_model("llama", tmp_path / "bf16", dtype=torch.bfloat16)
+    updated = make_llm(bf16, dtype="float32", enable_sleep_mode=True).llm_engine.runner.model
+    assert updated.model.embed_tokens.weight.dtype == torch.float32
+    fp32 = make_tiny_model("llama", tmp_path / "fp32")
+    assert make_llm(fp32).llm_engine.runner.model.model.embed_tokens.weight.dtype == torch.float32
 
 
 def test_fp32_weights_that_are_not_bf16_stay_fp32(model_dir):

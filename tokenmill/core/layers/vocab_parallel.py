@@ -24,6 +24,9 @@ class VocabParallelEmbedding(nn.Module):
         self.parallel = parallel
         self.vocab_size = vocab_size
         self.start, self.end = vocab_range(vocab_size, parallel)
+        #: the rows' dtype on output: a platform may store the table narrower (bf16 values of an
+        #: fp32 model, cpu/bf16_embeddings.py), widened exactly as rows are looked up
+        self.dtype = dtype
         self.weight = nn.Parameter(torch.empty(self.end - self.start, hidden_size, dtype=dtype), requires_grad=False)
         if parallel.tp_size > 1:
             self.weight.weight_loader = self._load  # type: ignore[attr-defined]
@@ -36,8 +39,8 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.parallel.tp_size == 1:
-            return nn.functional.embedding(input_ids, self.weight)
+            return nn.functional.embedding(input_ids, self.weight).to(self.dtype)
         local = input_ids - self.start
         inside = (local >= 0) & (local < self.end - self.start)
-        x = nn.functional.embedding(local.masked_fill(~inside, 0), self.weight)
+        x = nn.functional.embedding(local.masked_fill(~inside, 0), self.weight).to(self.dtype)
         return self.parallel.comm.all_reduce(x.masked_fill(~inside[:, None], 0))

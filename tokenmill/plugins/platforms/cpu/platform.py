@@ -8,7 +8,8 @@ What it decides (options in ``platform.cpu``, see options.py):
   (``keep_freed_memory``);
 - the fused norm, activation and rotary ops (fused_ops.py);
 - the optimisation pass: prepacked GEMM weights (a streaming GEMV copy kept for batch 1-2
-  with ``small_batch_gemv``) and the decode stack for plain Llama-style layers;
+  with ``small_batch_gemv``), bf16 values of an fp32 model kept in bf16 (bf16_embeddings.py
+  and prepacked_linear.py) and the decode stack for plain Llama-style layers;
 - weights moved to transparent huge pages (``huge_pages``);
 - the int8-screened greedy head.
 """
@@ -24,6 +25,7 @@ import torch
 from tokenmill.core.layers.fused_decoder import FusableDecoder
 from tokenmill.interfaces.platform import Detection, GreedyArgmax, Platform
 from tokenmill.plugins.platforms.cpu.decode_stack import DecodeStack
+from tokenmill.plugins.platforms.cpu.bf16_embeddings import narrow_bf16_embeddings
 from tokenmill.plugins.platforms.cpu.dtypes import native_bf16
 from tokenmill.plugins.platforms.cpu.freed_memory import keep_freed_memory
 from tokenmill.plugins.platforms.cpu.fused_ops import FUSED_OPS
@@ -69,6 +71,7 @@ class CpuPlatform(Platform):
 
     def optimize_model(self, model: torch.nn.Module) -> None:
         prepack_linear_weights(model, cpu_kernels(), gemv=self.options.small_batch_gemv, widen_bf16=not native_bf16())
+        narrow_bf16_embeddings(model)
         self._fuse_decoders(model)
 
     def release_memory(self) -> None:

@@ -100,11 +100,11 @@ def prepack_linear_weights(model: nn.Module, kernels: Optional[ModuleType] = Non
     bf16 arithmetic) packs bf16 weights as fp32 GEMMs. A weight whose packed copy the GEMV can
     read (unpadded panels, or ``kernels.onednn_gemv_dtypes()``: a layout onednn_layout.py knows)
     drops its plain copy, unless another module shares it (a tied embedding looks rows up in
-    it) or it is the model's fp32 output projection (the greedy head recomputes candidate rows
-    from it). An fp32 weight whose values are all bf16 (a bf16 checkpoint computed in fp32) is
-    kept in bf16, panels and plain copy alike: the kernels stream half the bytes and widen them
-    exactly, so their results are unchanged. Quantized layers keep their own kernels; other
-    dtypes (fp16) stay on ``F.linear``.
+    it) or it is the model's fp32 output projection of other than bf16 values (the greedy head
+    recomputes candidate rows from it in fp32). An fp32 weight whose values are all bf16 (a
+    bf16 checkpoint computed in fp32) is kept in bf16, panels and plain copy alike: the kernels
+    stream half the bytes and widen them exactly, so their results are unchanged. Quantized
+    layers keep their own kernels; other dtypes (fp16) stay on ``F.linear``.
     """
     count = 0
     gemv_kernels = kernels if gemv else None
@@ -113,8 +113,8 @@ def prepack_linear_weights(model: nn.Module, kernels: Optional[ModuleType] = Non
     in_place = set(gemv_kernels.onednn_gemv_dtypes()) if gemv_kernels is not None else set()
     shared = {id(p) for m in model.modules() if not isinstance(m, Linear) for p in m._parameters.values()}
     projection = model.output_projection() if isinstance(model, OutputProjection) else None
-    if projection is not None and projection.dtype == torch.float32:
-        shared.add(id(projection))
+    # the greedy head recomputes candidate rows from an fp32 projection (not from one kept in bf16)
+    greedy_rows = id(projection) if projection is not None and projection.dtype == torch.float32 else None
     for module in model.modules():
         if not isinstance(module, Linear) or type(module.method) is not UnquantizedLinearMethod:
             continue
@@ -131,7 +131,8 @@ def prepack_linear_weights(model: nn.Module, kernels: Optional[ModuleType] = Non
         module.register_buffer("packed_weight", method.pack(packed_source), persistent=False)
         # the GEMV reads the panels of either dtype; oneDNN's layouts where onednn_gemv_dtypes says so
         readable = fp32_gemm is not None or (str(weight.dtype) in in_place and not (widen or bf16_exact))
-        if gemv_kernels is not None and readable and not (keep or id(module.weight) in shared):
+        plain_read = id(module.weight) in shared or (id(module.weight) == greedy_rows and not bf16_exact)
+        if gemv_kernels is not None and readable and not (keep or plain_read):
             method.blocked = (_panels_view(module.packed_weight, weight) if fp32_gemm is not None
                               else packed_view(module.packed_weight, weight))
         if keep:
