@@ -35,7 +35,9 @@ constexpr int kAccumulators = 12;
 // rows [m0, m0 + R) of x against blocks b .. b + S - 1: R * S * V accumulators. S > 1 reads S
 // blocks as S sequential streams at once: on AVX2 cores the 1-row plain GEMV gained 1.3-1.5x
 // from memory with 4 streams (gemv.cpp), where AVX-512 cores measured none
-template <typename T, typename W, bool Pairs, int R, int V, int S>
+// With Ahead, the next S blocks are prefetched as these are read: S more streams in flight,
+// whatever the registers allow.
+template <typename T, typename W, bool Pairs, int R, int V, int S, bool Ahead = false>
 void block_rows(const T* x, const W* w, const T* bias, T* out, int64_t N, int64_t K, int64_t b, int64_t m0) {
   constexpr int64_t NB = kLanes * V;
   vfloat acc[R][S * V];
@@ -46,6 +48,7 @@ void block_rows(const T* x, const W* w, const T* bias, T* out, int64_t N, int64_
     for (int s = 0; s < S; ++s) blocks[s] = w + (b + s) * NB * K;
     for (int64_t k = 0; k < K; ++k)
       for (int s = 0; s < S; ++s) {
+        if constexpr (Ahead) _mm_prefetch(reinterpret_cast<const char*>(blocks[s] + S * NB * K + k * NB), _MM_HINT_T0);
         vfloat wv[V];
         for (int v = 0; v < V; ++v) wv[v] = vload(blocks[s] + k * NB + v * kLanes);
         for (int r = 0; r < R; ++r) {
@@ -95,16 +98,27 @@ void block(const T* x, const W* w, const T* bias, T* out, int64_t M, int64_t N, 
 // vectors per block of 16 rows: 1 on AVX-512, 2 on AVX2 (the packed GEMM's panels)
 constexpr int kV16 = std::max<int>(1, 16 / kLanes);
 
-// blocks of 16 rows [begin, end) for 1 or 2 rows of x on AVX2, S at a time as S streams
-// (8 sums); returns the first block left for block()
+// blocks of 16 rows [begin, end) on AVX2, S at a time as S streams: 1 row of x against 4
+// blocks (8 sums), 2 rows against 2; more rows against 2 blocks, 3 rows a pass (12 sums), the
+// later passes reading the pair from L2. Returns the first block left for block().
 template <typename T, typename W>
 int64_t streamed_blocks(const T* x, const W* w, const T* bias, T* out, int64_t M, int64_t N, int64_t K,
                         int64_t begin, int64_t end) {
   if constexpr (kLanes == 8) {
     if (M == 1)
       for (; begin + 4 <= end; begin += 4) block_rows<T, W, false, 1, kV16, 4>(x, w, bias, out, N, K, begin, 0);
-    else if (M == 2)
-      for (; begin + 2 <= end; begin += 2) block_rows<T, W, false, 2, kV16, 2>(x, w, bias, out, N, K, begin, 0);
+    else
+      for (; begin + 2 <= end; begin += 2)
+        for (int64_t m0 = 0; m0 < M; m0 += 3)
+          with_constant_1_to_8(std::min<int64_t>(3, M - m0), [&](auto r) {
+            constexpr int R = decltype(r)::value;
+            if constexpr (R <= 3) {
+              if (m0 == 0 && begin + 4 <= end)  // the first pass reads from memory: 2 more streams
+                block_rows<T, W, false, R, kV16, 2, true>(x, w, bias, out, N, K, begin, m0);
+              else
+                block_rows<T, W, false, R, kV16, 2>(x, w, bias, out, N, K, begin, m0);
+            }
+          });
   }
   return begin;
 }
