@@ -1,5 +1,6 @@
 """A model's decoder layers as one C++ call for steps of a few rows (a FusedDecoder): decode
-steps of 1-2 rows and speculative verify steps of up to 8.
+steps of 1-2 rows (up to 5 on AVX2 cores, whose GEMV reads the packed panels) and speculative
+verify steps of up to 8.
 
 Batch-1 decode is bound by reading the weights; what the eager layers add to
 that read is ~14 Python-level ops per layer, each slowed by the caches the
@@ -22,7 +23,10 @@ That holds while the stack's weights fit in the last-level cache, where a step's
 its calls and its arithmetic. Weights streamed from memory are read better by oneDNN's
 blocked GEMM, which reads each weight once for all rows at the memory's pace where the
 GEMV's rows cost ~1.8x (52M fp32 Llama on a Zen 4: a 5-row verify step 1.84x a decode
-step layer by layer, 2.3x here), so larger models verify layer by layer.
+step layer by layer, 2.3x here), so larger models verify layer by layer. On AVX2 cores the
+GEMV reading the panels in place is the faster of the two up to 5 rows, from memory too
+(52M fp32 and 350M bf16 on a Zen 3), so there the stack takes verify steps of that many rows
+whatever the model's size.
 """
 
 from __future__ import annotations
@@ -46,9 +50,6 @@ class DecodeStack:
     """Built at the first step it is asked about: adapters attach, and KV caches are bound,
     after the optimisation pass; ``stack`` is None where some part is not on the kernels."""
 
-    #: decode rows (one query token per request) the stack takes: where the eager layers' linears
-    #: use the GEMV kernel (more rows go to oneDNN there, measured faster)
-    MAX_ROWS = PrepackedLinearMethod.GEMV_MAX_ROWS
     #: rows of a step with several query tokens per request (a verify step, a short prompt)
     MAX_VERIFY_ROWS = 8
 
@@ -60,8 +61,12 @@ class DecodeStack:
         self.stack = None
         #: the cache the stack writes to (a rebound cache makes the stack stale)
         self._kv_cache: Optional[torch.Tensor] = None
+        #: decode rows (one query token per request) the stack takes: as many as the eager layers'
+        #: linears give the GEMV kernel (more rows go to the packed GEMMs there, measured faster)
+        self.decode_rows = 0
         #: rows of a multi-token step the stack takes: MAX_VERIFY_ROWS while its weights fit in
-        #: the last-level cache, else none
+        #: the last-level cache; else the decode rows where the GEMV reads AVX2 panels in place
+        #: (faster than the packed GEMM there, from memory too), none elsewhere
         self.verify_rows = 0
         #: whether a multi-token step's rows attend per request in the prompt-chunk kernel
         self.verify_by_request = False
@@ -86,13 +91,18 @@ class DecodeStack:
         weight_bytes = sum(linear.method.gemv_weight(linear).nbytes for parts in self._layers
                            for linear in (parts.qkv, parts.o, parts.gate_up, parts.down))
         cache = last_level_cache_bytes()
-        self.verify_rows = self.MAX_VERIFY_ROWS if cache is not None and weight_bytes <= cache else 0
+        self.decode_rows = min(linear.method.gemv_max_rows for parts in self._layers
+                               for linear in (parts.qkv, parts.o, parts.gate_up, parts.down))
+        if cache is not None and weight_bytes <= cache:
+            self.verify_rows = self.MAX_VERIFY_ROWS
+        elif self.decode_rows > PrepackedLinearMethod.GEMV_MAX_ROWS:
+            self.verify_rows = self.decode_rows
 
     def accepts(self, x: torch.Tensor, metadata: AttentionMetadata) -> bool:
         """A few rows, into the caches bound at build."""
         if not self._built:
             self._build()
-        limit = self.MAX_ROWS if metadata.max_query_len == 1 else self.verify_rows
+        limit = self.decode_rows if metadata.max_query_len == 1 else self.verify_rows
         return (self.stack is not None and x.shape[0] <= limit
                 and self._layers[0].attn.kv_cache is self._kv_cache)
 

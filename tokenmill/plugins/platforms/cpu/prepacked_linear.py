@@ -42,6 +42,9 @@ class PrepackedLinearMethod:
 
     #: inputs with at most this many rows use the GEMV kernel (measured crossover: 3 rows)
     GEMV_MAX_ROWS = 2
+    #: the same where the GEMV reads the AVX2 panels in place (pairs of blocks, four streams):
+    #: 1.1-1.7x the packed GEMM at 3-5 rows, level at 6 for bf16 panels (benchmarks/README.md)
+    PANEL_GEMV_MAX_ROWS = 5
 
     def __init__(self, gemv: Optional[ModuleType] = None, widen: bool = False,
                  panels: Optional[ModuleType] = None, out_features: int = 0) -> None:
@@ -68,12 +71,17 @@ class PrepackedLinearMethod:
             return self.panels.pack_gemm_weight(weight)
         return torch.ops.mkldnn._reorder_linear_weight(weight.float() if self.widen else weight)
 
+    @property
+    def gemv_max_rows(self) -> int:
+        """Rows of x up to which this layer's inputs take the GEMV."""
+        return self.PANEL_GEMV_MAX_ROWS if self.panels is not None and self.blocked is not None else self.GEMV_MAX_ROWS
+
     def gemv_weight(self, layer: nn.Module) -> torch.Tensor:
         """The weight the GEMV reads: oneDNN's packed copy in place, or the plain one."""
         return self.blocked if self.blocked is not None else layer.weight
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        if self.gemv is not None and 0 < x.numel() <= self.GEMV_MAX_ROWS * x.shape[-1]:
+        if self.gemv is not None and 0 < x.numel() <= self.gemv_max_rows * x.shape[-1]:
             return self.gemv.gemv(x.contiguous(), self.gemv_weight(layer), bias)
         if self.widen:
             bias = None if bias is None else bias.float()

@@ -1,5 +1,9 @@
 // out = x W^T (+ bias) in fp32 for any number of rows, W packed once at load into panels of
 // kPanel output columns: [ceil(N / kPanel), K, kPanel], each k's kPanel weights contiguous.
+// The panels are fp32, or bf16 for a weight that is bf16 (a bf16 checkpoint computed in fp32:
+// half the bytes), widened exactly: as the tile reads them for fewer than kWidenRows rows (a
+// GEMM that memory bounds), a panel at a time into an fp32 scratch for more (the widening then
+// costs nothing next to the chunk's arithmetic).
 //
 // Why not oneDNN: on AVX2-only CPUs (AMD Zen 3 here) oneDNN's prepacked fp32 GEMM and MKL's
 // sgemm run the model's shapes at 60-73 GFLOP/s of the core's 122 (measured with a 10-chain
