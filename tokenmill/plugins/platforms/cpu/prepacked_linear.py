@@ -29,8 +29,8 @@ class PrepackedLinearMethod:
     checkpoint computed in fp32) is packed in bf16 panels, which the kernel widens exactly:
     half the bytes, the same results.
 
-    With ``gemv`` (the C++ kernels module), inputs of 1 or 2 rows go to the streaming
-    GEMV kernel, which reads weights at the memory's bandwidth where oneDNN reaches about
+    With ``gemv`` (the C++ kernels module), inputs of 1 or 2 rows (``gemv_max_rows``: up to 5
+    where it reads AVX2 panels) go to the streaming GEMV kernel, which reads weights at the memory's bandwidth where oneDNN reaches about
     two thirds of it (batch-1 decode is bound by that read). On AVX-512 cores the GEMV of an
     fp32 layer, and on AVX512-BF16 cores of a bf16 one, reads oneDNN's packed copy in place
     (``blocked``: onednn_layout.py); on AVX2 cores it reads the panels above, of either
