@@ -179,7 +179,7 @@ def test_bf16_weights_keep_one_bf16_copy_in_the_panels(dtype):
     """An fp32 layer whose weights are all bf16 values (a bf16 checkpoint computed in fp32), or
     a bf16 layer on a core without bf16 arithmetic: bf16 panels, read by the GEMV in place and
     widened by the GEMM, and no plain copy; the fp32 layer's results are the unpacked layer's
-    at every row count (the GEMV's 1-2, the GEMM's widened as it reads under 64 rows and
+    at every row count (the GEMV's 1-5, the GEMM's widened as it reads under 64 rows and
     widened a panel at a time above)."""
     torch.manual_seed(3)
     layer = linear_layer([256, 128], 192, dtype=dtype)

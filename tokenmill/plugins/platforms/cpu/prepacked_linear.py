@@ -30,8 +30,9 @@ class PrepackedLinearMethod:
     half the bytes, the same results.
 
     With ``gemv`` (the C++ kernels module), inputs of 1 or 2 rows (``gemv_max_rows``: up to 5
-    where it reads AVX2 panels) go to the streaming GEMV kernel, which reads weights at the memory's bandwidth where oneDNN reaches about
-    two thirds of it (batch-1 decode is bound by that read). On AVX-512 cores the GEMV of an
+    where it reads AVX2 panels) go to the streaming GEMV kernel, which reads weights at the
+    memory's bandwidth where oneDNN reaches about two thirds of it (batch-1 decode is bound by
+    that read). On AVX-512 cores the GEMV of an
     fp32 layer, and on AVX512-BF16 cores of a bf16 one, reads oneDNN's packed copy in place
     (``blocked``: onednn_layout.py); on AVX2 cores it reads the panels above, of either
     dtype. The layer then holds one copy of its weights. Elsewhere (a bf16 weight computed in
@@ -156,8 +157,8 @@ def prepack_linear_weights(model: nn.Module, kernels: Optional[ModuleType] = Non
 
 
 def _panels_view(panels: torch.Tensor, weight: torch.Tensor) -> Optional[torch.Tensor]:
-    """The packed GEMM's panels ``[N / 16, K, 16]`` as the GEMV's fp32 blocks, where no
-    panel is padded (the GEMV writes every row of every block)."""
+    """The packed GEMM's panels ``[N / 16, K, 16]`` (fp32 or bf16) as the GEMV's blocks, where
+    no panel is padded (the GEMV writes every row of every block)."""
     return panels if panels.shape[0] * panels.shape[2] == weight.shape[0] else None
 
 

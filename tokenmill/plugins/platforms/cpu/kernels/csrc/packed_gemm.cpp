@@ -107,14 +107,12 @@ void gemm_panels(const float* a, const W* w, const float* b, float* y, int64_t M
                               K, columns);
       };
       const W* panel = w + p * K * kPanel;
-      if constexpr (std::is_same_v<W, float>) {
+      if (std::is_same_v<W, float> || m1 - m0 < kWidenRows) {
         rows(panel);
-      } else if (m1 - m0 < kWidenRows) {
-        rows(panel);
-      } else {
-        for (int64_t i = 0; i < K * kPanel; i += kLanes) vstore(wide + i, vload(panel + i));
-        rows(static_cast<const float*>(wide));
+        continue;
       }
+      for (int64_t i = 0; i < K * kPanel; i += kLanes) vstore(wide + i, vload(panel + i));
+      rows(static_cast<const float*>(wide));
     }
 #else
   for (int64_t n = begin * kPanel; n < std::min(N, end * kPanel); ++n)
