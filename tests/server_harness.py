@@ -71,15 +71,23 @@ def running_server(engine: LLMEngine | EmbeddingEngine | AsyncLLM, **server_conf
         thread.join(15)
 
 
-def wait_until_healthy(port: int, timeout: float = 120) -> None:
-    """Poll a starting server's /health until it answers 200 (or ``timeout`` passes)."""
+def wait_until_healthy(port: int, timeout: float = 120, process: subprocess.Popen | None = None) -> None:
+    """Poll a starting server's /health until it answers 200. A server that is not healthy
+    within ``timeout``, or whose ``process`` exits first (an engine that failed to build),
+    raises at once with what it wrote, rather than leaving the test to hang on its port."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            _, err = process.communicate()
+            raise RuntimeError(f"the server exited with status {process.returncode} before it was healthy:\n"
+                               f"{(err or '')[-4000:]}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
                 return
         except httpx.TransportError:
-            time.sleep(0.2)
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"the server on port {port} was not healthy within {timeout} s")
 
 
 @contextmanager
@@ -90,7 +98,7 @@ def serve_process(*flags: str, timeout: float = 120) -> Iterator[tuple[subproces
     process = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(port), *flags],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        wait_until_healthy(port, timeout)
+        wait_until_healthy(port, timeout, process)
         yield process, f"http://127.0.0.1:{port}"
     finally:
         if process.poll() is None:

@@ -104,7 +104,7 @@ def test_triton_decode_leaves_the_splits_past_a_context_unwritten(monkeypatch):
     positions = torch.tensor([2, 9, 40], dtype=torch.int32)
     table = torch.randperm(blocks, generator=g).to(torch.int32).reshape(1, blocks).repeat(3, 1)
     rows = torch.arange(3, dtype=torch.int32)
-    out = kernels.paged_attention(query, cache, table, rows, positions, 0.25, None, None, 16)
+    out = kernels.paged_attention(query, cache, table, rows, positions, 0.25, None, None, 16, split_tokens=16)
 
     expected = []
     for token, pos in enumerate(positions.tolist()):
@@ -118,6 +118,28 @@ def test_triton_decode_leaves_the_splits_past_a_context_unwritten(monkeypatch):
     written = ~partial_rows[0].isnan().all(dim=-1)
     assert written.all(dim=1).sum(dim=-1).tolist() == [1, 1, 3]
     assert not (written.any(dim=1) & ~written.all(dim=1)).any()
+
+
+def test_triton_decode_sums_a_context_alike_however_many_splits_the_step_allows():
+    """A recorded decode step splits every row as its longest allowed context would be split
+    (16 ways at 4096 tokens), the eager step as the batch's longest is: a context both cover
+    in splits of ``split_tokens`` is split at the same positions, so the two agree to the bit
+    (on an H200, splitting each context evenly among the step's splits made graphs and eager
+    decode differ in bf16 logprobs)."""
+    pytest.importorskip("triton")
+    from tokenmill.plugins.attention.triton_paged import kernels
+
+    g = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim, block, blocks = 4, 2, 16, 4, 64
+    cache = torch.randn(2, blocks, block, kv_heads, dim, generator=g)
+    query = torch.randn(3, heads, dim, generator=g)
+    positions = torch.tensor([5, 47, 190], dtype=torch.int32)
+    table = torch.randperm(blocks, generator=g).to(torch.int32).reshape(1, blocks).repeat(3, 1)
+    rows = torch.arange(3, dtype=torch.int32)
+    # 191 positions in splits of 64: 4 ways at the least (the eager step's count), 16 at the most
+    outs = [kernels.paged_attention(query, cache, table, rows, positions, 0.25, None, None, splits, split_tokens=64)
+            for splits in (4, 8, 16)]
+    assert all(torch.equal(out, outs[0]) for out in outs[1:])
 
 
 @pytest.mark.parametrize("case", conformance_cases(8, seed=11, dtypes=(torch.float16,), scale=0.25), ids=str)

@@ -81,7 +81,7 @@ def test_serve_runs_the_demo_model_with_vllm_flags(tmp_path):
          "--served-model-name", "demo", "--kv-cache-memory-bytes", "16MiB", "--log-format", "json"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        wait_until_healthy(port)
+        wait_until_healthy(port, process=process)
         response = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
                               json={"model": "demo", "prompt": "Hello", "max_tokens": 3}, timeout=60)
         assert response.status_code == 200
@@ -197,7 +197,7 @@ def test_serve_with_tensor_parallelism_answers_the_openai_client_and_stops_its_w
          "--served-model-name", "tiny", "--kv-cache-memory-bytes", "16MiB", *mode],
         env=dict(os.environ), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        wait_until_healthy(port)
+        wait_until_healthy(port, process=process)
         workers = _children(process.pid)
         if mode:
             assert len(workers) == 1  # the engine core, the driver of the ranks
@@ -233,7 +233,7 @@ def test_serve_with_a_draft_model_reports_acceptance(tmp_path):
          "--kv-cache-memory-bytes", "32MiB", "--log-format", "json", "--speculative-config", spec],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        wait_until_healthy(port)
+        wait_until_healthy(port, process=process)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
         reply = client.completions.create(model="demo", prompt="The with statement is used to wrap the execution of",
                                           max_tokens=24, temperature=0)

@@ -9,7 +9,7 @@ import torch
 from tokenmill.core.config.model_config import load_model_config
 from tokenmill.interfaces.errors import ConfigError
 from tokenmill.plugins.platforms.cuda.options import CudaOptions
-from tokenmill.plugins.platforms.cuda.platform import CudaPlatform
+from tokenmill.plugins.platforms.cuda.platform import OUTSIDE_TORCH_CEILING, CudaPlatform
 
 GiB = 2**30
 
@@ -39,13 +39,47 @@ def test_float16_is_refused_for_models_it_overflows(model_dir):
     assert load_model_config(model_dir("llama"), "float16").dtype == torch.float16
 
 
+class FakeDevice:
+    """torch.cuda's memory figures for an 80 GiB GPU: ``in_use`` device-wide (every process),
+    ``reserved`` by this process's torch allocator."""
+
+    def __init__(self, monkeypatch, in_use: int, reserved: int = 0):
+        self.in_use, self.reserved = in_use, reserved
+        for name, fake in {"empty_cache": lambda: None, "set_device": lambda _: None, "device_count": lambda: 1,
+                           "mem_get_info": lambda: (80 * GiB - self.in_use, 80 * GiB),
+                           "memory_reserved": lambda: self.reserved}.items():
+            monkeypatch.setattr(torch.cuda, name, fake)
+
+    def allocate(self, size: int, by_torch: bool = True) -> None:
+        self.in_use += size
+        self.reserved += size if by_torch else 0
+
+
 def test_a_configured_kv_cache_budget_overrides_the_memory_utilization(monkeypatch):
     """Unset, the KV cache takes what ``gpu_memory_utilization`` leaves beside this engine's
     weights and activations; set (``--kv-cache-memory-bytes``), exactly that, where it fits."""
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (60 * GiB, 80 * GiB))  # 20 GiB in use: the weights
+    device = FakeDevice(monkeypatch, in_use=GiB)  # the CUDA context, before the engine
     platform = cuda(True, gpu_memory_utilization=0.9)
-    assert platform.kv_cache_memory(None, activation_bytes=2 * GiB) == int(72 * GiB) - 20 * GiB - 2 * GiB
+    platform.setup_process()
+    device.allocate(19 * GiB)  # the weights
+    device.allocate(GiB // 2, by_torch=False)  # kernel modules
+    assert platform.kv_cache_memory(None, activation_bytes=2 * GiB) == int(72 * GiB) - 19.5 * GiB - 2 * GiB
     assert platform.kv_cache_memory(GiB, activation_bytes=2 * GiB) == GiB
     with pytest.raises(ConfigError, match="cache.kv_cache_memory"):
         platform.kv_cache_memory(59 * GiB, activation_bytes=2 * GiB)
+
+
+@pytest.mark.parametrize("others, unseen", [(-30 * GiB, 0), (40 * GiB, OUTSIDE_TORCH_CEILING)],
+                         ids=["another-process-frees", "another-process-allocates"])
+def test_another_process_on_the_gpu_moves_no_engines_kv_budget(monkeypatch, others, unseen):
+    """Measured on an H200 with four test workers starting engines at 0.1 side by side: read
+    device-wide, another process's frees made a 14 GiB share a 56 GiB cache (3.7 million
+    blocks), and its allocations left none. The budget counts this process's allocations, and
+    of the device-wide growth outside torch's allocator (which may be this process's) at most
+    OUTSIDE_TORCH_CEILING."""
+    device = FakeDevice(monkeypatch, in_use=50 * GiB, reserved=3 * GiB)  # others' 47 GiB, and an engine of ours
+    platform = cuda(True, gpu_memory_utilization=0.25)
+    platform.setup_process()
+    device.allocate(5 * GiB)  # the weights
+    device.in_use += others
+    assert platform.kv_cache_memory(None, activation_bytes=GiB) == int(20 * GiB) - 5 * GiB - GiB - unseen

@@ -213,7 +213,7 @@ def test_a_stop_signal_to_the_whole_process_group_lets_streams_finish(model_dir)
                                 "16MiB", "--max-model-len", "512"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        wait_until_healthy(port)
+        wait_until_healthy(port, process=process)
         engine = _children(process.pid)
         tokens, reasons = [], []
         with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", timeout=60, json={

@@ -73,7 +73,7 @@ def test_a_vllm_deployment_line_serves_with_its_inert_and_accepted_flags(tmp_pat
          "--enable-prefix-caching", "--max-num-seqs", "512", "--reasoning-parser", "qwen3", "--cpu-offload-gb", "4"],
         env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        wait_until_healthy(port)
+        wait_until_healthy(port, process=process)
         response = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
                               json={"model": "demo", "prompt": "Hello", "max_tokens": 3}, timeout=60)
         assert response.status_code == 200

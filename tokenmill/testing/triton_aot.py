@@ -132,7 +132,7 @@ def kernel_cases() -> list[KernelCase]:
                             "token_req_ptr": "*i32", "token_pos_ptr": "*i32", "part_acc_ptr": "*fp32",
                             "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "scale": "fp32", "soft_cap": "fp32"},
                            {"GROUP": group, "GROUP_PAD": group_pad, "BLOCK_SIZE": block, "HEAD_DIM": head,
-                            "HEAD_PAD": head_pad, "NUM_SPLITS": splits, "TILE_N": tile_n,
+                            "HEAD_PAD": head_pad, "NUM_SPLITS": splits, "SPLIT_TOKENS": 256, "TILE_N": tile_n,
                             "USE_SOFT_CAP": soft_cap, "USE_WINDOW": window, "IEEE_FP32": query == "fp32"},
                            num_warps))
     # a recorded decode step (decode_graphs) reads the graph's int64 position buffer

@@ -121,12 +121,13 @@ class TritonPagedAttention:
         window, cap = layer.sliding_window, layer.logits_soft_cap
         if metadata.decode_only:
             return kernels.paged_attention(query, kv_cache, metadata.block_table, metadata.decode_req,
-                                           metadata.decode_pos, layer.scale, cap, window, metadata.num_splits)
+                                           metadata.decode_pos, layer.scale, cap, window, metadata.num_splits,
+                                           self.tokens_per_split)
         out = torch.empty_like(query)
         if metadata.decode_tokens.numel():
             out[metadata.decode_tokens] = kernels.paged_attention(
                 query[metadata.decode_tokens], kv_cache, metadata.block_table, metadata.decode_req,
-                metadata.decode_pos, layer.scale, cap, window, metadata.num_splits)
+                metadata.decode_pos, layer.scale, cap, window, metadata.num_splits, self.tokens_per_split)
         kernels.prefill_attention(query, kv_cache, metadata.block_table, out, metadata.tile_req, metadata.tile_start,
                                   metadata.query_start_loc, metadata.seq_lens, layer.scale, cap, window,
                                   self.block_m)

@@ -52,8 +52,8 @@ def _paged_attention_kernel(
     stride_qt, stride_qh, stride_c_kv, stride_c_block, stride_c_off, stride_c_head, stride_bt,
     stride_pt, stride_ph, stride_ps,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HEAD_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, TILE_N: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
-    USE_WINDOW: tl.constexpr, IEEE_FP32: tl.constexpr,
+    HEAD_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_TOKENS: tl.constexpr, TILE_N: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE_FP32: tl.constexpr,
 ):
     """One program per (decode token, KV head, split): the GROUP query heads that share the KV
     head are the rows of ``tl.dot`` (padded to GROUP_PAD, the dot's least), so each K/V tile is
@@ -75,8 +75,12 @@ def _paged_attention_kernel(
     first = 0
     if USE_WINDOW:
         first = tl.maximum(pos - window + 1, 0)
-    # whole tiles a split: each split's tiles start on the split's own boundary
-    per_split = ((pos + 1 - first + NUM_SPLITS - 1) // NUM_SPLITS + TILE_N - 1) // TILE_N * TILE_N
+    # whole tiles a split, SPLIT_TOKENS (a multiple of TILE_N) at least: a context that many
+    # splits of SPLIT_TOKENS cover is split at the same positions whatever NUM_SPLITS is, so a
+    # recorded step (split as its longest allowed context) sums as the eager step (split as the
+    # batch's longest) does, to the bit
+    per_split = tl.maximum(((pos + 1 - first + NUM_SPLITS - 1) // NUM_SPLITS + TILE_N - 1) // TILE_N * TILE_N,
+                           SPLIT_TOKENS)
     start = first + split * per_split
     end = tl.minimum(start + per_split, pos + 1)
 
@@ -180,8 +184,10 @@ def write_kv(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_m
 
 def paged_attention(query: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, token_req: torch.Tensor,
                     token_pos: torch.Tensor, scale: float, soft_cap, window, num_splits: int,
-                    tiles: Optional[tuple[int, int]] = None) -> torch.Tensor:
-    """``tiles``: (TILE_N, num_warps) in place of ``decode_tiles``' (benchmarks/gpu_attention.py's sweep)."""
+                    split_tokens: int = 256, tiles: Optional[tuple[int, int]] = None) -> torch.Tensor:
+    """Decode attention, each context in splits of ``split_tokens`` positions (more where
+    ``num_splits`` of them fall short). ``tiles``: (TILE_N, num_warps) in place of
+    ``decode_tiles``' (benchmarks/gpu_attention.py's sweep)."""
     tokens, heads, head_dim = query.shape
     kv_heads = cache.shape[3]
     head_pad = triton.next_power_of_2(head_dim)
@@ -199,8 +205,8 @@ def paged_attention(query: torch.Tensor, cache: torch.Tensor, block_table: torch
         query.stride(0), query.stride(1), cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
         block_table.stride(0), acc.stride(0), acc.stride(1), acc.stride(2),
         GROUP=heads // kv_heads, GROUP_PAD=group_pad, BLOCK_SIZE=cache.shape[2], HEAD_DIM=head_dim,
-        HEAD_PAD=head_pad, NUM_SPLITS=num_splits, TILE_N=tile_n, USE_SOFT_CAP=soft_cap is not None,
-        USE_WINDOW=window is not None, IEEE_FP32=ieee, num_warps=num_warps,
+        HEAD_PAD=head_pad, NUM_SPLITS=num_splits, SPLIT_TOKENS=-(-split_tokens // tile_n) * tile_n, TILE_N=tile_n,
+        USE_SOFT_CAP=soft_cap is not None, USE_WINDOW=window is not None, IEEE_FP32=ieee, num_warps=num_warps,
     )
     out = torch.empty_like(query)
     _merge_splits_kernel[(tokens, heads)](acc, m, l, out, acc.stride(0), acc.stride(1), acc.stride(2),

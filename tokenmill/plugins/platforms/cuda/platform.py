@@ -21,12 +21,20 @@ import gc
 import os
 from typing import Any, Callable, Optional, Sequence
 
+import structlog
 import torch
 
 from tokenmill.interfaces.errors import ConfigError
 from tokenmill.interfaces.platform import Detection, DeviceEvent, DeviceGraph, Platform
 from tokenmill.plugins.platforms.cuda.fused_ops import FUSED_OPS
 from tokenmill.plugins.platforms.cuda.options import CudaOptions
+
+log = structlog.get_logger(__name__)
+
+#: the most this process is taken to hold outside torch's allocator beyond what it held at
+#: ``setup_process`` (kernel modules loaded lazily, library handles): that share shows only in
+#: the device-wide figure, where other processes' allocations and frees land too
+OUTSIDE_TORCH_CEILING = 2**30
 
 
 class CudaPlatform(Platform):
@@ -41,8 +49,10 @@ class CudaPlatform(Platform):
     _graph_pool = None
     #: the stream every graph's warm-up runs on (made with the first graph)
     _warmup_stream = None
-    #: device memory in use when this process started (``setup_process``): not this engine's
+    #: device memory in use when this engine started (``setup_process``): not this engine's
     _used_before = 0
+    #: what torch's allocator held then (an engine this process still holds, say)
+    _reserved_before = 0
 
     @classmethod
     def detect(cls) -> Detection:
@@ -84,6 +94,7 @@ class CudaPlatform(Platform):
                               f"gpu_memory_utilization={self.options.gpu_memory_utilization} asks for "
                               f"({wanted / 2**30:.1f} GiB): lower it, or free the GPU")
         self._used_before = total - free
+        self._reserved_before = torch.cuda.memory_reserved()
 
     def kv_cache_memory(self, requested: Optional[int], activation_bytes: int = 0) -> int:
         """What ``gpu_memory_utilization`` of the GPU leaves once this engine's weights are on
@@ -99,8 +110,20 @@ class CudaPlatform(Platform):
                                   f"{requested / 2**30:.2f} GiB asked for the KV cache, {room / 2**30:.2f} GiB of "
                                   "the GPU free beside the weights and a forward pass's activations")
             return requested
-        own = (total - free) - self._used_before
-        return max(0, int(total * self.options.gpu_memory_utilization) - own - activation_bytes)
+        return max(0, int(total * self.options.gpu_memory_utilization) - self._own_use(free, total) - activation_bytes)
+
+    def _own_use(self, free: int, total: int) -> int:
+        """What this engine took since ``setup_process``: torch's allocator's growth (weights,
+        workspaces), which is this process's alone, plus what it took outside torch, read
+        device-wide and so clamped to [0, OUTSIDE_TORCH_CEILING]. Another process starting or
+        stopping beside this one (four test workers, two engines at 0.4) moves the device-wide
+        figure by gigabytes: counted, it would size the cache to nothing, or past its share."""
+        in_torch = torch.cuda.memory_reserved() - self._reserved_before
+        outside = (total - free) - self._used_before - in_torch
+        if not 0 <= outside <= OUTSIDE_TORCH_CEILING:
+            log.warning("the GPU's memory in use changed by more than this engine's own allocations while it started: "
+                        "another process is using the GPU", outside_torch_mib=round(outside / 2**20))
+        return in_torch + min(max(outside, 0), OUTSIDE_TORCH_CEILING)
 
     def peak_memory(self, run: Callable[[], None]) -> int:
         torch.cuda.synchronize()
