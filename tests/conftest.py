@@ -64,7 +64,7 @@ def _release_gpu_engines(request):
     """After each GPU test, its engines' memory goes back to the GPU, the failed ones' too:
     pytest keeps a failure's traceback (``sys.last_traceback``, for post-mortem debugging), and
     with it the test's frames and engines, whose KV caches would starve the next tests on the
-    same GPU (seen on an H200 with four workers: 11 of 140 GiB left free)."""
+    same GPU."""
     yield
     if request.node.get_closest_marker("gpu") is not None:
         for name in ("last_type", "last_value", "last_traceback", "last_exc"):

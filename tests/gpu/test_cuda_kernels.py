@@ -117,11 +117,8 @@ def test_elementwise_ops_match_eager_and_replay_in_a_cuda_graph(dtype):
 
     def eager():
         q, k = qkv[:, :32 * head].view(tokens, 32, head), qkv[:, 32 * head:40 * head].view(tokens, 8, head)
-        # rotary in fp32, rounded once, as the kernel does: eager's bf16 products round apart
-        # before their sum cancels (ulps of the operands off where the result is near zero)
-        rotated = rotary.forward_native(q.float(), k.float(), cos.float(), sin.float())
         return ([n.forward_native(x) for n in norms] + [a.forward_native(gate_up) for a in acts]
-                + [r.to(dtype) for r in rotated]
+                + list(rotary.forward_native(q, k, cos, sin))
                 + [out for n in norms for out in n.forward_native(x, residual)])
 
     def check(got, want):

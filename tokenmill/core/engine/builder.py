@@ -22,7 +22,7 @@ from tokenmill.core.distributed.communicator import Communicator
 from tokenmill.core.distributed.driver import DistributedAdapters, DistributedModelStep, WorkerGroup
 from tokenmill.core.distributed.messages import Setup
 from tokenmill.core.engine.embedding_engine import EmbeddingEngine
-from tokenmill.core.engine.gc_heap import freeze_startup_heap
+from tokenmill.core.engine.gc_heap import freeze_import_heap
 from tokenmill.core.engine.control_plane import ControlPlane
 from tokenmill.core.engine.llm_engine import LLMEngine
 from tokenmill.core.engine.rollout import EngineControl
@@ -67,6 +67,7 @@ def build_engine(config: EngineConfig, pm: Optional[PluginManager] = None) -> LL
     pm = pm or make_plugin_manager()
     components = collect_components(pm)
     platform = select_platform(components.platforms, config)
+    freeze_import_heap()
     platform.setup_process()
     if config.parallel.world_size == 1:
         group, parallel = None, SINGLE  # one rank: nothing to start, whichever executor was named
@@ -78,7 +79,6 @@ def build_engine(config: EngineConfig, pm: Optional[PluginManager] = None) -> LL
         if group is not None:
             group.shutdown()
         raise
-    freeze_startup_heap()
     return engine
 
 
