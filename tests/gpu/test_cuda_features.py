@@ -122,8 +122,9 @@ def test_async_scheduling_decodes_as_hf_with_graphs_and_as_the_step_by_step_engi
     assert llm.llm_engine.runner.model_step.graphs is not None
     tokens, logprobs = greedy(llm, prompts)
     assert_matches_reference(hf_greedy(model_dir("llama"), prompts, 16), tokens, logprobs)
-    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=16, ignore_eos=True)
-    step_by_step = cuda_llm(model_dir("llama"), dtype="float32", max_num_seqs=4)
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=16, ignore_eos=True, logprobs=0)
+    step_by_step = cuda_llm(model_dir("llama"), dtype="float32", async_scheduling=False, max_num_seqs=4)
+    assert not step_by_step.llm_engine.scheduler.async_scheduling
     assert greedy(llm, prompts, seeded)[0] == greedy(step_by_step, prompts, seeded)[0]
 
 

@@ -60,9 +60,12 @@ def test_fused_moe_matches_the_loop_path_and_replays_in_a_cuda_graph(tokens):
 
 
 def test_mixtral_decodes_alike_on_the_fused_and_loop_moe_paths(model_dir):
-    """Eager (no graphs), each MoE layer set to one path, then the other:
-    the same greedy tokens up to a near-tie, chosen-token logprobs within bf16's 0.1."""
-    llm = cuda_llm(model_dir("mixtral"), dtype="bfloat16", enforce_eager=True)
+    """Eager (no graphs), each MoE layer set to one path, then the other: the same greedy
+    tokens up to a near-tie, chosen-token logprobs within 1e-3. In fp32 (IEEE dots in the fused
+    kernels): in bf16 the two paths' sums, rounded apart, reach a later layer's router, and
+    where its top-2 nearly tie they route a token to other experts (seen on an H200: the same
+    token, 0.31 off in logprob), which is the arithmetic's, not the kernels'."""
+    llm = cuda_llm(model_dir("mixtral"), dtype="float32", enforce_eager=True)
     layers = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, FusedMoE)]
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2)
     runs = []
@@ -73,11 +76,11 @@ def test_mixtral_decodes_alike_on_the_fused_and_loop_moe_paths(model_dir):
     for fused, loop in zip(*runs):
         for step, (a, b, entries) in enumerate(zip(fused.outputs[0].token_ids, loop.outputs[0].token_ids,
                                                    loop.outputs[0].logprobs)):
-            if a != b:  # a divergence only where the loop path's top two were within 0.1
+            if a != b:  # a divergence only where the loop path's top two were within 1e-3
                 top = sorted((e.logprob for e in entries.values()), reverse=True)
-                assert top[0] - top[1] <= 0.1, f"diverges at step {step} on no tie"
+                assert top[0] - top[1] <= 1e-3, f"diverges at step {step} on no tie"
                 break
-            assert abs(fused.outputs[0].logprobs[step][a].logprob - entries[b].logprob) < 0.1
+            assert abs(fused.outputs[0].logprobs[step][a].logprob - entries[b].logprob) < 1e-3
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)

@@ -14,6 +14,7 @@ to be on the same device". Under ``fake_cuda()``:
   copies between devices, and host index tensors in indexing (CUDA moves those itself);
 - a Triton kernel gets the device tensors' memory and refuses a host tensor, with Triton's
   own message; ``.numpy()`` of a device tensor fails as on a GPU;
+- ``torch._scaled_mm`` refuses sizes cuBLASLt's FP8 GEMM refuses (``check_fp8_gemm``);
 - ``pin_memory=True`` gives ordinary host memory (what pinning changes is only speed);
 - a non-blocking copy out of (or into) pinned memory runs when the device's queue reaches
   it: the stand-in keeps the queue's order (``pinned_copies``) and raises ``PinnedBufferRace``
@@ -114,6 +115,7 @@ class DeviceTensor(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         check_devices(func, args, kwargs)
+        check_fp8_gemm(func, args)
         if waits(func, args, kwargs):
             synced(f"{func} of a device tensor (a value read back, or an output sized by its values)")
         to_device = _wants_device(kwargs)
@@ -169,6 +171,19 @@ def check_devices(func: Any, args: tuple, kwargs: dict) -> None:
         shapes = ", ".join(f"{_device_of(t)}{tuple(t.shape)}" for t in tensors)
         raise DeviceMismatchError(f"Expected all tensors to be on the same device, but found at least two devices, "
                                   f"{found}! ({func}: {shapes})")
+
+
+def check_fp8_gemm(func: Any, args: tuple) -> None:
+    """cuBLASLt's FP8 GEMM (``torch._scaled_mm``) takes each dimension in multiples of 16 (the
+    CPU's any): on an H200 it refused a one-token product (CUBLAS_STATUS_NOT_SUPPORTED, m 64
+    n 1 k 128). The stand-in refuses every size that is not such a multiple."""
+    if func is aten._scaled_mm.default:
+        a, b = args[0], args[1]
+        sizes = (a.shape[0], a.shape[1], b.shape[1])
+        if any(size % 16 for size in sizes):
+            raise RuntimeError(f"CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmul: an FP8 "
+                               f"product of {sizes[0]} x {sizes[1]} by {sizes[1]} x {sizes[2]} (each a multiple "
+                               "of 16 on a GPU)")
 
 
 def _to(func: Any, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:

@@ -183,9 +183,14 @@ class Fp8LinearMethod:
 
     def _apply_scaled_mm(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         """FP8 x FP8 with row-wise scales: per token (or the static scale, repeated) for the
-        activations, per output channel for the weights; fp32 accumulation."""
+        activations, per output channel for the weights; fp32 accumulation. The tokens are
+        padded to a multiple of 16, as K and N are (``_scaled_mm``): on an H200, cuBLASLt
+        refused a one-token step's product (CUBLAS_STATUS_NOT_SUPPORTED, m 64 n 1 k 128)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
+        tokens = x.shape[0]
+        if tokens % 16:
+            x = torch.cat([x, x.new_zeros(16 - tokens % 16, x.shape[1])])
         if self.activations == "static":  # each fused part has its own input scale
             outs, start = [], 0
             for i, size in enumerate(layer.quant_output_sizes):
@@ -197,6 +202,7 @@ class Fp8LinearMethod:
         else:
             scale = _token_scale(layer, x)
             out = _scaled_mm(_to_fp8(x, scale), layer.weight.t(), scale, layer.fp8_weight_scale, x.dtype)
+        out = out[:tokens]
         if bias is not None:
             out = out + bias
         return out.reshape(*shape[:-1], out.shape[-1])
