@@ -73,8 +73,9 @@ def test_a_configured_kv_cache_budget_overrides_the_memory_utilization(monkeypat
                          ids=["another-process-frees", "another-process-allocates"])
 def test_another_process_on_the_gpu_moves_no_engines_kv_budget(monkeypatch, others, unseen):
     """Measured on an H200 with four test workers starting engines at 0.1 side by side: read
-    device-wide, another process's frees made a 14 GiB share a 56 GiB cache (3.7 million
-    blocks), and its allocations left none. The budget counts this process's allocations, and
+    device-wide, the others' allocations left one engine 1.3 of its 14 GiB (341k blocks where
+    3.7 million fit) and another none; their frees would size a cache past its share. The
+    budget counts this process's allocations, and
     of the device-wide growth outside torch's allocator (which may be this process's) at most
     OUTSIDE_TORCH_CEILING."""
     device = FakeDevice(monkeypatch, in_use=50 * GiB, reserved=3 * GiB)  # others' 47 GiB, and an engine of ours
