@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import triton
@@ -44,6 +44,7 @@ from tokenmill.plugins.platforms.cuda.fused_ops import (
     RMS_NORM_TILE,
     _act_and_mul_kernel,
     _rms_norm_kernel,
+    ROTARY_OPTIONS,
     _rotary_kernel,
     rms_norm_warps,
     rotary_warps,
@@ -69,12 +70,16 @@ class KernelCase:
     constexprs: dict[str, Any]
     #: the launch's warps (Triton's default, 4, unless the wrapper picks)
     num_warps: int = 4
+    #: the wrapper's other compile options (``enable_fp_fusion``), as (name, value) pairs
+    options: tuple[tuple[str, Any], ...] = ()
 
     @property
     def id(self) -> str:
         types = "-".join(sorted({t.lstrip("*") for t in self.signature.values() if t.startswith("*")}))
         warps = "" if self.num_warps == 4 else f",num_warps={self.num_warps}"
-        return f"{self.kernel}[{types};" + ",".join(f"{k}={v}" for k, v in self.constexprs.items()) + warps + "]"
+        options = "".join(f",{k}={v}" for k, v in self.options)
+        return (f"{self.kernel}[{types};" + ",".join(f"{k}={v}" for k, v in self.constexprs.items()) + warps
+                + options + "]")
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,8 @@ class Compiled:
     #: (its ``-v`` reports them as spill stores), which LOCAL does not count
     stack_bytes: int
     cubin_bytes: int
+    #: floating-point FMAs in the PTX: none where the wrapper launches without FP fusion
+    fp_fmas: int
 
 
 def _signature(fn: Any, types: dict[str, str], constexprs: dict[str, Any]) -> dict[str, str]:
@@ -93,8 +100,10 @@ def _signature(fn: Any, types: dict[str, str], constexprs: dict[str, Any]) -> di
     return {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in fn.arg_names}
 
 
-def _case(kernel: str, fn: Any, types: dict[str, str], constexprs: dict[str, Any], num_warps: int = 4) -> KernelCase:
-    return KernelCase(kernel, _compilable(fn), _signature(fn, types, constexprs), constexprs, num_warps)
+def _case(kernel: str, fn: Any, types: dict[str, str], constexprs: dict[str, Any], num_warps: int = 4,
+          options: Optional[dict[str, Any]] = None) -> KernelCase:
+    return KernelCase(kernel, _compilable(fn), _signature(fn, types, constexprs), constexprs, num_warps,
+                      tuple((options or {}).items()))
 
 
 def _compilable(fn: Any) -> JITFunction:
@@ -210,16 +219,18 @@ def kernel_cases() -> list[KernelCase]:
                                {"q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "cos_ptr": f"*{dtype}",
                                 "sin_ptr": f"*{dtype}"},
                                {"HALF": half, "HALF_PAD": triton.next_power_of_2(half), "Q_HEADS_PAD": q_heads,
-                                "K_HEADS_PAD": k_heads}, rotary_warps(q_heads * triton.next_power_of_2(half))))
+                                "K_HEADS_PAD": k_heads}, rotary_warps(q_heads * triton.next_power_of_2(half)),
+                               ROTARY_OPTIONS))
     return cases
 
 
 def compile_case(case: KernelCase, target: GPUTarget) -> Compiled:
     compiled = triton.compile(ASTSource(case.fn, case.signature, constexprs=case.constexprs), target=target,
-                              options={"num_warps": case.num_warps})
+                              options={"num_warps": case.num_warps, **dict(case.options)})
     cubin = compiled.asm["cubin"]
     usage = _resource_usage(cubin)
-    return Compiled(usage["REG"], compiled.metadata.shared, usage["LOCAL"], usage["STACK"], len(cubin))
+    fp_fmas = len(re.findall(r"\bfma\.rn(?:\.ftz)?\.(?:f32|f16|bf16)", compiled.asm["ptx"]))
+    return Compiled(usage["REG"], compiled.metadata.shared, usage["LOCAL"], usage["STACK"], len(cubin), fp_fmas)
 
 
 def _resource_usage(cubin: bytes) -> dict[str, int]:

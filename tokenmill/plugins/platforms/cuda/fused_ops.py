@@ -211,8 +211,12 @@ def rotary_embedding(layer: ApplyRotary, query: torch.Tensor, key: torch.Tensor,
     _rotary_kernel[(tokens,)](query, key, cos, sin, query.stride(0), query.stride(1), key.stride(0), key.stride(1),
                               cos.stride(0), query.shape[1], key.shape[1], HALF=half, HALF_PAD=half_pad,
                               Q_HEADS_PAD=q_heads_pad, K_HEADS_PAD=triton.next_power_of_2(key.shape[1]),
-                              num_warps=rotary_warps(q_heads_pad * half_pad), enable_fp_fusion=False)
+                              num_warps=rotary_warps(q_heads_pad * half_pad), **ROTARY_OPTIONS)
     return query, key
+
+
+#: the rotary kernel's compile options: no floating-point fusion (``_rotate_heads``)
+ROTARY_OPTIONS = {"enable_fp_fusion": False}
 
 
 def rotary_warps(tile: int) -> int:
