@@ -79,6 +79,21 @@ def test_triton_split_k_matches_reference(case):
     check_backend(TritonPagedAttention(tokens_per_split=8), case)
 
 
+#: the decode kernel's small case: 4 query heads over 2 KV heads of 16, blocks of 4 positions
+DECODE_HEADS, DECODE_KV_HEADS, DECODE_DIM, DECODE_BLOCK = 4, 2, 16, 4
+
+
+def decode_case(blocks: int, positions: list[int]) -> tuple[torch.Tensor, ...]:
+    """(cache, query, block table, rows, positions): a random cache of ``blocks`` blocks, one
+    decode row per position, every row's blocks in one random order."""
+    g = torch.Generator().manual_seed(0)
+    cache = torch.randn(2, blocks, DECODE_BLOCK, DECODE_KV_HEADS, DECODE_DIM, generator=g)
+    query = torch.randn(len(positions), DECODE_HEADS, DECODE_DIM, generator=g)
+    table = torch.randperm(blocks, generator=g).to(torch.int32).reshape(1, blocks).repeat(len(positions), 1)
+    return (cache, query, table, torch.arange(len(positions), dtype=torch.int32),
+            torch.tensor(positions, dtype=torch.int32))
+
+
 def test_triton_decode_leaves_the_splits_past_a_context_unwritten(monkeypatch):
     """A recorded decode step splits every row as many ways as its longest allowed context (16):
     the splits past a shorter context write only their statistics, and the merge reads no
@@ -97,13 +112,8 @@ def test_triton_decode_leaves_the_splits_past_a_context_unwritten(monkeypatch):
         return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
 
     monkeypatch.setattr(torch, "empty", nan_filled)
-    g = torch.Generator().manual_seed(0)
-    heads, kv_heads, dim, block, blocks = 4, 2, 16, 4, 12
-    cache = torch.randn(2, blocks, block, kv_heads, dim, generator=g)
-    query = torch.randn(3, heads, dim, generator=g)
-    positions = torch.tensor([2, 9, 40], dtype=torch.int32)
-    table = torch.randperm(blocks, generator=g).to(torch.int32).reshape(1, blocks).repeat(3, 1)
-    rows = torch.arange(3, dtype=torch.int32)
+    heads, kv_heads, dim, block = DECODE_HEADS, DECODE_KV_HEADS, DECODE_DIM, DECODE_BLOCK
+    cache, query, table, rows, positions = decode_case(12, [2, 9, 40])
     out = kernels.paged_attention(query, cache, table, rows, positions, 0.25, None, None, 16, split_tokens=16)
 
     expected = []
@@ -129,13 +139,7 @@ def test_triton_decode_sums_a_context_alike_however_many_splits_the_step_allows(
     pytest.importorskip("triton")
     from tokenmill.plugins.attention.triton_paged import kernels
 
-    g = torch.Generator().manual_seed(0)
-    heads, kv_heads, dim, block, blocks = 4, 2, 16, 4, 64
-    cache = torch.randn(2, blocks, block, kv_heads, dim, generator=g)
-    query = torch.randn(3, heads, dim, generator=g)
-    positions = torch.tensor([5, 47, 190], dtype=torch.int32)
-    table = torch.randperm(blocks, generator=g).to(torch.int32).reshape(1, blocks).repeat(3, 1)
-    rows = torch.arange(3, dtype=torch.int32)
+    cache, query, table, rows, positions = decode_case(64, [5, 47, 190])
     # 191 positions in splits of 64: 4 ways at the least (the eager step's count), 16 at the most
     outs = [kernels.paged_attention(query, cache, table, rows, positions, 0.25, None, None, splits, split_tokens=64)
             for splits in (4, 8, 16)]
