@@ -9,7 +9,7 @@ import sys
 import pytest
 import yaml
 
-from server_harness import wait_until_healthy
+from server_harness import serve_process, wait_until_healthy
 
 
 def tokenmill(*args: str) -> subprocess.CompletedProcess:
@@ -250,3 +250,13 @@ def test_serve_with_a_draft_model_reports_acceptance(tmp_path):
     assert metrics["tokenmill:spec_decode_num_accepted_tokens_per_pos_total0"] > 0
     [finished] = [json.loads(line) for line in stderr.splitlines() if '"request finished"' in line]
     assert 0 < finished["spec_accepted_tokens"] <= finished["spec_draft_tokens"]
+
+
+def test_a_server_that_exits_while_starting_fails_its_test_at_once(model_dir):
+    """The harness sees the process end (here: a KV budget under one block) and raises with
+    its reason; it polled /health until its timeout instead, and a GPU test that waited on a
+    dead server ran to its 150 s limit."""
+    with pytest.raises(RuntimeError, match="exited with status 2") as failure:
+        with serve_process(str(model_dir("llama")), "--kv-cache-memory-bytes", "4KiB", timeout=600):
+            pass
+    assert "cache.kv_cache_memory" in str(failure.value)
