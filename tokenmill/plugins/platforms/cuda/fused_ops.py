@@ -29,6 +29,8 @@ from tokenmill.plugins.models.triton_moe import fused_moe
 RMS_NORM_TILE = 8192
 #: columns per program of the gated activations
 ACT_TILE = 1024
+#: the rotary kernel's compile options: no floating-point fusion (``_rotate_heads``)
+ROTARY_OPTIONS = {"enable_fp_fusion": False}
 #: the gated activations' kernel code per op name (GatedActivation.op_name)
 GATED_ACTIVATIONS = {"silu_and_mul": 0, "gelu_pytorch_tanh_and_mul": 1, "gelu_new_and_mul": 1}
 FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -213,10 +215,6 @@ def rotary_embedding(layer: ApplyRotary, query: torch.Tensor, key: torch.Tensor,
                               Q_HEADS_PAD=q_heads_pad, K_HEADS_PAD=triton.next_power_of_2(key.shape[1]),
                               num_warps=rotary_warps(q_heads_pad * half_pad), **ROTARY_OPTIONS)
     return query, key
-
-
-#: the rotary kernel's compile options: no floating-point fusion (``_rotate_heads``)
-ROTARY_OPTIONS = {"enable_fp_fusion": False}
 
 
 def rotary_warps(tile: int) -> int:
