@@ -91,7 +91,8 @@ class Compiled:
     #: (its ``-v`` reports them as spill stores), which LOCAL does not count
     stack_bytes: int
     cubin_bytes: int
-    #: floating-point FMAs in the PTX: none where the wrapper launches without FP fusion
+    #: multiplies fused into adds in the PTX (``fused_products``): none where the wrapper
+    #: launches without FP fusion
     fp_fmas: int
 
 
@@ -229,8 +230,24 @@ def compile_case(case: KernelCase, target: GPUTarget) -> Compiled:
                               options={"num_warps": case.num_warps, **dict(case.options)})
     cubin = compiled.asm["cubin"]
     usage = _resource_usage(cubin)
-    fp_fmas = len(re.findall(r"\bfma\.rn(?:\.ftz)?\.(?:f32|f16|bf16)", compiled.asm["ptx"]))
-    return Compiled(usage["REG"], compiled.metadata.shared, usage["LOCAL"], usage["STACK"], len(cubin), fp_fmas)
+    return Compiled(usage["REG"], compiled.metadata.shared, usage["LOCAL"], usage["STACK"], len(cubin),
+                    fused_products(compiled.asm["ptx"]))
+
+
+def fused_products(ptx: str) -> int:
+    """Floating-point FMAs that fuse a product into an add. Not counted: an FMA adding -0 (a
+    plain multiply: sm_80 writes bf16 products of bf16 values, exact in fp32, that way) or
+    multiplying by +-1 (a plain add or subtract: sm_80 has no bf16 add). Each of those rounds
+    once, as the operation alone would."""
+    def constants(*values: str) -> set[str]:
+        pattern = "|".join(values)
+        return set(values) | set(re.findall(rf"mov\.b(?:16|32)\s+(%\w+),\s*(?:{pattern});", ptx))
+
+    negative_zero = constants("0x8000", "0f80000000")
+    unit = constants("0x3F80", "0xBF80", "0x3C00", "0xBC00", "0f3F800000", "0fBF800000")
+    operands = re.findall(r"\bfma\.rn(?:\.ftz)?\.(?:f32|f16|bf16)\s+[^,]+,([^,]+),([^,]+),([^;]+);", ptx)
+    return sum(c.strip() not in negative_zero and a.strip() not in unit and b.strip() not in unit
+               for a, b, c in operands)
 
 
 def _resource_usage(cubin: bytes) -> dict[str, int]:
