@@ -79,7 +79,8 @@ def test_kernel_compiles_for_the_gpu(case, target, compiled):
     assert figures["cubin_bytes"] > 0
     assert figures["spill_bytes"] == 0, f"{case.id} spills {figures['spill_bytes']} bytes on {target}"
     if case.kernel == "rotary":  # each product rounded as eager rounds it: on an H200 an FMA kept one unrounded
-        assert figures["fp_fmas"] == 0, f"{case.id} fuses {figures['fp_fmas']} products into FMAs on {target}"
+        assert figures["fused_products"] == 0, \
+            f"{case.id} fuses {figures['fused_products']} products into FMAs on {target}"
     # ptxas spills registers into the stack frame (``ptxas -v``'s spill stores), which LOCAL does
     # not count: every tile the wrappers pick is sized to need none
     assert figures["stack_bytes"] == 0, f"{case.id} spills {figures['stack_bytes']} stack bytes on {target}"

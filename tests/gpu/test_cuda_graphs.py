@@ -46,7 +46,7 @@ def assert_identical(got, want):
     """Tokens and logprobs to the bit; a failure names the first step that differs and by how much."""
     for i, ((tokens, logprobs), (want_tokens, want_logprobs)) in enumerate(zip(got, want)):
         steps = [s for s, (a, b) in enumerate(zip(tokens, want_tokens)) if a != b]
-        assert not steps, f"prompt {i}: tokens differ from step {steps[0] if steps else None}"
+        assert not steps, f"prompt {i}: tokens differ from step {steps and steps[0]}"
         off = [(abs(a - b), s) for s, (a, b) in enumerate(zip(logprobs, want_logprobs)) if a != b]
         assert not off, f"prompt {i}: logprobs differ from step {off[0][1]}, at most by {max(off)[0]:.3g}"
 

@@ -31,6 +31,7 @@ from triton.runtime.jit import JITFunction
 
 from tokenmill.plugins.adapters.triton_lora import _bgmv_kernel
 from tokenmill.plugins.attention.triton_paged.kernels import (
+    MIN_SPLIT_TOKENS,
     _merge_splits_kernel,
     _paged_attention_kernel,
     _prefill_attention_kernel,
@@ -91,9 +92,8 @@ class Compiled:
     #: (its ``-v`` reports them as spill stores), which LOCAL does not count
     stack_bytes: int
     cubin_bytes: int
-    #: multiplies fused into adds in the PTX (``fused_products``): none where the wrapper
-    #: launches without FP fusion
-    fp_fmas: int
+    #: multiplies fused into adds in the PTX: none where the wrapper launches without FP fusion
+    fused_products: int
 
 
 def _signature(fn: Any, types: dict[str, str], constexprs: dict[str, Any]) -> dict[str, str]:
@@ -142,7 +142,8 @@ def kernel_cases() -> list[KernelCase]:
                             "token_req_ptr": "*i32", "token_pos_ptr": "*i32", "part_acc_ptr": "*fp32",
                             "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "scale": "fp32", "soft_cap": "fp32"},
                            {"GROUP": group, "GROUP_PAD": group_pad, "BLOCK_SIZE": block, "HEAD_DIM": head,
-                            "HEAD_PAD": head_pad, "NUM_SPLITS": splits, "SPLIT_TOKENS": 256, "TILE_N": tile_n,
+                            "HEAD_PAD": head_pad, "NUM_SPLITS": splits, "SPLIT_TOKENS": MIN_SPLIT_TOKENS,
+                            "TILE_N": tile_n,
                             "USE_SOFT_CAP": soft_cap, "USE_WINDOW": window, "IEEE_FP32": query == "fp32"},
                            num_warps))
     # a recorded decode step (decode_graphs) reads the graph's int64 position buffer

@@ -55,7 +55,8 @@ class TritonPagedAttention:
         cuda_graph=True,
     )
 
-    def __init__(self, tokens_per_split: int = 256, block_m: int = 16 if INTERPRETED else 32) -> None:
+    def __init__(self, tokens_per_split: int = kernels.MIN_SPLIT_TOKENS,
+                 block_m: int = 16 if INTERPRETED else 32) -> None:
         #: decode contexts longer than this are split across programs (flash-decoding), then merged
         self.tokens_per_split = tokens_per_split
         #: query tokens per prefill program (context positions per step: ``kernels.prefill_tiles``)

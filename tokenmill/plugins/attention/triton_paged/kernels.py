@@ -27,6 +27,9 @@ import triton.language as tl
 
 from tokenmill.plugins.triton_env import INTERPRETED, ieee_fp32_dots
 
+#: decode context positions a split takes at the least (flash-decoding's split size)
+MIN_SPLIT_TOKENS = 256
+
 
 @triton.jit
 def _write_kv_kernel(key_ptr, value_ptr, cache_ptr, slot_ptr, stride_kt, stride_vt,
@@ -184,7 +187,7 @@ def write_kv(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_m
 
 def paged_attention(query: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, token_req: torch.Tensor,
                     token_pos: torch.Tensor, scale: float, soft_cap, window, num_splits: int,
-                    split_tokens: int = 256, tiles: Optional[tuple[int, int]] = None) -> torch.Tensor:
+                    split_tokens: int = MIN_SPLIT_TOKENS, tiles: Optional[tuple[int, int]] = None) -> torch.Tensor:
     """Decode attention, each context in splits of ``split_tokens`` positions (more where
     ``num_splits`` of them fall short). ``tiles``: (TILE_N, num_warps) in place of
     ``decode_tiles``' (benchmarks/gpu_attention.py's sweep)."""
