@@ -23,8 +23,9 @@
 #   flex backend (FlexAttention, compiled) through tests/gpu/test_cuda_flex.py and timed beside the
 #   Triton attention and SDPA (150 + 120 s: its kernels compile at first use); speculative, the demo
 #   pair without speculation, with ngram and with the draft model, batch 1 and 32 (speculative.py, 120 s);
-#   serve, `bench serve` on the 1b model at 64 streams, 256 x (256 -> 128), the engine in the server's process
-#   and in its own (--engine-process), beside the offline figure of the throughput stage (150 s);
+#   serve, `bench serve` on the 1b model at 64 streams, 256 x (256 -> 128), the engine in the server's process,
+#   in its own (--engine-process), and behind four API servers (--api-server-count 4), beside the offline
+#   figure of the throughput stage (210 s);
 #   8b, Llama-3-8B's shapes (random bf16 weights drawn on the GPU, 16 GB): throughput 256 x (256 -> 128) and
 #   batch-1 latency against HF, one tokenmill engine (async scheduling) at 0.6 of the GPU so HF's copy
 #   fits beside it (120 + 180 + 130 s: a call of its own, DEADLINE=495 and timeout_s=510; the caps and
@@ -158,9 +159,9 @@ fi
 
 [[ $stages == *" profile "* ]] && stage profile 40 python3 benchmarks/gpu_profile.py --model "$model"
 
-[[ $stages == *" serve "* ]] && stage serve 150 python3 -m tokenmill.cli bench serve --device cuda --model "$model" \
-    --dtype bfloat16 --launch tokenmill,tokenmill-engine-process --num-prompts 256 --max-concurrency 64 \
-    --input-len 256 --output-len 128 --json "$OUT/serve.json"  # asked for by name only
+[[ $stages == *" serve "* ]] && stage serve 210 python3 -m tokenmill.cli bench serve --device cuda --model "$model" \
+    --dtype bfloat16 --launch tokenmill,tokenmill-engine-process,tokenmill-api-servers --api-server-count 4 \
+    --num-prompts 256 --max-concurrency 64 --input-len 256 --output-len 128 --json "$OUT/serve.json"  # by name only
 
 # the compiles' hits and misses by kernel, and what the carried cache was built from against this machine
 triton=$(TOKENMILL_TRITON_RECORDS= python3 -m tokenmill.testing.triton_cache summary "$OUT/triton.jsonl" \

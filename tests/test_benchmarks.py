@@ -206,14 +206,15 @@ def test_bench_throughput_compares_parallel_layouts(tmp_path):
 @pytest.mark.slow
 def test_bench_serve_launches_tokenmill_and_reports_latencies(tmp_path):
     """Two rounds, a server started for each: each round's figures kept, the engine's figures
-    their medians, the requests summed; the engine in its own process beside it, and the ratio.
+    their medians, the requests summed; two API servers in front of an engine process beside it,
+    and the ratio.
     16 tokens a request: a server behind on a stream sends several tokens as one chunk, and on
     a busy machine 4 tokens could all come in one, leaving no inter-token latency to report."""
-    results = _run("serve", tmp_path, "--launch", "tokenmill,tokenmill-engine-process", "--num-prompts", "4",
+    results = _run("serve", tmp_path, "--launch", "tokenmill,tokenmill-api-servers", "--num-prompts", "4",
                    "--random-input-len", "8", "--random-output-len", "16", "--max-concurrency", "2", "--rounds", "2")
-    own = results["engines"]["tokenmill-engine-process"]
+    own = results["engines"]["tokenmill-api-servers"]
     assert own["completed"] == 8 and own["failed"] == 0
-    assert results["ratio_tokenmill_engine_process_vs_tokenmill_by_round"] == pytest.approx(
+    assert results["ratio_tokenmill_api_servers_vs_tokenmill_by_round"] == pytest.approx(
         [r["output_throughput"] / t["output_throughput"] for r, t in zip(own["rounds"],
                                                                          results["engines"]["tokenmill"]["rounds"])],
         rel=1e-2)

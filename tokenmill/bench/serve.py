@@ -7,7 +7,8 @@ TTFT / TPOT / ITL / E2EL (mean, median, p99; TPOT = (e2e - ttft) / (n - 1)).
 
 Point it at a running server (``--base-url``), or let it launch one per
 engine in turn on the same model: ``--launch tokenmill,transformers,vllm,llama.cpp``
-(``tokenmill-engine-process``: tokenmill with ``--engine-process``)
+(``tokenmill-engine-process``: tokenmill with ``--engine-process``; ``tokenmill-api-servers``:
+with ``--api-server-count``, this benchmark's, 2 by default)
 (vllm: ``vllm serve``, where vLLM is installed; llama.cpp: ``llama-server`` with one
 slot per concurrent request on the same weights as GGUF; needs ``--llama-cpp``, see
 llama_cpp.py). ``--device cuda`` serves tokenmill on its cuda platform; transformers and
@@ -58,8 +59,9 @@ class Result:
 
 
 #: per engine, the fields it accepts beyond OpenAI's (transformers serve rejects unknown ones)
-EXTRA_FIELDS = {"tokenmill": {"ignore_eos": True}, "external": {"ignore_eos": True}, "llama.cpp": {"ignore_eos": True},
-                "vllm": {"ignore_eos": True}, "transformers": {}}
+EXTRA_FIELDS = {"tokenmill": {"ignore_eos": True}, "tokenmill-engine-process": {"ignore_eos": True},
+                "tokenmill-api-servers": {"ignore_eos": True}, "external": {"ignore_eos": True},
+                "llama.cpp": {"ignore_eos": True}, "vllm": {"ignore_eos": True}, "transformers": {}}
 
 
 async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, output_len: int,
@@ -149,7 +151,7 @@ def summarize(results: list[Result], duration: float) -> dict:
 def launch(engine: str, model_path: str, port: int, threads: int, max_num_seqs: int,
            args: argparse.Namespace) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-    if engine in ("tokenmill", "tokenmill-engine-process"):
+    if engine in ("tokenmill", "tokenmill-engine-process", "tokenmill-api-servers"):
         command = [sys.executable, "-m", "tokenmill.cli", "serve", model_path, "--port", str(port),
                    "--served-model-name", "bench", "--max-num-seqs", str(max_num_seqs), "--device", args.device,
                    "--dtype", args.dtype, "--kv-cache-dtype", args.kv_cache_dtype, "--log-level", "warning"]
@@ -157,6 +159,8 @@ def launch(engine: str, model_path: str, port: int, threads: int, max_num_seqs: 
             command += ["--num-threads", str(threads)]
         if engine == "tokenmill-engine-process":
             command.append("--engine-process")
+        if engine == "tokenmill-api-servers":
+            command += ["--api-server-count", str(args.api_server_count)]
         if args.kv_cache_memory_bytes is not None:
             command += ["--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes)]
     elif engine == "vllm":  # in the dtype tokenmill computes in (vLLM's CPU "auto" takes fp32 to bf16)
@@ -234,7 +238,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--base-url", help="an already running server (skips --launch)")
     parser.add_argument("--served-model", default="bench", help="the 'model' field to send")
     parser.add_argument("--launch", default="tokenmill",
-                        help="comma-separated: tokenmill,tokenmill-engine-process,transformers,vllm,llama.cpp")
+                        help="comma-separated: tokenmill,tokenmill-engine-process,tokenmill-api-servers,"
+                             "transformers,vllm,llama.cpp")
+    parser.add_argument("--api-server-count", type=int, default=2,
+                        help="the HTTP server processes of a launched tokenmill-api-servers")
     parser.add_argument("--vllm", default="vllm", help="the vllm executable, or a wrapper such as benchmarks/vllm_cpu.sh")
     parser.add_argument("--device", default="auto", help="tokenmill's platform when launched (cpu, cuda)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -280,7 +287,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             print(f"{name:<13} median of {args.rounds} rounds: "
                   + summary_line(engines[name], args.rounds * args.num_prompts))
     for subject, peer in (("tokenmill", "transformers"), ("tokenmill", "vllm"), ("tokenmill", "llama.cpp"),
-                          ("tokenmill-engine-process", "tokenmill"), ("tokenmill-engine-process", "vllm")):
+                          ("tokenmill-engine-process", "tokenmill"), ("tokenmill-engine-process", "vllm"),
+                          ("tokenmill-api-servers", "tokenmill"),
+                          ("tokenmill-api-servers", "tokenmill-engine-process")):
         if subject in engines and peer in engines and engines[peer]["output_throughput"]:
             ratio = engines[subject]["output_throughput"] / engines[peer]["output_throughput"]
             by_round = [t["output_throughput"] / p["output_throughput"] if p["output_throughput"] else None

@@ -98,6 +98,9 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--engine-process", action="store_true", default=None,
                        help="run the engine in a process of its own beside the HTTP server (vLLM's engine core): "
                             "streaming to many clients no longer takes the engine's time")
+    group.add_argument("--api-server-count", type=int, default=None,
+                       help="HTTP server processes in front of one engine process (the engine then runs in its own): "
+                            "each serves a share of the connections (default 1)")
     group.add_argument("--ssl-keyfile", default=None, help="serve https with this private key (PEM)")
     group.add_argument("--ssl-certfile", default=None, help="... and this certificate chain (PEM)")
     group.add_argument("--ssl-ca-certs", default=None, help="CA bundle client certificates are checked against")

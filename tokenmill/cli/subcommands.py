@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import structlog
 
@@ -122,7 +122,7 @@ def serve(args: argparse.Namespace) -> int:
         print(f"tokenmill serve: {refused}", file=sys.stderr)
         return 2
     config = resolve_config(args)
-    transport = uvicorn_options(config.server)  # unreadable TLS files fail before the model loads
+    uvicorn_options(config.server)  # unreadable TLS files fail before the model loads
     configure_logging(config.server.log_level, config.server.log_format)
     if config.model is None:
         # clients name the demo model, not its path
@@ -136,16 +136,19 @@ def serve(args: argparse.Namespace) -> int:
     accepted = already_so(args)
     if accepted:
         structlog.get_logger("tokenmill.serve").info("vLLM flags accepted, nothing to do", flags=accepted)
-    import uvicorn
-
     from tokenmill.core.engine.async_llm import AsyncLLM
     from tokenmill.core.engine.builder import build_engine
     from tokenmill.core.engine.llm_engine import LLMEngine
-    from tokenmill.server.app import create_app, default_model_names, server_chat_template, user_middleware
+    from tokenmill.server.api_server import run_api_server
+    from tokenmill.server.app import default_model_names, server_chat_template, user_middleware
 
     server_chat_template(config.server.chat_template)  # a missing file fails before the model loads
     for path in config.server.middleware:
         user_middleware(path)
+    if config.server.api_server_count > 1:
+        from tokenmill.server.engine_core.api_servers import serve_api_servers
+
+        return serve_api_servers(config)
     if config.server.engine_process:
         from tokenmill.server.engine_core.client import EngineCoreClient
 
@@ -154,19 +157,7 @@ def serve(args: argparse.Namespace) -> int:
     else:
         engine = build_engine(config)
         served = AsyncLLM(engine, config.server.max_queued_requests) if isinstance(engine, LLMEngine) else engine
-    server: Optional[uvicorn.Server] = None
-
-    def exit_server() -> None:  # the engine stopped on an error: a supervisor starts a fresh process
-        server.should_exit = True
-
-    app = create_app(served, config.server, on_engine_stopped=exit_server)
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=config.server.host, port=config.server.port,
-        log_level=config.server.uvicorn_log_level or config.server.log_level,
-        access_log=config.server.log_level == "debug",
-        timeout_graceful_shutdown=int(config.server.drain_timeout) + 1, **transport))
-    server.run()
-    return 1 if getattr(served, "error", None) is not None else 0
+    return run_api_server(served, config)
 
 
 def generate(args: argparse.Namespace) -> int:

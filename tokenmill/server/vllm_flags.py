@@ -83,7 +83,7 @@ REFUSED: dict[str, str] = {
         "--data-parallel-rpc-port", "--data-parallel-size", "--data-parallel-size-local",
         "--data-parallel-start-rank", "--data-parallel-supervisor-port", "--dp-supervisor-probe-failure-threshold",
         "--dp-supervisor-probe-interval-s", "--dp-supervisor-probe-timeout-s", "--dp-sync-interval",
-        "--disable-nccl-for-dp-synchronization", "--api-server-count", "--enable-elastic-ep",
+        "--disable-nccl-for-dp-synchronization", "--enable-elastic-ep",
         "--elastic-ep-max-dp-size", "--enable-scale-out")},
     **{flag: _MULTI_NODE for flag in ("--headless", "--nnodes", "--node-rank", "--master-addr", "--master-port")},
     **{flag: _EXPERT_PARALLEL for flag in (
@@ -217,7 +217,6 @@ INERT: dict[str, tuple[str, ...]] = {
     "--data-parallel-size": ("1",),
     "--decode-context-parallel-size": ("1",),
     "--prefill-context-parallel-size": ("1",),
-    "--api-server-count": ("1",),
 }
 
 

@@ -94,6 +94,7 @@ SERVER_NAMES: dict[str, str] = {
     "middleware": "server.middleware",
     "enable_training_endpoints": "server.enable_training_endpoints",
     "engine_process": "server.engine_process",
+    "api_server_count": "server.api_server_count",
     "ssl_keyfile": "server.ssl_keyfile",
     "ssl_certfile": "server.ssl_certfile",
     "ssl_ca_certs": "server.ssl_ca_certs",

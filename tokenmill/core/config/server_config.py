@@ -59,6 +59,11 @@ class ServerConfig(BaseModel):
     #: run the engine in a process of its own beside the HTTP server's, as vLLM runs its engine
     #: core: each has a GIL of its own, so streaming to many clients does not slow the steps
     engine_process: bool = False
+    #: HTTP server processes in front of the engine, which then runs in a process of its own
+    #: (vLLM: --api-server-count): each takes a share of the connections, and with it of the
+    #: per-token work of streaming, which one event loop does at some tens of microseconds a
+    #: token; 1 serves from this process
+    api_server_count: int = Field(1, ge=1, le=64)
     #: ASGI middleware to add to the app, as import paths (vLLM: --middleware): a class is
     #: added with app.add_middleware, a function as an HTTP middleware (@app.middleware("http"))
     middleware: list[str] = []

@@ -7,7 +7,8 @@ AsyncLLM's engine thread did, stepping, runs in the engine-core process
 each step's outputs to their streams. What the control routes ask of the engine between its
 steps (runtime LoRA, the training-loop API, pooling, pausing) goes across as a named call
 (``engine_calls``) whose answer settles its caller's future; code itself never crosses, so
-``run_on_engine`` is refused.
+``run_on_engine`` is refused. With several API servers (``api_servers``) each holds one of
+these, attached to the engine-core process its parent started.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from tokenmill.server.engine_core.messages import (
     Call,
     CallDone,
     CoreSpec,
+    EngineState,
     Outputs,
     Ready,
     Refused,
@@ -67,25 +69,25 @@ class EngineCoreFailed(TokenmillError):
 
 
 class EngineCoreClient(AsyncLLM):
-    def __init__(self, config: EngineConfig, model_name: str, max_queued_requests: Optional[int] = None) -> None:
-        """Start the engine-core process and wait until its engine is built (a start's
-        compiles take a while, and it logs as it goes). A build that fails raises its error
-        here: a ConfigError where the config was at fault."""
-        ours, theirs = socket.socketpair()
-        spec = CoreSpec(config.model_dump_json(), theirs.fileno(), model_name, config.server.log_requests,
-                        config.server.log_level, config.server.log_format)
-        # -P: the working directory does not shadow installed packages (as the workers start)
-        self.process = subprocess.Popen([sys.executable, "-P", "-m", "tokenmill.server.engine_core.core_process"],
-                                        env={**core_environment(), SPEC_ENV: msgspec.json.encode(spec).decode()},
-                                        pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
-        theirs.close()
-        self.connection = Connection(ours.detach())
+    def __init__(self, config: EngineConfig, model_name: str, max_queued_requests: Optional[int] = None,
+                 connection: Optional[Connection] = None) -> None:
+        """Start the engine-core process, or attach to one already started over
+        ``connection`` (one of several API servers: ``api_servers``), and wait until its
+        engine is built (a start's compiles take a while, and it logs as it goes). A build
+        that fails raises its error here: a ConfigError where the config was at fault."""
+        self.process: Optional[subprocess.Popen] = None
+        if connection is None:
+            ours, theirs = socket.socketpair()
+            self.process = start_core_process(config, model_name, [theirs])
+            connection = Connection(ours.detach())
+        self.connection = connection
         try:
             frontend = EngineFrontend(config)  # while the engine builds
             ready = self._wait_ready()
         except BaseException:
-            self.process.kill()
-            self.process.wait()
+            if self.process is not None:
+                self.process.kill()
+                self.process.wait()
             self.connection.close()
             raise
         frontend.adapters = LoadedAdapters(ready.adapters) if config.adapters.enable_lora else None
@@ -106,15 +108,20 @@ class EngineCoreClient(AsyncLLM):
         try:
             message = decode_from_core(self.connection.recv_bytes())
         except EOFError:
-            raise RuntimeError(f"the engine-core process exited (code {self.process.wait()}) before its engine "
-                               "was built; its log above says why") from None
+            raise RuntimeError(f"the engine-core process exited{self._exit_code()} before its engine was built; "
+                               "its log above says why") from None
         if isinstance(message, StartFailed):
-            self.process.wait()
+            if self.process is not None:
+                self.process.wait()
             if message.field is not None:
                 raise ConfigError(message.field, message.message.removeprefix(f"{message.field}: "))
             raise RuntimeError(f"the engine could not be built: {message.message}")
         assert isinstance(message, Ready), message
         return message
+
+    def _exit_code(self) -> str:
+        """`` (code N)`` where this server started the engine process, for its messages."""
+        return f" (code {self.process.wait()})" if self.process is not None else ""
 
     # --- caller side ------------------------------------------------------------------------
     @property
@@ -130,21 +137,17 @@ class EngineCoreClient(AsyncLLM):
         return await self._call("metrics_text", {})
 
     async def call(self, name: str, **kwargs: Any) -> Any:
-        result = await self._call(name, kwargs)
-        if name in ("load_lora_adapter", "unload_lora_adapter"):  # the routes' view of the adapters
-            self.engine.adapters = LoadedAdapters(result)
-        return result
+        return await self._call(name, kwargs)
 
     async def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
         check_pause_mode(mode)
-        # False when a resume came before the pause took effect
-        self._is_paused = await self._call("pause_generation", {"mode": mode, "clear_cache": clear_cache})
+        await self._call("pause_generation", {"mode": mode, "clear_cache": clear_cache})
 
     async def resume_generation(self) -> None:
         await self._call("resume_generation", {})
-        self._is_paused = False
 
     def is_paused(self) -> bool:
+        """As the engine's last EngineState said: a pause or resume asked of any API server."""
         return self._is_paused
 
     async def run_on_engine(self, fn: Callable[[LLMEngine], object]) -> object:
@@ -210,12 +213,13 @@ class EngineCoreClient(AsyncLLM):
         while self._streams and time.monotonic() < deadline and self._thread.is_alive():
             time.sleep(0.05)
         self._write(Shutdown())
-        try:
-            self.process.wait(30.0)
-        except subprocess.TimeoutExpired:
-            log.warning("the engine-core process did not stop; killing it", pid=self.process.pid)
-            self.process.kill()
-            self.process.wait()
+        if self.process is not None:
+            try:
+                self.process.wait(30.0)
+            except subprocess.TimeoutExpired:
+                log.warning("the engine-core process did not stop; killing it", pid=self.process.pid)
+                self.process.kill()
+                self.process.wait()
         self._thread.join(10.0)
         self.connection.close()
 
@@ -227,7 +231,7 @@ class EngineCoreClient(AsyncLLM):
                     message = decode_from_core(self.connection.recv_bytes())
                 except (EOFError, OSError):
                     if not self._draining:
-                        self.error = EngineCoreFailed(f"the engine-core process exited (code {self.process.wait()})")
+                        self.error = EngineCoreFailed(f"the engine-core process exited{self._exit_code()}")
                     return
                 if isinstance(message, Outputs):
                     self._counts = (message.num_waiting, message.num_running)
@@ -238,13 +242,18 @@ class EngineCoreClient(AsyncLLM):
                     self._deliver(message.request_id, raised(message.error, message.request_id), final=True)
                 elif isinstance(message, CallDone):
                     self._settle_call(message)
+                elif isinstance(message, EngineState):
+                    self._is_paused = message.paused
+                    if self.engine.adapters is not None:  # the routes' view of the adapters
+                        self.engine.adapters = LoadedAdapters(message.adapters)
                 elif isinstance(message, Stopped):
                     self.error = EngineCoreFailed(message.error)
                     return
         except BaseException as exc:  # the reader must never die silently
             self.error = exc
             log.exception("reading the engine process failed")
-            self.process.kill()
+            if self.process is not None:
+                self.process.kill()
         finally:
             ended = self._ended()
             with self._lock:
@@ -283,6 +292,21 @@ class EngineCoreClient(AsyncLLM):
         else:
             result, error = tensor_of(message.tensor) if message.tensor is not None else message.result, None
         target[0].call_soon_threadsafe(settle_future, target[1], result, error)
+
+
+def start_core_process(config: EngineConfig, model_name: str, ends: list[socket.socket]) -> subprocess.Popen:
+    """The engine-core process, given its ends of the socket pairs, one per API server
+    (closed here once it has them)."""
+    fds = [end.fileno() for end in ends]
+    spec = CoreSpec(config.model_dump_json(), fds, model_name, config.server.log_requests, config.server.log_level,
+                    config.server.log_format)
+    # -P: the working directory does not shadow installed packages (as the workers start)
+    process = subprocess.Popen([sys.executable, "-P", "-m", "tokenmill.server.engine_core.core_process"],
+                               env={**core_environment(), SPEC_ENV: msgspec.json.encode(spec).decode()},
+                               pass_fds=fds, stdin=subprocess.DEVNULL)
+    for end in ends:
+        end.close()
+    return process
 
 
 def core_environment() -> dict[str, str]:

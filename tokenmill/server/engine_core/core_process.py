@@ -5,14 +5,18 @@ that started it, as vLLM runs its EngineCore beside its API server. Each has a G
 own: the event loop's work per streamed token (a response chunk, a socket write) no longer
 waits for the engine's, nor the engine's for it.
 
-A thread reads the server's messages into a queue; the main thread admits, aborts and runs
-calls between steps (the named engine calls of ``engine_calls``, and pausing as an in-process
-engine's thread pauses: ``generation_pause``), steps, and sends each step's outputs. Metrics
-and request logs are observed here, where the steps are, and the server asks for the
-Prometheus text when it is scraped.
-The process ends when the server says so, or when its socket closes: a server that died
-leaves no engine behind. It ignores SIGINT and SIGTERM, which a terminal or a supervisor may
-send to the whole process group, so that the server's drain still has its engine.
+With ``--api-server-count N`` it serves N HTTP server processes, a connection each
+(``api_servers``): each server's requests, answers and counts go back on its own connection.
+
+A thread per connection reads its server's messages into one queue; the main thread admits,
+aborts and runs calls between steps (the named engine calls of ``engine_calls``, and pausing
+as an in-process engine's thread pauses: ``generation_pause``), steps, and sends each step's
+outputs. Metrics and request logs are observed here, where the steps are, and a server asks
+for the Prometheus text when it is scraped.
+The process ends when every server has said so or its socket has closed: servers that died
+leave no engine behind, and one that dies alone takes only its own requests with it. It
+ignores SIGINT and SIGTERM, which a terminal or a supervisor may send to the whole process
+group, so that the servers' drains still have their engine.
 """
 
 from __future__ import annotations
@@ -45,12 +49,14 @@ from tokenmill.server.engine_core.messages import (
     Call,
     CallDone,
     CoreSpec,
+    EngineState,
     Outputs,
     Ready,
     Refused,
     Shutdown,
     StartFailed,
     Stopped,
+    WireError,
     decode_to_core,
     encode,
     wire_error,
@@ -66,35 +72,50 @@ SPEC_ENV = "TOKENMILL_ENGINE_CORE"
 
 
 class EngineCore:
-    """The loop: one writer (this thread) and one reader thread on the connection."""
+    """The loop: one writer (this thread) and a reader thread per API server's connection."""
 
-    def __init__(self, engine: LLMEngine, connection: Connection, metrics: EngineMetrics, log_requests: bool) -> None:
+    def __init__(self, engine: LLMEngine, connections: list[Connection], metrics: EngineMetrics,
+                 log_requests: bool) -> None:
         self.engine = engine
-        self.connection = connection
+        self.connections = connections
         self.metrics = metrics
         self.observers: list[StepObserver] = [metrics.observe_step] + ([log_finished_requests] if log_requests else [])
+        #: (API server, its message) in arrival order
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
+        #: the API servers still connected; the loop ends when none is
+        self._open = set(range(len(connections)))
+        #: request id -> the API server that sent it, until its last output or refusal
+        self._owner: dict[str, int] = {}
         #: requests that have had an output sent: their prompt went with the first
         self._started: set[str] = set()
         #: requests whose constraint compiles on the manager's thread, admitted once it has:
         #: a slow compile delays its own request, not every step
         self._compiling: dict[str, tuple[Add, Future]] = {}
-        self._pause: GenerationPause[int, Add] = GenerationPause(engine)
-        #: the Adds admitted, refused or aborted before either so far (held and compiling ones
-        #: are still on their way)
-        self._taken = 0
-        self._counts = (0, 0, 0)
-        threading.Thread(target=self._read, name="tokenmill-core-reader", daemon=True).start()
+        #: a pause's waiter: (API server, call id)
+        self._pause: GenerationPause[tuple[int, int], Add] = GenerationPause(engine)
+        #: per API server, the Adds admitted, refused or aborted before either so far (held
+        #: and compiling ones are still on their way)
+        self._taken = [0] * len(connections)
+        #: per API server, the (waiting, running, taken) it was last sent
+        self._counts = [(0, 0, 0)] * len(connections)
+        self._state = self._engine_state()
+        for client, connection in enumerate(connections):
+            threading.Thread(target=self._read, args=(client, connection), name=f"tokenmill-core-reader-{client}",
+                             daemon=True).start()
 
     def run(self) -> None:
-        """Serve until told to stop; an error in the engine's own bookkeeping propagates."""
+        """Serve until every API server has gone; an error in the engine's own bookkeeping
+        propagates."""
         engine = self.engine
         while self._drain():
-            for call_id in self._pause.settle():
-                self._done(call_id, True)  # paused
+            settled = self._pause.settle()
+            if settled:
+                self._share_state()
+            for client, call_id in settled:
+                self._done(client, call_id, True)  # paused
             if self._pause.paused or not engine.has_unfinished_requests():  # a compile that ends wakes it too
-                self._send_outputs([])  # the server's counts, where a call or an abort changed them
+                self._send_outputs([])  # the servers' counts, where a call or an abort changed them
                 engine.check_health()
                 self._wake.wait(0.5)
                 self._wake.clear()
@@ -103,51 +124,70 @@ class EngineCore:
             self._observe(outputs)
             self._send_outputs(outputs)
 
-    def _read(self) -> None:
+    def _read(self, client: int, connection: Connection) -> None:
         try:
             while True:
-                message = decode_to_core(self.connection.recv_bytes())
-                self._commands.put(message)
+                message = decode_to_core(connection.recv_bytes())
+                self._commands.put((client, message))
                 self._wake.set()
                 if isinstance(message, Shutdown):
                     return
         except (EOFError, OSError):  # the server is gone
-            self._commands.put(Shutdown())
+            self._commands.put((client, Shutdown()))
             self._wake.set()
 
     def _drain(self) -> bool:
-        """Apply the queued commands; False once told to stop."""
+        """Apply the queued commands; False once no API server is left."""
         if self._compiling:  # a step's drain scans nothing when no constraint is compiling
             for add, compiled in [entry for entry in self._compiling.values() if entry[1].done()]:
                 del self._compiling[add.request_id]
                 self._add(add)
         while True:
             try:
-                command = self._commands.get_nowait()
+                client, command = self._commands.get_nowait()
             except queue.Empty:
                 return True
             if isinstance(command, Add):
-                self._admit(command)
+                self._admit(client, command)
             elif isinstance(command, Abort):
                 self._abort(command.request_id)
             elif isinstance(command, Call):
-                self._call(command)
-            else:
-                return False
+                self._call(client, command)
+            elif client in self._open:
+                self._close(client)
+                if not self._open:
+                    return False
+
+    def _close(self, client: int) -> None:
+        """An API server has gone (its shutdown, which drained its streams first, or its
+        death): whatever of its requests is left ends; the others go on."""
+        self._open.discard(client)
+        for request_id in [request_id for request_id, owner in self._owner.items() if owner == client]:
+            self._abort(request_id)
 
     def _abort(self, request_id: str) -> None:
-        """End a request wherever it is: compiling, held by a pause, or in the engine."""
+        """End a request wherever it is: compiling, held by a pause, or in the engine. Its
+        server has dropped its stream: the final output is observed, not sent."""
         self._started.discard(request_id)
+        client = self._owner.pop(request_id, None)
+        if client is None:  # it ended already: the abort crossed its last output
+            return
         held = self._pause.held
         if self._compiling.pop(request_id, None) is not None:
-            self._taken += 1  # never added: no longer on its way, for the server's count
+            self._taken[client] += 1  # never added: no longer on its way, for the server's count
         elif any(add.request_id == request_id for add in held):
             held[:] = [add for add in held if add.request_id != request_id]
-            self._taken += 1
+            self._taken[client] += 1
         else:
             self._observe(self.engine.abort_request(request_id))
 
-    def _admit(self, add: Add) -> None:
+    def _admit(self, client: int, add: Add) -> None:
+        if add.request_id in self._owner:  # API servers draw their ids at random: never in practice
+            self._taken[client] += 1
+            self._send(client, Refused(add.request_id, WireError("invalid", f"request id {add.request_id!r} is "
+                                                                            "already in use"), self._taken[client]))
+            return
+        self._owner[add.request_id] = client
         constraint, manager = add.params.structured_outputs, self.engine.structured_outputs
         if constraint is not None and manager is not None:
             compiled = manager.compile_async(constraint)
@@ -163,7 +203,8 @@ class EngineCore:
         if self._pause.holds:
             self._pause.held.append(add)
             return
-        self._taken += 1
+        client = self._owner[add.request_id]
+        self._taken[client] += 1
         prompt = {"prompt": add.prompt, "prompt_token_ids": add.prompt_token_ids}
         if add.cache_salt is not None:
             prompt["cache_salt"] = add.cache_salt
@@ -174,65 +215,89 @@ class EngineCore:
             error = wire_error(exc)
             if error.kind not in ("invalid", "asleep"):
                 log.error("adding a request failed", request_id=add.request_id, exc_info=exc)
-            self._send(Refused(add.request_id, error, self._taken))
+            del self._owner[add.request_id]
+            self._send(client, Refused(add.request_id, error, self._taken[client]))
 
-    def _call(self, call: Call) -> None:
+    def _call(self, client: int, call: Call) -> None:
         """A call's answer goes back now, or (a pause that waits) when it takes effect."""
         if call.name == "pause_generation":
-            aborted = self._pause.pause(call.kwargs["mode"], call.kwargs["clear_cache"], call.call_id)
+            aborted = self._pause.pause(call.kwargs["mode"], call.kwargs["clear_cache"], (client, call.call_id))
             self._observe(aborted)
             self._send_outputs(aborted)
         elif call.name == "resume_generation":
             held, waiters = self._pause.resume()
             for add in held:
                 self._add(add)
-            for call_id in waiters + [call.call_id]:
-                self._done(call_id, False)  # not paused: a pause still waiting is over
+            self._share_state()
+            for waiter in waiters + [(client, call.call_id)]:
+                self._done(*waiter, False)  # not paused: a pause still waiting is over
         elif call.name == "metrics_text":
-            self._done(call.call_id, generate_latest(self.metrics.registry))
+            self._done(client, call.call_id, generate_latest(self.metrics.registry))
         else:
             try:
                 result = run_call(self.engine, call.name, call.kwargs)
             except Exception as exc:  # the caller's error; a device fault then stops the loop
-                self._send(CallDone(call.call_id, error=wire_error(exc)))
+                self._send(client, CallDone(call.call_id, error=wire_error(exc)))
                 raise_if_fatal(self.engine.platform, exc)
                 return
-            self._done(call.call_id, result)
+            self._share_state()
+            self._done(client, call.call_id, result)
 
-    def _done(self, call_id: int, result: Any) -> None:
+    def _engine_state(self) -> EngineState:
+        adapters = self.engine.adapters
+        return EngineState(self._pause.paused, dict(adapters.loaded()) if adapters is not None else {})
+
+    def _share_state(self) -> None:
+        """Tell every API server what changed of what its routes read: a pause or an
+        adapter taken effect here, whichever server asked for it."""
+        state = self._engine_state()
+        if state != self._state:
+            self._state = state
+            for client in list(self._open):
+                self._send(client, state)
+
+    def _done(self, client: int, call_id: int, result: Any) -> None:
         if isinstance(result, torch.Tensor):
             done = CallDone(call_id, tensor=wire_tensor(result))
         else:
             done = CallDone(call_id, result)
         try:
-            data = encode(done)
+            encode(done)
         except (OverflowError, TypeError, msgspec.EncodeError) as exc:  # a worker extension's result
-            data = encode(CallDone(call_id, error=wire_error(TypeError(f"the result cannot be sent to the server: "
-                                                                         f"{exc}"))))
-        self.connection.send_bytes(data)
+            done = CallDone(call_id, error=wire_error(TypeError(f"the result cannot be sent to the server: {exc}")))
+        self._send(client, done)
 
     def _observe(self, outputs: list[RequestOutput]) -> None:
         observe_step(self.observers, self.engine, outputs)
 
     def _send_outputs(self, outputs: list[RequestOutput]) -> None:
+        """Each API server its requests' outputs of the step, and the queue's counts where
+        they changed."""
         scheduler = self.engine.scheduler
-        counts = (len(scheduler.waiting), len(scheduler.running), self._taken)
-        if not outputs and counts == self._counts:
-            return
-        self._counts = counts
-        started = self._started
-        wire = []
+        waiting, running = len(scheduler.waiting), len(scheduler.running)
+        started, owner = self._started, self._owner
+        wire: list[list] = [[] for _ in self.connections]
         for output in outputs:
             request_id = output.request_id
-            wire.append(wire_output(output, request_id not in started))
+            client = owner.pop(request_id, None) if output.finished else owner.get(request_id)
+            if client is not None:
+                wire[client].append(wire_output(output, request_id not in started))
             if output.finished:
                 started.discard(request_id)
             else:
                 started.add(request_id)
-        self._send(Outputs(wire, *counts))
+        for client in list(self._open):
+            counts = (waiting, running, self._taken[client])
+            if wire[client] or counts != self._counts[client]:
+                self._counts[client] = counts
+                self._send(client, Outputs(wire[client], *counts))
 
-    def _send(self, message: msgspec.Struct) -> None:
-        self.connection.send_bytes(encode(message))
+    def _send(self, client: int, message: msgspec.Struct) -> None:
+        """To one API server; one that has gone is dropped when its reader says so."""
+        try:
+            self.connections[client].send_bytes(encode(message))
+        except OSError:
+            pass
 
 
 def main() -> int:
@@ -241,7 +306,14 @@ def main() -> int:
     for number in (signal.SIGINT, signal.SIGTERM):
         signal.signal(number, signal.SIG_IGN)
     spec = msgspec.json.decode(os.environ.pop(SPEC_ENV), type=CoreSpec)
-    connection = Connection(spec.fd)
+    connections = [Connection(fd) for fd in spec.fds]
+
+    def tell_all(message: msgspec.Struct) -> None:
+        for connection in connections:
+            try:
+                connection.send_bytes(encode(message))
+            except OSError:  # that server is gone
+                pass
     configure_logging(spec.log_level, spec.log_format)
     from tokenmill.core.config.engine_config import EngineConfig
     from tokenmill.core.engine.builder import build_engine
@@ -250,24 +322,21 @@ def main() -> int:
         engine = build_engine(EngineConfig.model_validate_json(spec.config_json))
         if not isinstance(engine, LLMEngine):  # an encoder: one process, nothing to shut down
             raise ConfigError("engine_process", "an embedding model is served from one process: "
-                                                "drop --engine-process")
+                                                "drop --engine-process and --api-server-count")
     except ConfigError as exc:
-        connection.send_bytes(encode(StartFailed(str(exc), exc.key)))
+        tell_all(StartFailed(str(exc), exc.key))
         return 2
     except Exception as exc:
         log.exception("the engine could not be built")
-        connection.send_bytes(encode(StartFailed(repr(exc))))
+        tell_all(StartFailed(repr(exc)))
         return 1
-    core = EngineCore(engine, connection, EngineMetrics(spec.model_name), spec.log_requests)
-    connection.send_bytes(encode(Ready(os.getpid(), dict(engine.adapters.loaded()) if engine.adapters else {})))
+    core = EngineCore(engine, connections, EngineMetrics(spec.model_name), spec.log_requests)
+    tell_all(Ready(os.getpid(), dict(engine.adapters.loaded()) if engine.adapters else {}))
     try:
         core.run()
     except BaseException as exc:  # the loop must never die silently
         log.exception("engine loop failed")
-        try:
-            connection.send_bytes(encode(Stopped(repr(exc))))
-        except OSError:
-            pass
+        tell_all(Stopped(repr(exc)))
         return 1
     finally:
         engine.shutdown()

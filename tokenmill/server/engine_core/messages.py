@@ -3,8 +3,11 @@ never pickle.
 
 The server sends ``Add``, ``Abort``, ``Call`` and ``Shutdown``. The engine core answers
 ``Ready`` (or ``StartFailed``) once built, then one ``Outputs`` per step that returned any,
-``Refused`` for a request its admission turned down, ``CallDone`` for each call, and
-``Stopped`` if its loop fails. A step's outputs are the hot path: they travel as arrays, not
+``Refused`` for a request its admission turned down, ``CallDone`` for each call,
+``EngineState`` to every server when a call changed what the routes read (pausing, the LoRA
+adapters), and ``Stopped`` if its loop fails. With several API servers
+(``--api-server-count``) each has a connection of its own and hears of its own requests
+and calls only. A step's outputs are the hot path: they travel as arrays, not
 maps, and a request's prompt travels back once, with its first output (the server keeps it).
 
 A call is named, never code: an engine call (``engine_calls``), a pause or resume of the
@@ -29,8 +32,8 @@ class CoreSpec(msgspec.Struct, frozen=True):
     """What the engine-core process is started with (JSON, in its environment)."""
 
     config_json: str
-    #: the file descriptor of its end of the socket pair
-    fd: int
+    #: the file descriptors of its ends of the socket pairs, one per API server
+    fds: list[int]
     #: the name its metrics carry (the first served model name)
     model_name: str
     log_requests: bool
@@ -147,6 +150,15 @@ class CallDone(msgspec.Struct, tag="call_done", frozen=True):
     error: Optional[WireError] = None
 
 
+class EngineState(msgspec.Struct, tag="state", frozen=True):
+    """What every API server's routes read of the engine, sent to each when a call changed
+    it (on the caller's connection before the call's CallDone): whether generation is
+    paused, and the LoRA adapters loaded (name -> path)."""
+
+    paused: bool
+    adapters: dict[str, str]
+
+
 class Stopped(msgspec.Struct, tag="stopped", frozen=True):
     """The engine loop failed; the process exits after sending this."""
 
@@ -154,7 +166,7 @@ class Stopped(msgspec.Struct, tag="stopped", frozen=True):
 
 
 ToCore = Union[Add, Abort, Call, Shutdown]
-FromCore = Union[Ready, StartFailed, Outputs, Refused, CallDone, Stopped]
+FromCore = Union[Ready, StartFailed, Outputs, Refused, CallDone, EngineState, Stopped]
 
 _encoder = msgspec.msgpack.Encoder()
 _to_core = msgspec.msgpack.Decoder(ToCore)
