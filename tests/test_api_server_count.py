@@ -5,7 +5,7 @@ Each server serves Hugging Face's tokens; the kernel spreads connections across 
 one server's caller changes (a pause, a LoRA adapter) is what every server reads; a stop
 signal drains them all and leaves no process behind; a server that dies takes the others
 down (status 1, for a supervisor to restart), and so does a parent killed outright; a port
-in use is a clear exit 2.
+in use, or an engine build that fails, is a clear exit 2.
 
 A connection's server is found from /proc: the server-side socket of the connection from
 the client's port, and the process holding it.
@@ -240,13 +240,20 @@ def test_a_parent_killed_outright_leaves_no_server_or_engine_behind(model_dir):
                 os.kill(pid, signal.SIGKILL)
 
 
-def test_a_port_in_use_exits_2_and_says_so(model_dir):
+def test_a_port_in_use_or_a_failed_build_exits_2_and_says_why_once(model_dir):
+    def serve(port: int, *flags: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "tokenmill.cli", "serve", str(model_dir("llama")), "--host",
+                               "127.0.0.1", "--port", str(port), *FLAGS, *flags], capture_output=True, text=True,
+                              timeout=120)
+
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        result = subprocess.run([sys.executable, "-m", "tokenmill.cli", "serve", str(model_dir("llama")), "--host",
-                                 "127.0.0.1", "--port", str(port), *FLAGS], capture_output=True, text=True,
-                                timeout=120)
+        result = serve(port)
     assert result.returncode == 2, result.stderr[-2000:]
     assert f"cannot listen on 127.0.0.1:{port}" in result.stderr and "Traceback" not in result.stderr
+
+    result = serve(free_port(), "--kv-cache-memory-bytes", "4KiB")  # every server hears the engine's failure
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.count("tokenmill: error: cache.kv_cache_memory") == 1 and "Traceback" not in result.stderr

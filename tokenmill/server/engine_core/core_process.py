@@ -160,10 +160,12 @@ class EngineCore:
 
     def _close(self, client: int) -> None:
         """An API server has gone (its shutdown, which drained its streams first, or its
-        death): whatever of its requests is left ends; the others go on."""
+        death): whatever of its requests is left ends; the others go on. Closing its end
+        lets the server's reader see the end of the engine's messages at once."""
         self._open.discard(client)
         for request_id in [request_id for request_id, owner in self._owner.items() if owner == client]:
             self._abort(request_id)
+        self.connections[client].close()
 
     def _abort(self, request_id: str) -> None:
         """End a request wherever it is: compiling, held by a pause, or in the engine. Its
