@@ -1,6 +1,7 @@
 """On a CUDA GPU: ``tokenmill serve --device cuda`` answers the ``openai`` client, streamed and
-not, with the offline engine's greedy tokens, with the engine in the server's process or its own
-(--engine-process); a real illegal address in a step fails the
+not, with the offline engine's greedy tokens, with the engine in the server's process, in its own
+(--engine-process), or behind two API servers (--api-server-count 2, whose processes never touch the
+GPU); a real illegal address in a step fails the
 requests in flight, turns /health to 503 and ends the process with status 1 (a supervisor
 restarts it); a real out-of-memory error fails its request and the server goes on."""
 
@@ -20,7 +21,8 @@ def serving(model, *flags: str):
                          str(GPU_SHARE), "--served-model-name", "m", *flags, timeout=180)
 
 
-@pytest.mark.parametrize("mode", [(), ("--engine-process",)], ids=["one-process", "engine-process"])
+@pytest.mark.parametrize("mode", [(), ("--engine-process",), ("--api-server-count", "2")],
+                         ids=["one-process", "engine-process", "api-servers"])
 def test_serve_on_cuda_answers_the_openai_client_streamed_and_not(model_dir, mode):
     prompt = [5, 9, 33, 71, 2, 8, 13]
     offline = cuda_llm(model_dir("llama"), dtype="bfloat16").generate(
