@@ -7,8 +7,8 @@ microseconds a token: at 64 streams on an H200 that held the engine to about a t
 offline throughput (benchmarks/README.md, session 45). N servers share that work.
 
 This process binds the port N times with SO_REUSEPORT, so that the kernel spreads new
-connections across the servers by their addresses (one shared socket would let whichever
-server woke first accept a whole burst). It starts the engine core with a socket pair per
+connections across the servers by their addresses (with one shared socket the spread would
+be whichever server accepts first). It starts the engine core with a socket pair per
 server, then the servers, each handed its listening socket, its end of a pair and a
 lifeline (``api_server_process``). Then it supervises:
 - SIGINT or SIGTERM (once, to this process alone or to the whole group) drains the servers:
