@@ -207,11 +207,12 @@ def test_bench_throughput_compares_parallel_layouts(tmp_path):
 def test_bench_serve_launches_tokenmill_and_reports_latencies(tmp_path):
     """Two rounds, a server started for each: each round's figures kept, the engine's figures
     their medians, the requests summed; two API servers in front of an engine process beside it,
-    and the ratio.
+    and the ratio; the load from two processes, whose busy share each pass reports.
     16 tokens a request: a server behind on a stream sends several tokens as one chunk, and on
     a busy machine 4 tokens could all come in one, leaving no inter-token latency to report."""
     results = _run("serve", tmp_path, "--launch", "tokenmill,tokenmill-api-servers", "--num-prompts", "4",
-                   "--random-input-len", "8", "--random-output-len", "16", "--max-concurrency", "2", "--rounds", "2")
+                   "--random-input-len", "8", "--random-output-len", "16", "--max-concurrency", "2", "--rounds", "2",
+                   "--client-processes", "2")
     own = results["engines"]["tokenmill-api-servers"]
     assert own["completed"] == 8 and own["failed"] == 0
     assert results["ratio_tokenmill_api_servers_vs_tokenmill_by_round"] == pytest.approx(
@@ -222,6 +223,7 @@ def test_bench_serve_launches_tokenmill_and_reports_latencies(tmp_path):
     rounds = served["rounds"]
     assert [(r["completed"], r["failed"]) for r in rounds] == [(4, 0), (4, 0)]
     assert served["completed"] == 8 and served["failed"] == 0
+    assert all(0 < r["client_busy"] < 1 for r in rounds)
     assert results["config"]["kv_cache_memory_bytes"] > 0  # launched servers share one KV size on a CPU
     for metric in ("ttft", "tpot", "itl", "e2el"):
         for figures in (served[metric], *(r[metric] for r in rounds)):

@@ -14,7 +14,9 @@ slot per concurrent request on the same weights as GGUF; needs ``--llama-cpp``, 
 llama_cpp.py). ``--device cuda`` serves tokenmill on its cuda platform; transformers and
 vLLM take the GPU wherever there is one. With ``--rounds N`` the engines take turns N times,
 each pass with a server started afresh (common.interleaved_rounds); the figures are medians
-over rounds, and each round's are kept under ``rounds``.
+over rounds, and each round's are kept under ``rounds``. The load comes from
+``--client-processes`` processes (``serve_load``); each pass reports their busy share, and
+says so when the client, not the server, may have set the pace.
 
     tokenmill bench serve --launch tokenmill,transformers --preset 52m --num-prompts 64 \\
         --input-len 256 --output-len 128 --max-concurrency 32
@@ -23,20 +25,15 @@ over rounds, and each round's are kept under ``rounds``.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
 import os
 import random
 import statistics
 import subprocess
 import sys
-import time
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Optional, Sequence
 
-import httpx
 import numpy as np
 import torch
 
@@ -44,18 +41,18 @@ from tokenmill.bench.common import (add_common_args, hf_device, hf_dtype, interl
                                     wait_ready, write_json)
 from tokenmill.bench.llama_cpp import add_llama_cpp_args, server_command
 from tokenmill.bench.roofline import model_workload
+from tokenmill.bench.serve_load import Load, LoadSpec, generate_load
 from tokenmill.bench.vllm_peer import vllm_dtype, vllm_env
 from tokenmill.core.config.model_config import load_model_config
 
 
-@dataclass
-class Result:
-    ok: bool = False
-    ttft: float = 0.0
-    e2e: float = 0.0
-    itl: list[float] = field(default_factory=list)
-    output_tokens: int = 0
-    error: str = ""
+#: the load processes' busy share above which a pass says its figures may be the client's
+CLIENT_BOUND = 0.85
+
+
+def default_client_processes() -> int:
+    """A quarter of the host's cores, 1 to 8: the rest for the server under test."""
+    return max(1, min(8, (os.cpu_count() or 1) // 4))
 
 
 #: per engine, the fields it accepts beyond OpenAI's (transformers serve rejects unknown ones)
@@ -64,67 +61,8 @@ EXTRA_FIELDS = {"tokenmill": {"ignore_eos": True}, "tokenmill-engine-process": {
                 "llama.cpp": {"ignore_eos": True}, "vllm": {"ignore_eos": True}, "transformers": {}}
 
 
-async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, output_len: int,
-                      extra: dict) -> Result:
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}, **extra}
-    result = Result()
-    start = last = time.perf_counter()
-    chunks = 0
-    try:
-        async with client.stream("POST", url + "/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
-                return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    result.output_tokens = chunk["usage"]["completion_tokens"]
-                choice = (chunk.get("choices") or [{}])[0]
-                # a token event; not a bare end-of-stream marker (llama.cpp streams special
-                # tokens as empty text, so empty text alone does not mean "no token")
-                if not choice or (not choice.get("text") and choice.get("finish_reason")):
-                    continue
-                now = time.perf_counter()
-                if chunks == 0:
-                    result.ttft = now - start
-                else:
-                    result.itl.append(now - last)
-                last = now
-                chunks += 1
-        result.e2e = time.perf_counter() - start
-        result.output_tokens = result.output_tokens or chunks
-        result.ok = True
-    except httpx.HTTPError as exc:
-        result.error = repr(exc)
-    return result
-
-
-async def run_load(url: str, model: str, prompts: list[str], output_len: int, rate: float,
-                   concurrency: int, seed: int, extra: dict) -> tuple[list[Result], float]:
-    rng = np.random.default_rng(seed)
-    semaphore = asyncio.Semaphore(concurrency)
-    # a connection per request: llama.cpp's HTTP server closes kept-alive connections after a few
-    # requests, and a request sent on one it has just closed fails without reaching the engine
-    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=0)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        async def limited(prompt: str) -> Result:
-            async with semaphore:
-                return await one_request(client, url, model, prompt, output_len, extra)
-
-        tasks = []
-        start = time.perf_counter()
-        for prompt in prompts:
-            tasks.append(asyncio.create_task(limited(prompt)))
-            if rate != float("inf"):
-                await asyncio.sleep(rng.exponential(1.0 / rate))
-        results = await asyncio.gather(*tasks)
-        return results, time.perf_counter() - start
-
-
-def summarize(results: list[Result], duration: float) -> dict:
+def summarize(load: Load) -> dict:
+    results, duration = load.results, load.duration
     ok = [r for r in results if r.ok]
     out = sum(r.output_tokens for r in ok)
 
@@ -145,6 +83,9 @@ def summarize(results: list[Result], duration: float) -> dict:
         "tpot": stats([(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]),
         "itl": stats([x for r in ok for x in r.itl]),
         "e2el": stats([r.e2e for r in ok]),
+        #: the share of the pass its load processes spent on the CPU: near 1, the figures are
+        #: the client's as much as the server's
+        "client_busy": round(load.client_busy, 3),
     }
 
 
@@ -195,14 +136,18 @@ def serve_pass(name: str, url: Optional[str], path: Path, prompts: list[str], ar
         if process is not None:
             wait_ready(url, process)
         extra = EXTRA_FIELDS.get(name, {})
-        asyncio.run(run_load(url, model, prompts[:2], 4, float("inf"), 2, args.seed, extra))  # warm-up
-        results, duration = asyncio.run(run_load(url, model, prompts, args.output_len, args.request_rate,
-                                                 args.max_concurrency, args.seed, extra))
+        rate = None if args.request_rate == float("inf") else args.request_rate
+        generate_load(LoadSpec(url, model, prompts[:2], 4, None, 2, args.seed, extra))  # warm-up
+        load = generate_load(LoadSpec(url, model, prompts, args.output_len, rate, args.max_concurrency, args.seed,
+                                      extra), args.client_processes)
     finally:
         if process is not None:
             stop_server(process)
-    summary = summarize(results, duration)
+    summary = summarize(load)
     print(f"{name:<13} " + summary_line(summary, args.num_prompts))
+    if summary["client_busy"] > CLIENT_BOUND:
+        print(f"{name:<13} the load processes were busy {summary['client_busy']:.0%} of the pass: the server may "
+              "be faster than this (--client-processes)")
     return summary
 
 
@@ -260,6 +205,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                              "max-concurrency requests need at once, for both: each engine's own default "
                              "left one queueing requests the other ran); on a GPU each engine's own rule")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--client-processes", type=int, default=default_client_processes(),
+                        help="load processes the requests are split over (default: a quarter of the cores, "
+                             "1 to 8): one Python client reads a few ten thousand tokens a second at most")
     add_llama_cpp_args(parser)
     args = parser.parse_args(argv)
 
