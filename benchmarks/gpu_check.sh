@@ -177,7 +177,7 @@ triton=$(TOKENMILL_TRITON_RECORDS= python3 -m tokenmill.testing.triton_cache sum
     grep -E "tok/s|x HF|TPOT|tokenmill|hf-generate|roofline" "$OUT/throughput.txt" "$OUT/latency.txt" \
         "$OUT/throughput-8b.txt" "$OUT/latency-8b.txt" 2>/dev/null | tail -24
     grep -E "TPOT|tok/s" "$OUT/speculative.txt" 2>/dev/null | tail -12
-    grep -E "^tokenmill" "$OUT/serve.txt" 2>/dev/null | tail -4
+    grep -E "^tokenmill" "$OUT/serve.txt" 2>/dev/null | tail -9
     grep -E "^(== |wall )" "$OUT/profile.txt" 2>/dev/null
     echo "total $((SECONDS - started)) s"
 }
