@@ -9,7 +9,7 @@ offline throughput (benchmarks/README.md, session 45). N servers share that work
 This process binds the port N times with SO_REUSEPORT, so that the kernel spreads new
 connections across the servers by their addresses (with one shared socket the spread would
 be whichever server accepts first). It starts the engine core with a socket pair per
-server, then the servers, each handed its listening socket, its end of a pair and a
+server, then the servers, each handed its socket on the port, its end of a pair and a
 lifeline (``api_server_process``). Then it supervises:
 - SIGINT or SIGTERM (once, to this process alone or to the whole group) drains the servers:
   each finishes its streams and says so to the engine core, which ends when all have;
@@ -39,16 +39,16 @@ from tokenmill.server.engine_core.client import core_environment, start_core_pro
 
 log = structlog.get_logger("tokenmill.serve")
 
-#: the listening sockets' backlog (uvicorn's default)
-BACKLOG = 2048
 #: seconds the engine core and the servers get to stop on their own before they are killed
 STOP_GRACE = 30.0
 
 
-def listening_sockets(host: str, port: int, count: int) -> list[socket.socket]:
-    """``count`` sockets listening on (host, port) with SO_REUSEPORT. The port is first bound
-    without it: a port in use, even by another process's SO_REUSEPORT sockets (which would
-    otherwise share its connections with ours), fails here, as one server's bind would."""
+def bound_sockets(host: str, port: int, count: int) -> list[socket.socket]:
+    """``count`` sockets bound to (host, port) with SO_REUSEPORT, for the servers to listen on
+    once they serve (until then a client is refused, as by one server that is starting). The
+    port is first bound without it: a port in use, even by another process's SO_REUSEPORT
+    sockets (which would otherwise share its connections with ours), fails here, as one
+    server's bind would."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -63,7 +63,6 @@ def listening_sockets(host: str, port: int, count: int) -> list[socket.socket]:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))
-        sock.listen(BACKLOG)
         sockets.append(sock)
     return sockets
 
@@ -74,7 +73,7 @@ def serve_api_servers(config: EngineConfig) -> int:
     else)."""
     count = config.server.api_server_count
     model_name = (config.server.served_model_name or default_model_names(str(config.model)))[0]
-    listeners = listening_sockets(config.server.host, config.server.port, count)
+    listeners = bound_sockets(config.server.host, config.server.port, count)
     port = listeners[0].getsockname()[1]
     pairs = [socket.socketpair() for _ in range(count)]
     core = start_core_process(config, model_name, [theirs for _, theirs in pairs])
