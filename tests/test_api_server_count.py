@@ -90,26 +90,21 @@ def adapter_root(model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(model_dir, adapter_root):
-    """(process, port, {server pid: a connection to it}) of two API servers with LoRA and the
-    training endpoints on."""
-    os.environ["TOKENMILL_ADAPTERS__ALLOW_RUNTIME_LORA_UPDATING"] = "true"
-    try:
+    """(process, port, the server pids) of two API servers with LoRA and the training
+    endpoints on."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TOKENMILL_ADAPTERS__ALLOW_RUNTIME_LORA_UPDATING", "true")
         with serve_process(str(model_dir("llama")), *FLAGS, "--enable-training-endpoints", "--enable-lora",
                            "--max-lora-rank", "8", "--allowed-lora-dirs", str(adapter_root)) as (process, base):
             port = int(base.rsplit(":", 1)[1])
             children = _children(process.pid)
             assert len(children) == 3  # the engine core and two servers
-            servers = [pid for pid in children if "api_server_process" in Path(f"/proc/{pid}/cmdline").read_text()]
-            connections = connection_per_server(port, servers)
-            yield process, port, connections
-            for connection in connections.values():
-                connection.close()
-    finally:
-        del os.environ["TOKENMILL_ADAPTERS__ALLOW_RUNTIME_LORA_UPDATING"]
+            yield process, port, [pid for pid in children
+                                  if "api_server_process" in Path(f"/proc/{pid}/cmdline").read_text()]
 
 
 def test_every_server_serves_hf_tokens(served, hf_reference):
-    _, _, connections = served
+    connections = connection_per_server(*served[1:])
     for connection in connections.values():
         status, completion = _request(connection, "POST", "/v1/completions", {
             "model": "tiny", "prompt": [list(p) for p in PROMPTS], "max_tokens": NEW_TOKENS, "temperature": 0,
@@ -121,8 +116,7 @@ def test_every_server_serves_hf_tokens(served, hf_reference):
 
 
 def test_a_pause_or_an_adapter_asked_of_one_server_is_what_every_server_reads(served):
-    _, _, connections = served
-    first, second = connections.values()
+    first, second = connection_per_server(*served[1:]).values()
     assert _request(first, "POST", "/pause?mode=keep")[0] == 200
     assert _request(second, "GET", "/is_paused")[1] == {"is_paused": True}
     assert _request(second, "POST", "/resume")[0] == 200
@@ -140,15 +134,12 @@ def test_a_pause_or_an_adapter_asked_of_one_server_is_what_every_server_reads(se
 def test_a_stream_closed_early_on_either_server_ends_its_request_alone(served):
     """Each server's client hangs up mid-stream: the engine aborts those two requests, and a
     request on the other server meanwhile runs to its end."""
-    _, _, connections = served
-    first, second = connections.values()
+    first, second = connection_per_server(*served[1:]).values()
     body = json.dumps({"model": "tiny", "prompt": "Once", "max_tokens": 200, "ignore_eos": True, "stream": True})
-    streams = []
     for connection in (first, second):
         connection.request("POST", "/v1/completions", body=body, headers={"content-type": "application/json"})
         response = connection.getresponse()
         assert response.status == 200 and response.readline().startswith(b"data: {")
-        streams.append(response)
     for connection in (first, second):
         connection.close()  # hangs up
     port = served[1]
@@ -213,7 +204,7 @@ def test_a_stop_signal_to_the_group_drains_every_server_and_leaves_no_process(mo
 
 
 def test_a_server_that_dies_takes_the_others_down_with_status_1(model_dir):
-    process, port = _start(model_dir)
+    process, _ = _start(model_dir)
     children = _children(process.pid)
     try:
         server = next(pid for pid in children if "api_server_process" in Path(f"/proc/{pid}/cmdline").read_text())
@@ -228,7 +219,7 @@ def test_a_server_that_dies_takes_the_others_down_with_status_1(model_dir):
 
 
 def test_a_parent_killed_outright_leaves_no_server_or_engine_behind(model_dir):
-    process, port = _start(model_dir)
+    process, _ = _start(model_dir)
     children = _children(process.pid)
     process.kill()
     process.communicate(timeout=60)
