@@ -1,7 +1,8 @@
 """One of the HTTP server processes of ``tokenmill serve --api-server-count N``.
 
-Started by ``api_servers`` with a listening socket (the port's, shared with the other
-servers), its end of a socket pair to the engine-core process, and a lifeline: the read end
+Started by ``api_servers`` with a socket bound to the port (SO_REUSEPORT, beside the other
+servers'; uvicorn listens on it once the engine is ready), its end of a socket pair to the
+engine-core process, and a lifeline: the read end
 of a pipe that only the parent writes, which reads end-of-file when the parent is gone. The
 server then stops as on SIGTERM, so that a parent killed outright leaves no server behind.
 """
