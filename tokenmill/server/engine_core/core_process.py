@@ -150,7 +150,8 @@ class EngineCore:
             if isinstance(command, Add):
                 self._admit(client, command)
             elif isinstance(command, Abort):
-                self._abort(command.request_id)
+                if self._owner.get(command.request_id) == client:  # a server ends its own requests only
+                    self._abort(command.request_id)
             elif isinstance(command, Call):
                 self._call(client, command)
             elif client in self._open:
