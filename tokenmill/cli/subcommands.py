@@ -122,7 +122,7 @@ def serve(args: argparse.Namespace) -> int:
         print(f"tokenmill serve: {refused}", file=sys.stderr)
         return 2
     config = resolve_config(args)
-    uvicorn_options(config.server)  # unreadable TLS files fail before the model loads
+    transport = uvicorn_options(config.server)  # unreadable TLS files fail before the model loads
     configure_logging(config.server.log_level, config.server.log_format)
     if config.model is None:
         # clients name the demo model, not its path
@@ -157,7 +157,7 @@ def serve(args: argparse.Namespace) -> int:
     else:
         engine = build_engine(config)
         served = AsyncLLM(engine, config.server.max_queued_requests) if isinstance(engine, LLMEngine) else engine
-    return run_api_server(served, config)
+    return run_api_server(served, config, transport)
 
 
 def generate(args: argparse.Namespace) -> int:

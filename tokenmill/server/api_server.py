@@ -8,7 +8,7 @@ listening socket it was handed.
 from __future__ import annotations
 
 import socket
-from typing import Optional
+from typing import Any, Optional
 
 import uvicorn
 
@@ -16,14 +16,14 @@ from tokenmill.core.config.engine_config import EngineConfig
 from tokenmill.core.engine.async_llm import AsyncLLM
 from tokenmill.core.engine.embedding_engine import EmbeddingEngine
 from tokenmill.server.app import create_app
-from tokenmill.server.transport import uvicorn_options
 
 
-def run_api_server(served: AsyncLLM | EmbeddingEngine, config: EngineConfig,
+def run_api_server(served: AsyncLLM | EmbeddingEngine, config: EngineConfig, transport: dict[str, Any],
                    sockets: Optional[list[socket.socket]] = None) -> int:
     """Serve until a signal or the engine's failure stops the server (1 for the latter:
     a supervisor then starts a fresh process); on ``sockets`` where given, else on the
-    configured host and port."""
+    configured host and port. ``transport``: ``uvicorn_options``' (the caller's, checked
+    before its engine was built)."""
     server: Optional[uvicorn.Server] = None
 
     def exit_server() -> None:  # the engine stopped on an error: a supervisor starts a fresh process
@@ -34,6 +34,6 @@ def run_api_server(served: AsyncLLM | EmbeddingEngine, config: EngineConfig,
         app, host=config.server.host, port=config.server.port,
         log_level=config.server.uvicorn_log_level or config.server.log_level,
         access_log=config.server.log_level == "debug",
-        timeout_graceful_shutdown=int(config.server.drain_timeout) + 1, **uvicorn_options(config.server)))
+        timeout_graceful_shutdown=int(config.server.drain_timeout) + 1, **transport))
     server.run(sockets)
     return 1 if getattr(served, "error", None) is not None else 0

@@ -22,6 +22,7 @@ import structlog
 from tokenmill.core.config.engine_config import EngineConfig
 from tokenmill.interfaces.errors import ConfigError
 from tokenmill.server.logging import configure_logging
+from tokenmill.server.transport import uvicorn_options
 
 #: the environment variable the process's ApiServerSpec arrives in
 SPEC_ENV = "TOKENMILL_API_SERVER"
@@ -61,6 +62,7 @@ def main() -> int:
     structlog.contextvars.bind_contextvars(api_server=spec.index)
     watch_lifeline(spec.lifeline_fd)
     listener = socket.socket(fileno=spec.listen_fd)
+    transport = uvicorn_options(config.server)  # before the engine is ready: the TLS files the parent checked
     from tokenmill.server.api_server import run_api_server
     from tokenmill.server.engine_core.client import EngineCoreClient
 
@@ -71,7 +73,7 @@ def main() -> int:
         if spec.index == 0:
             print(f"tokenmill: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ConfigError) else 1
-    return run_api_server(served, config, [listener])
+    return run_api_server(served, config, transport, [listener])
 
 
 if __name__ == "__main__":

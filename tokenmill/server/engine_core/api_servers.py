@@ -78,9 +78,10 @@ def serve_api_servers(config: EngineConfig) -> int:
     pairs = [socket.socketpair() for _ in range(count)]
     core = start_core_process(config, model_name, [theirs for _, theirs in pairs])
     lifeline, keep_alive = os.pipe()
+    config_json = config.model_dump_json()
     servers = []
     for index, (listener, (ours, _)) in enumerate(zip(listeners, pairs)):
-        spec = ApiServerSpec(config.model_dump_json(), index, model_name, listener.fileno(), ours.fileno(), lifeline)
+        spec = ApiServerSpec(config_json, index, model_name, listener.fileno(), ours.fileno(), lifeline)
         servers.append(subprocess.Popen(
             [sys.executable, "-P", "-m", "tokenmill.server.engine_core.api_server_process"],
             env={**core_environment(), SPEC_ENV: msgspec.json.encode(spec).decode()},
