@@ -48,6 +48,7 @@ from tokenmill.server.engine_core.messages import (
     Refused,
     Shutdown,
     StartFailed,
+    StateSeen,
     Stopped,
     decode_from_core,
     encode,
@@ -246,6 +247,7 @@ class EngineCoreClient(AsyncLLM):
                     self._is_paused = message.paused
                     if self.engine.adapters is not None:  # the routes' view of the adapters
                         self.engine.adapters = LoadedAdapters(message.adapters)
+                    self._write(StateSeen(message.version))
                 elif isinstance(message, Stopped):
                     self.error = EngineCoreFailed(message.error)
                     return

@@ -55,6 +55,7 @@ from tokenmill.server.engine_core.messages import (
     Refused,
     Shutdown,
     StartFailed,
+    StateSeen,
     Stopped,
     WireError,
     decode_to_core,
@@ -99,7 +100,14 @@ class EngineCore:
         self._taken = [0] * len(connections)
         #: per API server, the (waiting, running, taken) it was last sent
         self._counts = [(0, 0, 0)] * len(connections)
+        #: what the servers were last told (paused, adapters), its version, and the version
+        #: each server has read
         self._state = self._engine_state()
+        self._version = 0
+        self._seen = [0] * len(connections)
+        #: call answers held until every open server has read the state before them:
+        #: (version, server, the CallDone's bytes)
+        self._held_answers: list[tuple[int, int, bytes]] = []
         for client, connection in enumerate(connections):
             threading.Thread(target=self._read, args=(client, connection), name=f"tokenmill-core-reader-{client}",
                              daemon=True).start()
@@ -154,6 +162,9 @@ class EngineCore:
                     self._abort(command.request_id)
             elif isinstance(command, Call):
                 self._call(client, command)
+            elif isinstance(command, StateSeen):
+                self._seen[client] = command.version
+                self._release_answers()
             elif client in self._open:
                 self._close(client)
                 if not self._open:
@@ -167,6 +178,7 @@ class EngineCore:
         for request_id in [request_id for request_id, owner in self._owner.items() if owner == client]:
             self._abort(request_id)
         self.connections[client].close()
+        self._release_answers()  # it will read no more states
 
     def _abort(self, request_id: str) -> None:
         """End a request wherever it is: compiling, held by a pause, or in the engine. Its
@@ -246,9 +258,9 @@ class EngineCore:
             self._share_state()
             self._done(client, call.call_id, result)
 
-    def _engine_state(self) -> EngineState:
+    def _engine_state(self) -> tuple[bool, dict[str, str]]:
         adapters = self.engine.adapters
-        return EngineState(self._pause.paused, dict(adapters.loaded()) if adapters is not None else {})
+        return self._pause.paused, dict(adapters.loaded()) if adapters is not None else {}
 
     def _share_state(self) -> None:
         """Tell every API server what changed of what its routes read: a pause or an
@@ -256,19 +268,33 @@ class EngineCore:
         state = self._engine_state()
         if state != self._state:
             self._state = state
+            self._version += 1
             for client in list(self._open):
-                self._send(client, state)
+                self._send(client, EngineState(*state, self._version))
 
     def _done(self, client: int, call_id: int, result: Any) -> None:
+        """A call's answer; held while some server has not read the latest state."""
         if isinstance(result, torch.Tensor):
             done = CallDone(call_id, tensor=wire_tensor(result))
         else:
             done = CallDone(call_id, result)
         try:
-            encode(done)
+            data = encode(done)
         except (OverflowError, TypeError, msgspec.EncodeError) as exc:  # a worker extension's result
-            done = CallDone(call_id, error=wire_error(TypeError(f"the result cannot be sent to the server: {exc}")))
-        self._send(client, done)
+            data = encode(CallDone(call_id, error=wire_error(TypeError(f"the result cannot be sent to the server: "
+                                                                         f"{exc}"))))
+        self._held_answers.append((self._version, client, data))
+        self._release_answers()
+
+    def _release_answers(self) -> None:
+        """Send the held answers whose state every open server has read."""
+        if not self._held_answers:
+            return
+        seen = min((self._seen[client] for client in self._open), default=self._version)
+        ready = [answer for answer in self._held_answers if answer[0] <= seen]
+        self._held_answers = [answer for answer in self._held_answers if answer[0] > seen]
+        for _, client, data in ready:
+            self._send_bytes(client, data)
 
     def _observe(self, outputs: list[RequestOutput]) -> None:
         observe_step(self.observers, self.engine, outputs)
@@ -296,9 +322,12 @@ class EngineCore:
                 self._send(client, Outputs(wire[client], *counts))
 
     def _send(self, client: int, message: msgspec.Struct) -> None:
+        self._send_bytes(client, encode(message))
+
+    def _send_bytes(self, client: int, data: bytes) -> None:
         """To one API server; one that has gone is dropped when its reader says so."""
         try:
-            self.connections[client].send_bytes(encode(message))
+            self.connections[client].send_bytes(data)
         except OSError:
             pass
 

@@ -1,7 +1,7 @@
 """What the API server and its engine-core process say to each other: msgspec messages,
 never pickle.
 
-The server sends ``Add``, ``Abort``, ``Call`` and ``Shutdown``. The engine core answers
+The server sends ``Add``, ``Abort``, ``Call``, ``StateSeen`` and ``Shutdown``. The engine core answers
 ``Ready`` (or ``StartFailed``) once built, then one ``Outputs`` per step that returned any,
 ``Refused`` for a request its admission turned down, ``CallDone`` for each call,
 ``EngineState`` to every server when a call changed what the routes read (pausing, the LoRA
@@ -69,6 +69,12 @@ class Call(msgspec.Struct, tag="call", frozen=True):
 
 class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):
     pass
+
+
+class StateSeen(msgspec.Struct, tag="state_seen", frozen=True):
+    """A server has read the EngineState of this version (its routes now read it)."""
+
+    version: int
 
 
 # --- engine core -> server -------------------------------------------------------------------
@@ -152,11 +158,14 @@ class CallDone(msgspec.Struct, tag="call_done", frozen=True):
 
 class EngineState(msgspec.Struct, tag="state", frozen=True):
     """What every API server's routes read of the engine, sent to each when a call changed
-    it (on the caller's connection before the call's CallDone): whether generation is
-    paused, and the LoRA adapters loaded (name -> path)."""
+    it: whether generation is paused, and the LoRA adapters loaded (name -> path). Each
+    server answers StateSeen; a call's CallDone waits until every server has, so that once
+    a call returns, every server reads what it changed."""
 
     paused: bool
     adapters: dict[str, str]
+    #: counts the changes
+    version: int
 
 
 class Stopped(msgspec.Struct, tag="stopped", frozen=True):
@@ -165,7 +174,7 @@ class Stopped(msgspec.Struct, tag="stopped", frozen=True):
     error: str
 
 
-ToCore = Union[Add, Abort, Call, Shutdown]
+ToCore = Union[Add, Abort, Call, StateSeen, Shutdown]
 FromCore = Union[Ready, StartFailed, Outputs, Refused, CallDone, EngineState, Stopped]
 
 _encoder = msgspec.msgpack.Encoder()
