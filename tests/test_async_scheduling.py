@@ -23,7 +23,7 @@ from tokenmill.core.worker.model_runner import _Samples
 from tokenmill.core.worker.placeholder_tokens import PlaceholderTokens
 from tokenmill.interfaces.batch import PLACEHOLDER_TOKEN
 from tokenmill.interfaces.errors import ConfigError
-from tokenmill.interfaces.types import StructuredOutputsParams
+from tokenmill.interfaces.structured_output import StructuredOutputsParams
 from tokenmill.testing.device_queue import host_syncs
 from tokenmill.testing.fake_cuda import fake_cuda
 from tokenmill.testing.hf_reference import assert_matches_reference, hf_greedy

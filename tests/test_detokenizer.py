@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenmill.core.engine.detokenizer import IncrementalDetokenizer
-from tokenmill.interfaces.types import SamplingParams
+from tokenmill.interfaces.sampling_params import SamplingParams
 from tokenmill.testing.tiny_models import train_tokenizer
 
 TOKENIZER = train_tokenizer()

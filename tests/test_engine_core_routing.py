@@ -11,7 +11,7 @@ from multiprocessing.connection import Connection
 from tokenmill.core.config.engine_config import EngineConfig
 from tokenmill.core.engine.builder import build_engine
 from tokenmill.core.engine.metrics import EngineMetrics
-from tokenmill.interfaces.types import SamplingParams
+from tokenmill.interfaces.sampling_params import SamplingParams
 from tokenmill.server.engine_core.core_process import EngineCore
 from tokenmill.server.engine_core.messages import (
     Abort,

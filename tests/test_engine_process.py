@@ -31,7 +31,8 @@ from server_harness import serve_process
 from test_cli import _children
 from tokenmill.core.config.engine_config import EngineConfig
 from tokenmill.interfaces.errors import InvalidRequest
-from tokenmill.interfaces.types import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SamplingParams
+from tokenmill.interfaces.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from tokenmill.interfaces.sampling_params import SamplingParams
 from tokenmill.server.engine_core.messages import (
     Add,
     decode_from_core,

@@ -9,7 +9,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from tokenmill.core.sched.block_pool import BlockPool
 from tokenmill.core.sched.kv_cache_manager import KVCacheManager, hash_block
 from tokenmill.core.engine.request import Request
-from tokenmill.interfaces.types import SamplingParams
+from tokenmill.interfaces.sampling_params import SamplingParams
 
 BLOCK = 4
 

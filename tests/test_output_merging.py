@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from conftest import make_llm
 from tokenmill.core.engine.async_llm import AsyncLLM
-from tokenmill.interfaces.types import CompletionOutput, Logprob, RequestOutput, RequestOutputKind, SamplingParams
+from tokenmill.interfaces.outputs import CompletionOutput, Logprob, RequestOutput
+from tokenmill.interfaces.sampling_params import RequestOutputKind, SamplingParams
 
 step = st.lists(st.tuples(st.text(max_size=3), st.lists(st.integers(0, 99), max_size=2)), min_size=2, max_size=2)
 

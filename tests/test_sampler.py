@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from conftest import sampler_for
 from tokenmill.core.sample.sampler import Sampler, SamplingRow
 from tokenmill.interfaces.errors import InvalidRequest
-from tokenmill.interfaces.types import SamplingParams
+from tokenmill.interfaces.sampling_params import SamplingParams
 
 VOCAB = 50
 

@@ -10,7 +10,7 @@ from tokenmill.core.sched.kv_cache_manager import KVCacheManager
 from tokenmill.core.engine.request import Request, RequestStatus
 from tokenmill.core.sched.scheduler import Scheduler
 from tokenmill.interfaces.batch import ModelRunnerOutput
-from tokenmill.interfaces.types import SamplingParams
+from tokenmill.interfaces.sampling_params import SamplingParams
 from tokenmill.plugins.schedulers.fifo import FifoPolicy
 
 

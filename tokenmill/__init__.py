@@ -12,14 +12,8 @@ from tokenmill.core.engine.beam_search import BeamSearchParams
 from tokenmill.interfaces.adapters import LoRARequest
 from tokenmill.interfaces.hookspecs import HOOKSPEC_VERSION, hookimpl
 from tokenmill.interfaces.structured_output import StructuredOutputsParams
-from tokenmill.interfaces.types import (
-    CompletionOutput,
-    FinishReason,
-    Logprob,
-    RequestOutput,
-    RequestOutputKind,
-    SamplingParams,
-)
+from tokenmill.interfaces.outputs import CompletionOutput, FinishReason, Logprob, RequestOutput
+from tokenmill.interfaces.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = [
     "LLM",

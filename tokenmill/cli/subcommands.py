@@ -162,7 +162,7 @@ def serve(args: argparse.Namespace) -> int:
 
 def generate(args: argparse.Namespace) -> int:
     from tokenmill.core.engine.llm import LLM
-    from tokenmill.interfaces.types import SamplingParams
+    from tokenmill.interfaces.sampling_params import SamplingParams
 
     llm = LLM(config=resolve_config(args))
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,

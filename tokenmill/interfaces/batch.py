@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
-from tokenmill.interfaces.types import PositionLogprobs, SamplingParams
+from tokenmill.interfaces.outputs import PositionLogprobs
+from tokenmill.interfaces.sampling_params import SamplingParams
 
 #: in ``ScheduledRequest.new_token_ids`` under async scheduling: the token the request's step
 #: still in flight samples, which the runner puts in place on the device

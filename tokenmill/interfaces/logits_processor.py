@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import torch
 
-from tokenmill.interfaces.types import SamplingParams
+from tokenmill.interfaces.sampling_params import SamplingParams
 
 T = TypeVar("T")
 

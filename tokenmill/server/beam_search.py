@@ -15,7 +15,8 @@ from fastapi.responses import StreamingResponse
 
 from tokenmill.core.engine.beam_search import BeamSearch, BeamSearchParams, advance_searches
 from tokenmill.interfaces.errors import InvalidRequest
-from tokenmill.interfaces.types import CompletionOutput, RequestOutput, SamplingParams
+from tokenmill.interfaces.outputs import CompletionOutput, RequestOutput
+from tokenmill.interfaces.sampling_params import SamplingParams
 from tokenmill.server.errors import APIError
 from tokenmill.server.generation import SSE_DONE, ServingContext, merge_streams, sse
 

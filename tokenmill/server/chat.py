@@ -10,7 +10,8 @@ from fastapi.responses import StreamingResponse
 
 from tokenmill.core.engine.chat_template import render_chat
 from tokenmill.interfaces.reasoning_parser import ReasoningParser
-from tokenmill.interfaces.types import CompletionOutput, PositionLogprobs, RequestOutput, SamplingParams
+from tokenmill.interfaces.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from tokenmill.interfaces.sampling_params import SamplingParams
 from tokenmill.server.beam_search import beam_search_stream, check_beam_fields, gather_beam_searches
 from tokenmill.server.errors import APIError, sse_error
 from tokenmill.server.generation import (

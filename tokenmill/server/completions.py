@@ -7,7 +7,7 @@ from typing import Any, AsyncIterator, Optional
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from tokenmill.interfaces.types import PositionLogprobs, RequestOutput
+from tokenmill.interfaces.outputs import PositionLogprobs, RequestOutput
 from tokenmill.server.errors import APIError, sse_error
 from tokenmill.server.beam_search import beam_search_stream, check_beam_fields, gather_beam_searches
 from tokenmill.server.generation import (

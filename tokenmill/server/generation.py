@@ -11,13 +11,8 @@ import msgspec
 from fastapi import Request
 
 from tokenmill.core.engine.async_llm import AsyncLLM
-from tokenmill.interfaces.types import (
-    PositionLogprobs,
-    RequestOutput,
-    RequestOutputKind,
-    SamplingParams,
-    truncate_prompt,
-)
+from tokenmill.interfaces.outputs import PositionLogprobs, RequestOutput
+from tokenmill.interfaces.sampling_params import RequestOutputKind, SamplingParams, truncate_prompt
 from tokenmill.server.errors import APIError
 from tokenmill.server.responses import LOGPROB_FLOOR
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from tokenmill.interfaces.types import RequestOutput
+from tokenmill.interfaces.outputs import RequestOutput
 
 if TYPE_CHECKING:  # `tokenmill serve` configures logging before torch is imported
     from tokenmill.core.engine.llm_engine import LLMEngine

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from tokenmill.core.engine.prompt_input import MAX_CACHE_SALT_CHARS
 from tokenmill.interfaces.errors import InvalidRequest
 from tokenmill.interfaces.structured_output import StructuredOutputsParams
-from tokenmill.interfaces.types import SEED_RANGE, SamplingParams
+from tokenmill.interfaces.sampling_params import SEED_RANGE, SamplingParams
 
 #: a logit_bias key: a token id in decimal (bounded, so int() never sees thousands of digits)
 _TOKEN_ID = re.compile(r"-?[0-9]{1,19}")

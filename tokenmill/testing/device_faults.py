@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from tokenmill.interfaces.logits_processor import BatchUpdate, LogitsProcessor
-from tokenmill.interfaces.types import SamplingParams
+from tokenmill.interfaces.sampling_params import SamplingParams
 
 KINDS = ("illegal_address", "oom")
 

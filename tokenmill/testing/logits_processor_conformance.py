@@ -47,7 +47,7 @@ from tokenmill.interfaces.logits_processor import (
     LogitsProcessor,
     LogitsProcessorContext,
 )
-from tokenmill.interfaces.types import SamplingParams
+from tokenmill.interfaces.sampling_params import SamplingParams
 
 #: tokens the kit's logits favour, so that prompts and outputs repeat tokens (what n-gram,
 #: bad-word and penalty-like processors need to have something to do)

@@ -27,7 +27,7 @@ import torch
 from tokenmill.core.engine.llm import LLM
 from tokenmill.core.plugin_host.plugin_manager import make_plugin_manager
 from tokenmill.interfaces.hookspecs import hookimpl
-from tokenmill.interfaces.types import SamplingParams
+from tokenmill.interfaces.sampling_params import SamplingParams
 from tokenmill.testing.hf_reference import assert_matches_reference, hf_greedy
 
 #: prompts of different lengths, including one token and one past a 16-token KV block

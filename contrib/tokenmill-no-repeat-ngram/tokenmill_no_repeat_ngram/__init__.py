@@ -21,7 +21,7 @@ import torch
 
 from tokenmill.interfaces.hookspecs import hookimpl
 from tokenmill.interfaces.logits_processor import AddedRow, BatchUpdate, LogitsProcessor, on_device
-from tokenmill.interfaces.types import SamplingParams
+from tokenmill.interfaces.sampling_params import SamplingParams
 
 #: the request argument (``SamplingParams.extra_args``; ``vllm_xargs`` on the wire)
 ARG = "no_repeat_ngram_size"

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from tokenmill.interfaces.errors import ConfigError
-from tokenmill.interfaces.types import SamplingParams
+from tokenmill.interfaces.sampling_params import SamplingParams
 
 #: generation_config.json's name -> SamplingParams' name
 FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",

@@ -26,7 +26,8 @@ from tokenmill.core.engine.loop_commands import AbortRequest, AddRequest, Engine
 from tokenmill.core.engine.prompt_input import PromptType
 from tokenmill.core.engine.step_isolation import raise_if_fatal
 from tokenmill.interfaces.errors import InvalidRequest, TokenmillError
-from tokenmill.interfaces.types import RequestOutput, RequestOutputKind, SamplingParams
+from tokenmill.interfaces.outputs import RequestOutput
+from tokenmill.interfaces.sampling_params import RequestOutputKind, SamplingParams
 
 log = structlog.get_logger("tokenmill.async_engine")
 

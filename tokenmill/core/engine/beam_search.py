@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence
 
 from tokenmill.interfaces.errors import InvalidRequest
-from tokenmill.interfaces.types import PositionLogprobs, RequestOutput, SamplingParams, is_finite, is_int
+from tokenmill.interfaces.outputs import PositionLogprobs, RequestOutput
+from tokenmill.interfaces.sampling_params import SamplingParams, is_finite, is_int
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 from tokenizers.decoders import DecodeStream
 
-from tokenmill.interfaces.types import SamplingParams
+from tokenmill.interfaces.sampling_params import SamplingParams
 
 
 class IncrementalDetokenizer:

@@ -15,7 +15,7 @@ from typing import Any, Generic, TypeVar
 import structlog
 
 from tokenmill.interfaces.errors import InvalidRequest
-from tokenmill.interfaces.types import RequestOutput
+from tokenmill.interfaces.outputs import RequestOutput
 
 log = structlog.get_logger("tokenmill.async_llm")
 

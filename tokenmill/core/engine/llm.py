@@ -25,17 +25,9 @@ from tokenmill.core.engine.rollout import EngineControl
 from tokenmill.core.plugin_host.plugin_manager import PluginManager
 from tokenmill.interfaces.adapters import LoRARequest
 from tokenmill.interfaces.errors import InvalidRequest
-from tokenmill.interfaces.types import (
-    ClassificationOutput,
-    ClassificationRequestOutput,
-    PoolingOutput,
-    PoolingRequestOutput,
-    RequestOutput,
-    RequestOutputKind,
-    SamplingParams,
-    ScoringOutput,
-    ScoringRequestOutput,
-)
+from tokenmill.interfaces.outputs import (ClassificationOutput, ClassificationRequestOutput, PoolingOutput,
+                                          PoolingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput)
+from tokenmill.interfaces.sampling_params import RequestOutputKind, SamplingParams
 from tokenmill.interfaces.weight_transfer import WeightTransferInitRequest, WeightTransferUpdateRequest
 
 Message = dict[str, Any]

@@ -36,7 +36,8 @@ from tokenmill.interfaces.batch import ModelRunnerOutput, SchedulerOutput, Sched
 from tokenmill.interfaces.errors import InvalidRequest, WorkerFailed
 from tokenmill.interfaces.logits_processor import LogitsProcessor
 from tokenmill.interfaces.platform import Platform
-from tokenmill.interfaces.types import FinishReason, RequestOutput, SamplingParams
+from tokenmill.interfaces.outputs import FinishReason, RequestOutput
+from tokenmill.interfaces.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from tokenmill.core.engine.rollout import EngineControl

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from tokenmill.core.engine.llm_engine import LLMEngine
-from tokenmill.interfaces.types import SamplingParams
+from tokenmill.interfaces.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from tokenmill.core.engine.llm_engine import LLMEngine
 from tokenmill.core.engine.output_processor import RequestProgress
 from tokenmill.core.engine.step_histogram import StepHistogram
 from tokenmill.core.sched.spec_decode_stats import SpecDecodingStats
-from tokenmill.interfaces.types import RequestOutput
+from tokenmill.interfaces.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0)

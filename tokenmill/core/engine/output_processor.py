@@ -13,16 +13,9 @@ from typing import Any, Iterable, Optional
 
 from tokenmill.core.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.core.engine.request import Request
-from tokenmill.interfaces.types import (
-    CompletionOutput,
-    FinishReason,
-    Logprob,
-    PositionLogprobs,
-    RequestMetrics,
-    RequestOutput,
-    RequestOutputKind,
-    SamplingParams,
-)
+from tokenmill.interfaces.outputs import (CompletionOutput, FinishReason, Logprob, PositionLogprobs, RequestMetrics,
+                                          RequestOutput)
+from tokenmill.interfaces.sampling_params import RequestOutputKind, SamplingParams
 
 
 @dataclass

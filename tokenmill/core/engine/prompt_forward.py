@@ -12,7 +12,7 @@ import torch
 from tokenmill.core.distributed.messages import Row, Step
 from tokenmill.core.engine.request import Request
 from tokenmill.interfaces.errors import InvalidRequest
-from tokenmill.interfaces.types import SamplingParams
+from tokenmill.interfaces.sampling_params import SamplingParams
 
 
 @torch.inference_mode()

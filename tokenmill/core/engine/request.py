@@ -5,7 +5,8 @@ from __future__ import annotations
 import enum
 from typing import Optional
 
-from tokenmill.interfaces.types import FinishReason, RequestMetrics, SamplingParams
+from tokenmill.interfaces.outputs import FinishReason, RequestMetrics
+from tokenmill.interfaces.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

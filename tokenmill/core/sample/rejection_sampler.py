@@ -21,7 +21,7 @@ import torch
 
 from tokenmill.core.sample.sampler import LogprobValues, Sampler, SamplingRow
 from tokenmill.interfaces.logits_processor import on_device
-from tokenmill.interfaces.types import PositionLogprobs
+from tokenmill.interfaces.outputs import PositionLogprobs
 
 
 @dataclass(frozen=True, slots=True)

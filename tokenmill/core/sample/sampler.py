@@ -19,7 +19,8 @@ import torch
 
 from tokenmill.core.sample.device_tokens import DeviceTokens
 from tokenmill.interfaces.logits_processor import BatchUpdate, LogitsProcessor, on_device
-from tokenmill.interfaces.types import ALL_TOKENS, Logprob, PositionLogprobs, SamplingParams
+from tokenmill.interfaces.outputs import Logprob, PositionLogprobs
+from tokenmill.interfaces.sampling_params import ALL_TOKENS, SamplingParams
 
 
 @dataclass(slots=True)

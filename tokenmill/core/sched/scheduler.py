@@ -51,7 +51,7 @@ from tokenmill.interfaces.batch import (
     SchedulerStats,
 )
 from tokenmill.interfaces.scheduling import SchedulingPolicy
-from tokenmill.interfaces.types import FinishReason
+from tokenmill.interfaces.outputs import FinishReason
 
 
 class Scheduler:

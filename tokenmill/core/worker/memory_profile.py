@@ -30,7 +30,7 @@ from tokenmill.interfaces.attention import AttentionBackend
 from tokenmill.interfaces.models import CausalLM
 from tokenmill.interfaces.parallel import ParallelContext
 from tokenmill.interfaces.platform import Platform
-from tokenmill.interfaces.types import SamplingParams
+from tokenmill.interfaces.sampling_params import SamplingParams
 
 
 def profile_step(num_tokens: int, max_num_seqs: int, max_model_len: int, block_size: int) -> Step:

@@ -37,7 +37,7 @@ from tokenmill.interfaces.batch import (
     SchedulerOutput,
 )
 from tokenmill.interfaces.logits_processor import LogitsProcessor
-from tokenmill.interfaces.types import PositionLogprobs
+from tokenmill.interfaces.outputs import PositionLogprobs
 
 
 @dataclass(slots=True)

@@ -20,7 +20,7 @@ import torch
 from tokenmill.core.sample.sampler import LogprobValues
 from tokenmill.core.worker.input_staging import HostCopies, InputStaging
 from tokenmill.interfaces.logits_processor import on_device
-from tokenmill.interfaces.types import PositionLogprobs
+from tokenmill.interfaces.outputs import PositionLogprobs
 
 #: logits rows per log-softmax
 CHUNK = 1024

@@ -42,7 +42,7 @@ from tokenmill.core.engine.llm_engine import LLMEngine
 from tokenmill.core.engine.metrics import EngineMetrics
 from tokenmill.core.engine.step_isolation import raise_if_fatal
 from tokenmill.interfaces.errors import ConfigError
-from tokenmill.interfaces.types import RequestOutput
+from tokenmill.interfaces.outputs import RequestOutput
 from tokenmill.server.engine_core.messages import (
     Abort,
     Add,

@@ -22,7 +22,7 @@ from tokenmill.core.engine.prompt_input import PromptType, tokenize_prompt
 from tokenmill.core.plugin_host.components import collect_components
 from tokenmill.core.plugin_host.plugin_manager import make_plugin_manager
 from tokenmill.interfaces.logits_processor import LogitsProcessorContext
-from tokenmill.interfaces.types import SamplingParams
+from tokenmill.interfaces.sampling_params import SamplingParams
 
 
 class LoadedAdapters:

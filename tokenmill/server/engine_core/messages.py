@@ -25,7 +25,8 @@ import torch
 from tokenmill.core.engine.async_llm import RequestFailed
 from tokenmill.core.engine.rollout import EngineAsleep
 from tokenmill.interfaces.errors import InvalidRequest, RankCallFailed
-from tokenmill.interfaces.types import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SamplingParams
+from tokenmill.interfaces.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from tokenmill.interfaces.sampling_params import SamplingParams
 
 
 class CoreSpec(msgspec.Struct, frozen=True):
