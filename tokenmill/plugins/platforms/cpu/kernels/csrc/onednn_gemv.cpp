@@ -99,14 +99,22 @@ void block(const T* x, const W* w, const T* bias, T* out, int64_t M, int64_t N, 
 constexpr int kV16 = std::max<int>(1, 16 / kLanes);
 
 // blocks of 16 rows [begin, end) on AVX2, S at a time as S streams: 1 row of x against 4
-// blocks (8 sums), 2 rows against 2; more rows against 2 blocks, 3 rows a pass (12 sums), the
-// later passes reading the pair from L2. Returns the first block left for block().
+// blocks (8 sums); 5 or 6 rows (a verify step's) against one block in one pass (10-12 sums,
+// each weight vector read once), the next block prefetched; else against 2 blocks, 3 rows a
+// pass (12 sums), the later passes reading the pair from L2. Returns the first block left for
+// block().
 template <typename T, typename W>
 int64_t streamed_blocks(const T* x, const W* w, const T* bias, T* out, int64_t M, int64_t N, int64_t K,
                         int64_t begin, int64_t end) {
   if constexpr (kLanes == 8) {
     if (M == 1)
       for (; begin + 4 <= end; begin += 4) block_rows<T, W, false, 1, kV16, 4>(x, w, bias, out, N, K, begin, 0);
+    else if (M == 5 || M == 6)
+      for (; begin + 2 <= end; ++begin)
+        with_constant_1_to_8(M, [&](auto r) {
+          constexpr int R = decltype(r)::value;
+          if constexpr (R == 5 || R == 6) block_rows<T, W, false, R, kV16, 1, true>(x, w, bias, out, N, K, begin, 0);
+        });
     else
       for (; begin + 2 <= end; begin += 2)
         for (int64_t m0 = 0; m0 < M; m0 += 3)
