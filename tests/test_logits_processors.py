@@ -239,6 +239,11 @@ class _RefusesGoodParams(LogitBias):
             raise ValueError("no")
 
 
+class _DeniesItsRows(LogitBias):
+    def applies_to(self, params):
+        return False
+
+
 class _DoesNothing(LogitBias):
     def apply(self, logits):
         return logits
@@ -255,6 +260,7 @@ BROKEN = [
     (_ClaimsArgmaxInvariance, "is_argmax_invariant\\(\\) is True, but apply moved row"),
     (_ReturnsFloat64, "torch.float64 .* must keep shape, dtype and device"),
     (_RefusesGoodParams, r"validate_params refuses active_params\[0\] \(SamplingParams\(logit_bias="),
+    (_DeniesItsRows, r"applies_to\(active_params\[0\]\) is False"),
     (_DoesNothing, "this run proved nothing"),
 ]
 
@@ -305,3 +311,36 @@ def test_bad_words_with_tokens_past_the_models_vocabulary_are_never_completed():
     logits = processor.apply(torch.zeros(2, vocab))
     banned = {ids[-1] for ids in bad_word_token_ids(["is"], tokenizer)}  # one token, spaced or not
     assert set(torch.isinf(logits[0]).nonzero().flatten().tolist()) == banned and not torch.isinf(logits[1]).any()
+
+
+@pytest.mark.parametrize("speculative", [None, {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                                "prompt_lookup_max": 2, "disable_by_batch_size": None}],
+                         ids=["plain", "ngram"])
+def test_processors_hear_of_a_batch_only_while_a_row_applies_to_one(model_dir, speculative):
+    """While no row applies to a processor (``applies_to``) the processors are told nothing,
+    draft rows included. That is right only once they were told the last processed row left:
+    else its state would reach the row that takes its index. A processed request that joins
+    later is told in full."""
+    from conftest import make_llm
+
+    llm = make_llm(model_dir("llama"), **({"speculative_config": speculative} if speculative else {}))
+    engine = llm.llm_engine
+    plain = SP(temperature=0, max_tokens=24, ignore_eos=True)
+    forced = SP(temperature=0, max_tokens=3, ignore_eos=True, logit_bias={7: 100.0})
+    prompt = {"prompt_token_ids": [5, 9, 3, 5, 9, 3]}
+    alone = llm.generate([prompt], plain, use_tqdm=False)[0].outputs[0].token_ids
+    assert alone.count(7) < len(alone)
+    drafts_before = engine.scheduler.spec_stats.snapshot().num_drafts if speculative else 0
+    engine.add_request("forced-first", {"prompt_token_ids": [4, 4, 2]}, forced)
+    engine.add_request("plain", prompt, plain)
+    finals, steps = {}, 0
+    while engine.has_unfinished_requests():
+        steps += 1
+        if steps == 8:  # "forced-first" finished: "plain" has been alone, untold, for a few steps
+            assert "forced-first" in finals and "plain" not in finals
+            engine.add_request("forced-later", {"prompt_token_ids": [4, 2]}, forced)
+        finals.update((o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished)
+    assert finals["forced-first"] == finals["forced-later"] == [7, 7, 7]
+    assert finals["plain"] == alone
+    if speculative:
+        assert engine.scheduler.spec_stats.snapshot().num_drafts > drafts_before

@@ -117,6 +117,14 @@ class LogitsProcessor(ABC):
         """Whether ``apply`` never changes the largest logit of a row. Read once, when the
         sampler is built: the answer must not change."""
 
+    def applies_to(self, params: SamplingParams) -> bool:
+        """Whether a request with these parameters may get state here (its argument is set).
+        While no row of a batch applies to any processor, and none did in the last batch they
+        were told of, the processors are told nothing: a batch of plain requests, and the draft
+        rows of a speculative verify step (new rows every step), cost no bookkeeping. True, the
+        default, is always safe: the processor then hears of every row."""
+        return True
+
     @abstractmethod
     def update_state(self, update: Optional[BatchUpdate]) -> None:
         """Follow the batch; ``None`` when it did not change since the last step."""

@@ -25,6 +25,8 @@ With real float32 logits at every step it asserts that
   with ``inactive_params``, and changes nothing while ``is_active`` is False (the
   sampler would not apply it then);
 * a processor declaring ``is_argmax_invariant()`` never changes any row's argmax;
+* ``applies_to`` is True for each of ``active_params`` (the runner does not tell the
+  processors of a batch whose rows apply to none of them);
 * ``validate_params`` accepts the active and inactive params and refuses (ValueError,
   which ``InvalidRequest`` is) each of ``invalid_params``;
 * some active row's logits changed at some step: otherwise the run proved nothing.
@@ -125,6 +127,7 @@ class _Walk:
         self.check_empty()
         self.check_inactive_only()
         self.processor = self.build()
+        self.check_applies_to()
         self.script()
         for _ in range(self.steps):
             self.random_step()
@@ -271,6 +274,12 @@ class _Walk:
                                      f"only those a 400): {exc}") from exc
             raise AssertionError(f"{self.name}.validate_params accepts invalid_params[{i}] ({_short(params)}): a bad "
                                  "argument would fail at every step instead of being refused at admission")
+
+    def check_applies_to(self) -> None:
+        for i, params in enumerate(self.active):
+            assert self.processor.applies_to(params), (
+                f"{self.name}.applies_to(active_params[{i}]) is False ({_short(params)}), but the processor acts on "
+                "such a request: the model runner tells processors nothing of a batch none of them applies to")
 
     def check_empty(self) -> None:
         processor = self.build()

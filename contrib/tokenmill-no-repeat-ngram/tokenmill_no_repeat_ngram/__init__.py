@@ -94,6 +94,9 @@ class NoRepeatNGram(LogitsProcessor):
     def is_argmax_invariant(self) -> bool:
         return False  # a banned token may be the argmax
 
+    def applies_to(self, params: SamplingParams) -> bool:
+        return ARG in (params.extra_args or {})  # so that plain batches cost this processor nothing
+
     def update_state(self, update: Optional[BatchUpdate]) -> None:
         if update is not None:
             update.apply_to(self._rows, self._row)

@@ -49,6 +49,10 @@ class Sampler:
         self._argmax_changing = [p for p in self.processors if not p.is_argmax_invariant()]
         self._argmax_invariant = [p for p in self.processors if p.is_argmax_invariant()]
 
+    def processed(self, params: SamplingParams) -> bool:
+        """Whether any logits processor may keep state for a request with these parameters."""
+        return any(processor.applies_to(params) for processor in self.processors)
+
     def update_batch(self, update: Optional[BatchUpdate]) -> None:
         """Tell every processor how the rows changed since the last step."""
         for processor in self.processors:

@@ -44,6 +44,8 @@ from tokenmill.interfaces.outputs import PositionLogprobs
 class _RequestState:
     data: NewRequestData
     generator: Optional[torch.Generator]
+    #: whether a logits processor may keep state for this request (``Sampler.processed``)
+    processed: bool = True
     output_token_ids: list[int] = field(default_factory=list)
     #: prompt tokens whose logprobs were already reported (survives preemption)
     num_prompt_logprobs_done: int = 1  # the first prompt token has none
@@ -162,7 +164,8 @@ class ModelRunner:
             generator = None
             if data.seed is not None:  # its draws are made where the engine's noise is drawn
                 generator = self._device_generator(data.seed) or torch.Generator().manual_seed(data.seed)
-            self._states[data.request_id] = _RequestState(data, generator)
+            self._states[data.request_id] = _RequestState(data, generator,
+                                                          self.sampler.processed(data.sampling_params))
         if batch.blocks_to_swap_out or batch.blocks_to_swap_in:
             self.model_step.swap_blocks(batch.blocks_to_swap_out, batch.blocks_to_swap_in)
 
@@ -349,7 +352,7 @@ class ModelRunner:
         for item in items:
             ids.append(item.request_id)
             ids.extend(f"{item.request_id}\x00draft{next(self._draft_rows)}" for _ in item.spec_token_ids)
-        update = self._batch.update(ids, rows)
+        update = self._batch.update(ids, rows, any(self._states[item.request_id].processed for item in items))
         if update is not None:
             self.sampler.update_batch(update)
             self._batch.committed()

@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 
 from tokenmill.interfaces.logits_processor import BatchUpdate, LogitsProcessor, on_device
+from tokenmill.interfaces.sampling_params import SamplingParams
 
 
 class AllowedTokenIds(LogitsProcessor):
@@ -18,6 +19,9 @@ class AllowedTokenIds(LogitsProcessor):
 
     def is_argmax_invariant(self) -> bool:
         return False
+
+    def applies_to(self, params: SamplingParams) -> bool:
+        return bool(params.allowed_token_ids)
 
     def update_state(self, update: Optional[BatchUpdate]) -> None:
         if update is not None:

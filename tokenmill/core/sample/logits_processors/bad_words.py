@@ -12,6 +12,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from tokenmill.interfaces.logits_processor import AddedRow, BatchUpdate, LogitsProcessor, on_device
+from tokenmill.interfaces.sampling_params import SamplingParams
 
 
 def bad_word_token_ids(words: Sequence[str], tokenizer: Any) -> list[list[int]]:
@@ -37,6 +38,9 @@ class BadWords(LogitsProcessor):
 
     def is_argmax_invariant(self) -> bool:
         return False
+
+    def applies_to(self, params: SamplingParams) -> bool:
+        return bool(params.bad_words)
 
     def update_state(self, update: Optional[BatchUpdate]) -> None:
         if update is not None:

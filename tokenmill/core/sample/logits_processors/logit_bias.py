@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 
 from tokenmill.interfaces.logits_processor import BatchUpdate, LogitsProcessor, on_device
+from tokenmill.interfaces.sampling_params import SamplingParams
 
 
 class LogitBias(LogitsProcessor):
@@ -18,6 +19,9 @@ class LogitBias(LogitsProcessor):
 
     def is_argmax_invariant(self) -> bool:
         return False
+
+    def applies_to(self, params: SamplingParams) -> bool:
+        return bool(params.logit_bias)
 
     def update_state(self, update: Optional[BatchUpdate]) -> None:
         if update is not None:

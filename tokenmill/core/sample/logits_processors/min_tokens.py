@@ -8,6 +8,7 @@ from typing import Optional, Sequence
 import torch
 
 from tokenmill.interfaces.logits_processor import AddedRow, BatchUpdate, LogitsProcessor, on_device
+from tokenmill.interfaces.sampling_params import SamplingParams
 
 
 class MinTokens(LogitsProcessor):
@@ -18,6 +19,9 @@ class MinTokens(LogitsProcessor):
 
     def is_argmax_invariant(self) -> bool:
         return False
+
+    def applies_to(self, params: SamplingParams) -> bool:
+        return params.min_tokens > 0
 
     def update_state(self, update: Optional[BatchUpdate]) -> None:
         if update is not None:

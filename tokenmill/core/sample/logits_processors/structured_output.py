@@ -14,6 +14,7 @@ from tokenmill.core.structured_output.bitmask import allocate_bitmask, allow_onl
 from tokenmill.core.structured_output.manager import StructuredOutputManager
 from tokenmill.interfaces.logits_processor import (AddedRow, BatchUpdate, LogitsProcessor, LogitsProcessorContext,
                                                   on_device)
+from tokenmill.interfaces.sampling_params import SamplingParams
 from tokenmill.interfaces.structured_output import ConstraintMatcher
 
 
@@ -52,6 +53,9 @@ class StructuredOutput(LogitsProcessor):
 
     def is_argmax_invariant(self) -> bool:
         return False
+
+    def applies_to(self, params: SamplingParams) -> bool:
+        return params.structured_outputs is not None
 
     def update_state(self, update: Optional[BatchUpdate]) -> None:
         if update is not None:

@@ -99,9 +99,9 @@ void block(const T* x, const W* w, const T* bias, T* out, int64_t M, int64_t N, 
 constexpr int kV16 = std::max<int>(1, 16 / kLanes);
 
 // blocks of 16 rows [begin, end) on AVX2, S at a time as S streams: 1 row of x against 4
-// blocks (8 sums); 5 or 6 rows (a verify step's) against one block in one pass (10-12 sums,
-// each weight vector read once), the next block prefetched; else against 2 blocks, 3 rows a
-// pass (12 sums), the later passes reading the pair from L2. Returns the first block left for
+// blocks (8 sums); 4 to 6 rows (a verify step's) against one block in one pass (8-12 sums,
+// each weight vector read once), the next block prefetched; 2, 3, 7 or 8 rows against 2
+// blocks, 3 rows a pass (12 sums), the later passes reading the pair from L2. Returns the first block left for
 // block().
 template <typename T, typename W>
 int64_t streamed_blocks(const T* x, const W* w, const T* bias, T* out, int64_t M, int64_t N, int64_t K,
@@ -109,11 +109,11 @@ int64_t streamed_blocks(const T* x, const W* w, const T* bias, T* out, int64_t M
   if constexpr (kLanes == 8) {
     if (M == 1)
       for (; begin + 4 <= end; begin += 4) block_rows<T, W, false, 1, kV16, 4>(x, w, bias, out, N, K, begin, 0);
-    else if (M == 5 || M == 6)
+    else if (M >= 4 && M <= 6)
       for (; begin + 2 <= end; ++begin)
         with_constant_1_to_8(M, [&](auto r) {
           constexpr int R = decltype(r)::value;
-          if constexpr (R == 5 || R == 6) block_rows<T, W, false, R, kV16, 1, true>(x, w, bias, out, N, K, begin, 0);
+          if constexpr (R >= 4 && R <= 6) block_rows<T, W, false, R, kV16, 1, true>(x, w, bias, out, N, K, begin, 0);
         });
     else
       for (; begin + 2 <= end; begin += 2)
