@@ -11,6 +11,7 @@ Each run starts in an empty directory, so paths among the script's arguments are
 
     taskset -c 0 python benchmarks/revisions.py --base 2fe6256 --rounds 4 \\
         throughput --preset 52m --num-prompts 64 --input-len 128 --output-len 64 --skip-hf
+    taskset -c 0 python benchmarks/revisions.py --base 2fe6256 --rounds 4 speculative --threads 1
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ METRICS = {
     "throughput": ("engines.tokenmill.output_tokens_per_s", True),
     "latency": ("engines.tokenmill.tpot_ms_median", False),
     "serve": ("engines.tokenmill.output_throughput", True),
+    # speculation's own gain, ngram against none in the same process (their ratio, not a speed)
+    "speculative": ("results.repeat/batch1/ngram.tpot_speedup", True),
 }
 
 
