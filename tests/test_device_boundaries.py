@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 from conftest import PROMPTS, QUANT_CHECKPOINTS, make_llm, with_platforms
 from tokenmill import LLM, SamplingParams, load_config
 from tokenmill.core.distributed.messages import Row, Step
+from tokenmill.core.engine.gc_heap import freeze_import_heap
 from tokenmill.core.layers.custom_op import CustomOp
 from tokenmill.core.layers.moe import FusedMoE
 from tokenmill.core.worker import memory_profile, model_builder
@@ -177,6 +178,9 @@ def load_overhead(name: str) -> tuple[int, int]:
     load, seen = model_builder._load_checkpoint, {}
 
     def measured(model, model_config):
+        # device tensors earlier tests left in reference cycles are freed now, not by a collection
+        # during the load, which would count them as the load's (peak before, freed after)
+        gc.collect()
         DEVICE_MEMORY.reset_peak()
         load(model, model_config)
         seen["overhead"] = DEVICE_MEMORY.peak - DEVICE_MEMORY.allocated
@@ -200,6 +204,31 @@ def test_gptq_and_awq_load_without_unpacking_on_the_device(name):
     above what it keeps (unpacking to ints and repacking them took ~20 bytes a parameter of the
     largest layer: over 10 GB for a 70B model's)."""
     overhead, largest = load_overhead(name)
+    assert overhead <= 1.25 * largest
+
+
+@pytest.mark.skipif(not CHECKPOINTS.is_dir(), reason=f"shared checkpoints not found at {CHECKPOINTS}")
+def test_garbage_collected_during_a_load_is_not_counted_as_its_overhead(monkeypatch):
+    """An earlier test's device tensors in a reference cycle, collected in the middle of the load
+    (an automatic collection, as the tests before make them): CI measured 9 MB of overhead so,
+    in one order of the tests, where the load's own is under 4 kB."""
+    freeze_import_heap()  # its collection, where this process built no engine yet, comes first
+    gc.disable()
+    try:
+        with fake_cuda():
+            left = {"tensor": torch.empty(1 << 21, device="cuda")}
+            left["self"] = left
+        del left
+        load = model_builder._load_checkpoint
+
+        def collecting(model, model_config):
+            gc.collect()
+            load(model, model_config)
+
+        monkeypatch.setattr(model_builder, "_load_checkpoint", collecting)
+        overhead, largest = load_overhead("gptq-w4g64-sym-v1-rtn")
+    finally:
+        gc.enable()
     assert overhead <= 1.25 * largest
 
 
