@@ -8,7 +8,8 @@
 //   lanes: [N / NB, K, NB] of fp32 or bf16 (widened as it is read, under fp32 or bf16 x): one
 //         load gives 16 rows' next weight, times the broadcast x[k].
 // Each row of x has its own V accumulators, so a weight vector loaded once serves every row:
-// the GEMV of a speculative verify step (k + 1 rows) costs little more than one row's.
+// the GEMV of a speculative verify step (k + 1 rows) costs little more than one row's where
+// the weights stream from memory (on AVX2 cores the FMA rate bounds 5 rows to ~2x one row's).
 // On AVX2 cores (8 lanes, V = NB / 8) the lanes layout is also the packed GEMM's panels
 // (packed_gemm.cpp: [N / 16, K, 16], fp32 or bf16), which the GEMV reads in place of a plain copy.
 #include <ATen/Parallel.h>
@@ -101,8 +102,8 @@ constexpr int kV16 = std::max<int>(1, 16 / kLanes);
 // blocks of 16 rows [begin, end) on AVX2, S at a time as S streams: 1 row of x against 4
 // blocks (8 sums); 4 to 6 rows (a verify step's) against one block in one pass (8-12 sums,
 // each weight vector read once), the next block prefetched; 2, 3, 7 or 8 rows against 2
-// blocks, 3 rows a pass (12 sums), the later passes reading the pair from L2. Returns the first block left for
-// block().
+// blocks, 3 rows a pass (12 sums), the later passes reading the pair from L2. Returns the
+// first block left for block().
 template <typename T, typename W>
 int64_t streamed_blocks(const T* x, const W* w, const T* bias, T* out, int64_t M, int64_t N, int64_t K,
                         int64_t begin, int64_t end) {
