@@ -325,7 +325,7 @@ def test_processors_hear_of_a_batch_only_while_a_row_applies_to_one(model_dir, s
 
     llm = make_llm(model_dir("llama"), **({"speculative_config": speculative} if speculative else {}))
     engine = llm.llm_engine
-    plain = SP(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = SP(temperature=0, max_tokens=40, ignore_eos=True)  # at most 1 + 7 x 4 tokens by step 8
     forced = SP(temperature=0, max_tokens=3, ignore_eos=True, logit_bias={7: 100.0})
     prompt = {"prompt_token_ids": [5, 9, 3, 5, 9, 3]}
     alone = llm.generate([prompt], plain, use_tqdm=False)[0].outputs[0].token_ids
