@@ -269,8 +269,9 @@ class EngineCore:
         if state != self._state:
             self._state = state
             self._version += 1
+            data = encode(EngineState(*state, self._version))
             for client in list(self._open):
-                self._send(client, EngineState(*state, self._version))
+                self._send_bytes(client, data)
 
     def _done(self, client: int, call_id: int, result: Any) -> None:
         """A call's answer; held while some server has not read the latest state."""
