@@ -22,8 +22,6 @@ class PersistentBatch:
         self._indices_in_doubt = 0
         #: whether the last batch the processors were told of has a row that applies to one
         self._told_processed = False
-        #: no processor holds state for any row (the last batch told, committed, had none)
-        self._holds_nothing = True
         #: batches went by untold since: the next one told is told in full
         self._untold = False
 
@@ -32,7 +30,8 @@ class PersistentBatch:
         ``processed``: whether a row's request applies to a processor (``Sampler.processed``).
         None when nothing changed, or when no processor holds state and none would take any
         for these rows: most steps, which then read nothing of ``rows``."""
-        if not processed and self._holds_nothing:
+        # no processor holds state for any row: the last batch told had none, and they took it
+        if not processed and not self._told_processed and not self._indices_in_doubt:
             self._ids, self._untold = ids, True
             return None
         if ids == self._ids and not self._indices_in_doubt and not self._untold:
@@ -50,7 +49,7 @@ class PersistentBatch:
             added = tuple(_added(j, row) for j, (request_id, row) in enumerate(zip(ids, rows)) if request_id not in old)
         # until the processors confirm (``committed``), any index either batch used may hold state
         self._indices_in_doubt = max(len(self._ids), len(ids), self._indices_in_doubt)
-        self._ids, self._told_processed, self._holds_nothing, self._untold = ids, processed, False, False
+        self._ids, self._told_processed, self._untold = ids, processed, False
         return BatchUpdate(len(ids), removed, moved, added)
 
     def forget(self, request_ids: Iterable[str]) -> None:
@@ -63,4 +62,3 @@ class PersistentBatch:
     def committed(self) -> None:
         """Every processor took the last update."""
         self._indices_in_doubt = 0
-        self._holds_nothing = not self._told_processed
