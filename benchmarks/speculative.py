@@ -82,10 +82,16 @@ def ceiling(args: argparse.Namespace, params: SamplingParams) -> dict[str, float
     rounds = interleaved_rounds({name: (lambda llm=llm: timed_pass(llm, prompts, params, 1))
                                  for name, llm in (("none", plain), ("oracle", oracle))}, args.rounds)
     tpot = {name: statistics.median(r["tpot_ms"] for r in runs) for name, runs in rounds.items()}
-    speedup = statistics.median(b["tpot_ms"] / r["tpot_ms"] for b, r in zip(rounds["none"], rounds["oracle"]))
+    speedup = statistics.median(by_round(rounds["none"], rounds["oracle"], "tpot_ms"))
     print(f"ceiling ({path.name}, batch 1): TPOT {tpot['none']:.2f} ms without, {tpot['oracle']:.2f} ms with every "
           f"draft right ({speedup:.2f}x by round; {args.num_speculative_tokens + 1} tokens per step)")
     return {"model": str(path), "tpot_ms": tpot, "speedup": speedup, "rounds": rounds}
+
+
+def by_round(base: list[dict], runs: list[dict], key: str) -> list[float]:
+    """Each round's ``key`` in ``base`` over the one in ``runs``: the engines took turns, and the
+    host's speed drifts between rounds, not within one."""
+    return [b[key] / r[key] for b, r in zip(base, runs)]
 
 
 def timed_pass(llm: LLM, prompts: list[list[int]], params: SamplingParams, batch: int) -> dict[str, float]:
@@ -143,11 +149,9 @@ def main() -> None:
             for name, runs in rounds.items():
                 tpot = statistics.median(r["tpot_ms"] for r in runs)
                 tput = statistics.median(r["output_tok_s"] for r in runs)
-                # each round's pair: the host's speed drifts between rounds, not within one
-                speedups = [b["tpot_ms"] / r["tpot_ms"] for b, r in zip(rounds["none"], runs)]
+                speedups = by_round(rounds["none"], runs, "tpot_ms")
                 speedup = statistics.median(speedups)
-                tput_ratio = statistics.median(r["output_tok_s"] / b["output_tok_s"]
-                                               for b, r in zip(rounds["none"], runs))
+                tput_ratio = statistics.median(by_round(runs, rounds["none"], "output_tok_s"))
                 drafted = sum(r["draft_tokens"] for r in runs)
                 accepted = sum(r["accepted_tokens"] for r in runs)
                 per_position = [sum(r["accepted_per_position"][j] if j < len(r["accepted_per_position"]) else 0
